@@ -1,0 +1,47 @@
+"""tpplan: infer, check and apply tensor-parallel plans for PyTorch models.
+
+Start with `apply_plan(model, mesh)`; plans are `Plan` objects (tpplan/plan.py), checked by
+`check_plan` (tpplan/_check.py), applied through torch's parallelize_module
+(tpplan/_apply.py). Importing tpplan does not import torch: the names that need it load it
+on first use, so reading and validating plan files stays instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import MeshError, PlanFileError, PlanProblemsError, Problem, TpplanError
+from .plan import SCHEMA_VERSION, Plan, Rule, load_plan
+
+if TYPE_CHECKING:
+    from ._apply import apply_plan
+    from ._check import check_plan
+    from ._infer import infer_plan
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "MeshError",
+    "Plan",
+    "PlanFileError",
+    "PlanProblemsError",
+    "Problem",
+    "Rule",
+    "TpplanError",
+    "apply_plan",
+    "check_plan",
+    "infer_plan",
+    "load_plan",
+]
+
+__version__ = "0.1.0"
+
+_LAZY = {"apply_plan": "._apply", "check_plan": "._check", "infer_plan": "._infer"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tpplan' has no attribute {name!r}")

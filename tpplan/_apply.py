@@ -1,0 +1,83 @@
+"""apply_plan: check a plan, then hand it to torch's parallelize_module over a DeviceMesh.
+
+The only module (with checkpoints and launch helpers) that touches torch.distributed.
+Everything that can be wrong with the plan is found by check_plan first, so torch is
+never left with a half-sharded model because of a bad rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from ._check import check_plan
+from ._patterns import match_names
+from .errors import MeshError, PlanProblemsError
+from .plan import Plan, load_plan
+
+__all__ = ["apply_plan", "resolve_plan", "tp_mesh"]
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D tensor-parallel mesh; an N-D mesh must be sliced to its tp axis first."""
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(
+            f"expected a torch DeviceMesh, got {type(mesh).__name__}; build one with "
+            "torch.distributed.device_mesh.init_device_mesh('cuda' or 'cpu', (tp_size,))."
+        )
+    if mesh.ndim != 1:
+        axes = ", ".join(mesh.mesh_dim_names or [str(i) for i in range(mesh.ndim)])
+        raise MeshError(
+            f"apply_plan shards over one mesh axis, but this mesh has {mesh.ndim} (axes: {axes}). "
+            "Pass the tensor-parallel axis, e.g. apply_plan(model, mesh['tp'])."
+        )
+    return mesh
+
+
+def resolve_plan(plan: Plan | str | Path | None, model: nn.Module, *, tp_size: int) -> Plan:
+    """A Plan from a Plan, a file path, or None (inferred from the model)."""
+    if isinstance(plan, Plan):
+        return plan
+    if plan is None:
+        from ._infer import infer_plan
+
+        return infer_plan(model, tp_size=tp_size)
+    if isinstance(plan, (str, Path)):
+        return load_plan(plan)
+    raise TypeError(f"plan must be a Plan, a path to a plan file, or None; got {type(plan).__name__}.")
+
+
+def apply_plan(
+    model: nn.Module, mesh: DeviceMesh, plan: Plan | str | Path | None = None
+) -> nn.Module:
+    """Shard `model` in place over the 1-D tensor-parallel `mesh` and return it.
+
+    `plan` is a Plan, a path to a plan file, or None to infer one from the model. The plan is
+    checked first; all problems are raised together as PlanProblemsError and the model is
+    left untouched. Works on models on the meta device (materialize or load weights after)
+    as well as on CPU/CUDA.
+    """
+    mesh = tp_mesh(mesh)
+    tp_size = mesh.size()
+    plan = resolve_plan(plan, model, tp_size=tp_size)
+    problems = check_plan(plan, model, tp_size=tp_size)
+    if problems:
+        raise PlanProblemsError(problems, tp_size=tp_size)
+    styles = plan.to_torch(model)
+    if styles:
+        parallelize_module(model, mesh, styles)
+    _divide_attributes(plan, model, tp_size)
+    model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
+    return model
+
+
+def _divide_attributes(plan: Plan, model: nn.Module, tp_size: int) -> None:
+    """Each rank now holds 1/tp of the heads, so reshapes by stored counts use the local count."""
+    modules = dict(model.named_modules())
+    for rule in plan.attributes:
+        for name in match_names(rule.match, list(modules)):
+            for attr in rule.divide:
+                setattr(modules[name], attr, getattr(modules[name], attr) // tp_size)

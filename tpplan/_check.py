@@ -1,0 +1,305 @@
+"""check_plan: every static problem of a plan against a model and a tp size, at once.
+
+Nothing here touches torch.distributed or runs the model: it reads module types, shapes
+and attributes, so it works on a model on the meta device, of any size, in milliseconds.
+Start at `check_plan`; each `_check_*` function adds one kind of Problem.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ._fingerprint import describe_mismatch, fingerprint
+from ._patterns import collapse, match_names
+from .errors import Problem, did_you_mean
+from .plan import Plan, Rule, parse_layout
+
+__all__ = ["check_plan"]
+
+# Module types each style can be applied to; None means any module.
+_TYPES: dict[str, tuple[type[nn.Module], ...] | None] = {
+    "colwise": (nn.Linear, nn.Embedding),
+    "rowwise": (nn.Linear, nn.Embedding),
+    "vocab_parallel": (nn.Embedding,),
+    "sequence_parallel": None,
+    "prepare": None,
+    "replicate": None,
+    "replicate_grad_sum": None,
+}
+
+
+def _where(i: int, rule: Rule) -> str:
+    return f"rules[{i}] (match: {rule.match})"
+
+
+def _legal_sizes(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
+    """(what is split, its size) for a rule that splits a parameter dim."""
+    if isinstance(module, nn.Linear):
+        if rule.style == "colwise":
+            return "out_features", module.out_features
+        if rule.style == "rowwise":
+            return "in_features", module.in_features
+    if isinstance(module, nn.Embedding):
+        if rule.style == "colwise":
+            return "embedding_dim", module.embedding_dim
+        if rule.style in ("rowwise", "vocab_parallel"):
+            return "num_embeddings (the vocab)", module.num_embeddings
+    return None
+
+
+def _opens_region(rule: Rule) -> bool:
+    return rule.style == "colwise" and parse_layout(rule.output or "shard(-1)")[0] == "shard"
+
+
+def _closes_region(rule: Rule) -> bool:
+    return rule.style == "rowwise" and parse_layout(rule.input or "shard(-1)")[0] == "shard"
+
+
+def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
+    """Every problem of `plan` for `model` at `tp_size`; an empty list when the plan is sound.
+
+    Reported: patterns that match no module, modules matched by two rules, styles on module
+    types they cannot apply to, split dims (features, heads, vocab) that tp_size does not
+    divide, column-parallel regions no row-parallel module closes (and the reverse),
+    attribute fixes that cannot be made, and a fingerprint that does not match the model.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}.")
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    problems: list[Problem] = []
+    owner: dict[str, int] = {}
+    matched: dict[int, list[str]] = {}
+    for i, rule in enumerate(plan.rules):
+        hits = match_names(rule.match, names)
+        matched[i] = hits
+        if not hits:
+            problems.append(_no_match(i, rule, names))
+        for name in hits:
+            if name in owner:
+                j = owner[name]
+                problems.append(
+                    Problem(
+                        "overlap",
+                        _where(i, rule),
+                        name,
+                        f"the module is also matched by rules[{j}] (match: {plan.rules[j].match}); "
+                        "a module takes one style.",
+                        "narrow one of the two patterns.",
+                    )
+                )
+                continue
+            owner[name] = i
+            problems.extend(_check_module(i, rule, name, modules[name], tp_size))
+    problems.extend(_check_regions(plan, matched, modules))
+    problems.extend(_check_attributes(plan, names, modules, tp_size))
+    problems.extend(_check_fingerprint(plan, model))
+    return problems
+
+
+def _no_match(i: int, rule: Rule, names: list[str]) -> Problem:
+    candidates = collapse(names, names)
+    hint = did_you_mean(rule.match, candidates) or did_you_mean(rule.match, names)
+    return Problem(
+        "no_match",
+        _where(i, rule),
+        None,
+        f"the pattern matches no module of the model.{hint}",
+        "correct the pattern (segments are matched one by one, `*` never crosses a dot) "
+        "or delete the rule.",
+    )
+
+
+def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    out: list[Problem] = []
+    types = _TYPES[rule.style]
+    if types is not None and not isinstance(module, types):
+        ok = " or ".join(f"nn.{t.__name__}" for t in types)
+        out.append(
+            Problem(
+                "module_type",
+                _where(i, rule),
+                name,
+                f"style '{rule.style}' applies to {ok}, not to {type(module).__name__}.",
+                "match the layers inside this module instead, or use another style.",
+            )
+        )
+        return out
+    if rule.style == "replicate_grad_sum" and not any(True for _ in module.parameters(False)):
+        out.append(
+            Problem(
+                "module_type",
+                _where(i, rule),
+                name,
+                "style 'replicate_grad_sum' needs a module with parameters of its own.",
+                "match the module that holds the parameters.",
+            )
+        )
+    split = _sharded_dim(rule, module)
+    if split is None:
+        return out
+    what, size = split
+    if rule.head_dim is not None:
+        if size % rule.head_dim:
+            out.append(
+                Problem(
+                    "divisibility",
+                    _where(i, rule),
+                    name,
+                    f"{what} = {size} is not a whole number of heads of head_dim {rule.head_dim}.",
+                    "correct head_dim in the rule.",
+                )
+            )
+        elif (size // rule.head_dim) % tp:
+            heads = size // rule.head_dim
+            out.append(
+                Problem(
+                    "divisibility",
+                    _where(i, rule),
+                    name,
+                    f"{heads} heads (of head_dim {rule.head_dim}) do not split evenly over tp size {tp}; "
+                    "every rank must hold whole heads.",
+                    f"use a tp size among {_legal_sizes(heads)}, or keep this module replicated.",
+                )
+            )
+    elif size % tp:
+        out.append(
+            Problem(
+                "divisibility",
+                _where(i, rule),
+                name,
+                f"{what} = {size} does not divide by tp size {tp}.",
+                f"use a tp size among {_legal_sizes(size)}, or keep this module replicated.",
+            )
+        )
+    return out
+
+
+def _check_regions(
+    plan: Plan, matched: dict[int, list[str]], modules: dict[str, nn.Module]
+) -> list[Problem]:
+    """A column-parallel output must reach a row-parallel layer (and the reverse).
+
+    Without running the model this looks at structure: the closing layer must sit under the
+    same parent module as the opening one (q_proj and o_proj under one attention module).
+    The tracer proves the data flow itself; this catches a rule forgotten by hand.
+    """
+    openers: list[tuple[int, str]] = []
+    closers: list[tuple[int, str]] = []
+    for i, rule in enumerate(plan.rules):
+        if _opens_region(rule):
+            openers.extend((i, n) for n in matched[i])
+        elif _closes_region(rule):
+            closers.extend((i, n) for n in matched[i])
+
+    def parent(name: str) -> str:
+        return name.rpartition(".")[0]
+
+    def under(root: str, name: str) -> bool:
+        return root == "" or name.startswith(root + ".")
+
+    out: list[Problem] = []
+    for i, name in openers:
+        p = parent(name)
+        if plan.options.loss_parallel and p == "":
+            continue  # a top-level head kept sharded for loss_parallel: the loss closes it
+        if not any(under(p, c) for _, c in closers):
+            rule = plan.rules[i]
+            out.append(
+                Problem(
+                    "unclosed_region",
+                    _where(i, rule),
+                    name,
+                    f"its output stays sharded ({rule.output or 'shard(-1)'}) but no rowwise "
+                    f"module under {p or 'the model'} takes it back to a full tensor.",
+                    "add a rowwise rule for the layer that consumes it, or gather the output "
+                    "with `output: replicate`.",
+                )
+            )
+    for i, name in closers:
+        p = parent(name)
+        if not any(under(p, o) for _, o in openers):
+            rule = plan.rules[i]
+            out.append(
+                Problem(
+                    "unopened_region",
+                    _where(i, rule),
+                    name,
+                    f"it expects a sharded input ({rule.input or 'shard(-1)'}) but no colwise module "
+                    f"under {p or 'the model'} produces one.",
+                    "add colwise rules for the layers that feed it, or declare `input: replicate`.",
+                )
+            )
+    return out
+
+
+def _check_attributes(
+    plan: Plan, names: list[str], modules: dict[str, nn.Module], tp: int
+) -> list[Problem]:
+    out: list[Problem] = []
+    for i, rule in enumerate(plan.attributes):
+        where = f"attributes[{i}] (match: {rule.match})"
+        hits = match_names(rule.match, names)
+        if not hits:
+            out.append(
+                Problem(
+                    "no_match",
+                    where,
+                    None,
+                    f"the pattern matches no module of the model.{did_you_mean(rule.match, collapse(names, names))}",
+                    "correct the pattern or delete the entry.",
+                )
+            )
+        for name in hits:
+            for attr in rule.divide:
+                value = getattr(modules[name], attr, None)
+                if isinstance(value, bool) or not isinstance(value, int):
+                    out.append(
+                        Problem(
+                            "attribute",
+                            where,
+                            name,
+                            f"the module has no integer attribute '{attr}' (found {value!r}).",
+                            "name an integer attribute the module's forward reads.",
+                        )
+                    )
+                elif value % tp:
+                    out.append(
+                        Problem(
+                            "divisibility",
+                            where,
+                            name,
+                            f"{attr} = {value} does not divide by tp size {tp}.",
+                            f"use a tp size among {_legal_sizes(value)}.",
+                        )
+                    )
+    return out
+
+
+def _check_fingerprint(plan: Plan, model: nn.Module) -> list[Problem]:
+    info = plan.model
+    if info is None or info.fingerprint is None:
+        return []
+    now = fingerprint(model)
+    if now == info.fingerprint and info.class_ == type(model).__name__:
+        return []
+    cls = (
+        f" It was written for {info.class_}, this is {type(model).__name__}."
+        if info.class_ != type(model).__name__
+        else ""
+    )
+    return [
+        Problem(
+            "fingerprint",
+            "model",
+            None,
+            f"the plan was written for another model (fingerprint {info.fingerprint}, this model "
+            f"has {now}).{cls} What differs: {describe_mismatch(info.parameters, model)}.",
+            "regenerate the plan with `tpplan infer`, or delete model.fingerprint to use the "
+            "plan for any model whose module names match.",
+        )
+    ]

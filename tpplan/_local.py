@@ -1,0 +1,71 @@
+"""Every rank of a tensor-parallel mesh in this one process, with real numbers.
+
+The single place that uses torch's private LocalTensorMode, so that a change of that API is
+mended here only. Used by the tests and by `tpplan verify` for numeric parity without
+spawning processes. `fake_ranks` is the same without numbers (shapes and collectives only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["fake_ranks", "rank_values", "simulated_ranks"]
+
+
+@contextmanager
+def _fake_group(world_size: int) -> Iterator[None]:
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_backend() != "fake":
+            raise RuntimeError(
+                f"a process group of world size {dist.get_world_size()} ({dist.get_backend()}) is "
+                f"already initialised; simulating {world_size} ranks needs its own fake group."
+            )
+        yield
+        return
+    # Imported here: torch.testing._internal needs the expecttest package at import time.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def fake_ranks(world_size: int) -> Iterator[DeviceMesh]:
+    """A 1-D CPU mesh of `world_size` ranks on a fake process group: shapes, no numbers."""
+    with _fake_group(world_size):
+        yield init_device_mesh("cpu", (world_size,))
+
+
+@contextmanager
+def simulated_ranks(world_size: int) -> Iterator[DeviceMesh]:
+    """A 1-D CPU mesh whose ranks all run here, each with its own real tensors.
+
+    Inside, tensors produced by sharded modules hold one value per rank; read them with
+    `rank_values`. Inputs made inside are the same on every rank.
+    """
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    with _fake_group(world_size), LocalTensorMode(world_size):
+        yield init_device_mesh("cpu", (world_size,))
+
+
+def rank_values(t: Any) -> list[torch.Tensor]:
+    """The per-rank values of a tensor computed under `simulated_ranks` (a DTensor is made
+    whole first); a plain tensor counts as the same on every rank."""
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    if isinstance(t, LocalTensor):
+        return [t._local_tensors[r] for r in sorted(t._local_tensors)]
+    return [t]

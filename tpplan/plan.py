@@ -1,0 +1,440 @@
+"""The plan file: pydantic models for a tensor-parallel plan, and its YAML/JSON forms.
+
+Start at `Plan`. A plan is an ordered list of `Rule`s, each mapping a module-name pattern to
+a parallel style, with the layouts it uses and a `why`. This module imports no torch, so
+reading, printing and validating a plan file is instant; `Plan.to_torch` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import PlanFileError, did_you_mean
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "STYLES",
+    "AttributeRule",
+    "ModelInfo",
+    "Options",
+    "Plan",
+    "Rule",
+    "load_plan",
+    "parse_layout",
+]
+
+SCHEMA_VERSION = 1
+
+Style = Literal[
+    "colwise",
+    "rowwise",
+    "vocab_parallel",
+    "sequence_parallel",
+    "prepare",
+    "replicate",
+    "replicate_grad_sum",
+]
+STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
+
+# Which optional fields each style accepts; anything else on a rule of that style is an error.
+_STYLE_FIELDS: dict[str, frozenset[str]] = {
+    "colwise": frozenset({"input", "output", "local_output", "head_dim"}),
+    "rowwise": frozenset({"input", "output", "local_output", "head_dim"}),
+    "vocab_parallel": frozenset({"input", "output", "local_output"}),
+    "sequence_parallel": frozenset({"input", "local_output"}),
+    "prepare": frozenset(
+        {
+            "inputs",
+            "desired_inputs",
+            "input_kwargs",
+            "desired_input_kwargs",
+            "outputs",
+            "desired_outputs",
+            "local_input",
+            "local_output",
+        }
+    ),
+    "replicate": frozenset(),
+    "replicate_grad_sum": frozenset(),
+}
+
+_LAYOUT_RE = re.compile(r"^(replicate|partial|shard\((-?\d+)\))$")
+LAYOUT_HELP = "replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or shard(1)"
+
+
+def parse_layout(text: str) -> tuple[str, int | None]:
+    """('shard', dim) / ('replicate', None) / ('partial', None) for a valid layout string."""
+    m = _LAYOUT_RE.match(text)
+    if not m:
+        raise ValueError(f"'{text}' is not a layout; layouts are {LAYOUT_HELP}.")
+    if m.group(2) is not None:
+        return "shard", int(m.group(2))
+    return m.group(1), None
+
+
+def _check_layout(value: Any) -> Any:
+    if isinstance(value, str):
+        parse_layout(value)
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelInfo(_Strict):
+    """Which model the plan was written for."""
+
+    class_: str = Field(alias="class")
+    """The model's class name, e.g. LlamaForCausalLM."""
+    fingerprint: str | None = None
+    """sha256 over the model's parameter names and shapes; when set, applying the plan to a
+    model with other names or shapes is refused. Delete it to use the plan for any model
+    whose module names match (e.g. other sizes of one family)."""
+    parameters: dict[str, str] | None = None
+    """Parameter shapes, collapsed over repeated layers ("(64, 128) x2"); used only to say
+    what differs when the fingerprint does not match."""
+
+
+class Options(_Strict):
+    """Plan-wide options."""
+
+    loss_parallel: bool = False
+    """The output head keeps logits sharded over the vocab; compute the loss inside
+    torch.distributed.tensor.parallel.loss_parallel()."""
+    sequence_parallel: bool = False
+    """Activations between blocks are sharded over the sequence dim (norms and dropout run
+    on a sequence shard), trading each all-reduce for a reduce-scatter and an all-gather."""
+
+
+Layout = str
+"""replicate | partial | shard(DIM)."""
+
+
+class Rule(_Strict):
+    """One pattern -> style mapping, with the layouts it uses and the reason for it."""
+
+    match: str = Field(min_length=1)
+    """Dotted module-name pattern; each segment is an fnmatch pattern over one child name
+    (`model.layers.*.mlp.up_proj`), exactly as parallelize_module matches."""
+    style: Style
+    """colwise | rowwise | vocab_parallel | sequence_parallel | prepare | replicate |
+    replicate_grad_sum."""
+    why: str = Field(min_length=1)
+    """The evidence for this rule, in words a reviewer can check."""
+    input: Layout | None = None
+    """Layout of the module's input as it arrives (colwise default replicate, rowwise
+    default shard(-1), vocab_parallel default replicate, sequence_parallel default shard(1))."""
+    output: Layout | None = None
+    """Layout the output is turned into (colwise default shard(-1), replicate gathers it;
+    rowwise and vocab_parallel default replicate, an all-reduce; shard(1) reduce-scatters
+    over the sequence)."""
+    local_output: bool | None = None
+    """Hand plain local tensors to the next module (default true, false for
+    sequence_parallel and prepare inputs)."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """The sharded features are attention heads of this size; every rank must get whole
+    heads, so the head count must divide by the tp size."""
+    inputs: list[Layout | None] | None = None
+    """prepare: layouts of the positional inputs as they arrive (null: not a tensor, left alone)."""
+    desired_inputs: list[Layout | None] | None = None
+    """prepare: layouts the positional inputs are redistributed to."""
+    input_kwargs: dict[str, Layout] | None = None
+    """prepare: layouts of keyword inputs as they arrive."""
+    desired_input_kwargs: dict[str, Layout] | None = None
+    """prepare: layouts the keyword inputs are redistributed to."""
+    outputs: list[Layout | None] | None = None
+    """prepare: layouts of the outputs as they leave the module."""
+    desired_outputs: list[Layout | None] | None = None
+    """prepare: layouts the outputs are redistributed to."""
+    local_input: bool | None = None
+    """prepare: hand the module plain local tensors instead of DTensors (default false)."""
+
+    @field_validator("style", mode="before")
+    @classmethod
+    def _known_style(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in STYLES:
+            raise ValueError(
+                f"'{v}' is not a style.{did_you_mean(v, STYLES)} Styles: {', '.join(STYLES)}."
+            )
+        return v
+
+    @field_validator("input", "output")
+    @classmethod
+    def _layout(cls, v: Any) -> Any:
+        return _check_layout(v)
+
+    @field_validator("inputs", "desired_inputs", "outputs", "desired_outputs")
+    @classmethod
+    def _layout_list(cls, v: Any) -> Any:
+        for item in v or ():
+            _check_layout(item)
+        return v
+
+    @field_validator("input_kwargs", "desired_input_kwargs")
+    @classmethod
+    def _layout_dict(cls, v: Any) -> Any:
+        for item in (v or {}).values():
+            _check_layout(item)
+        return v
+
+    @model_validator(mode="after")
+    def _fields_fit_style(self) -> Rule:
+        allowed = _STYLE_FIELDS[self.style]
+        given = {k for k in self.model_fields_set if k not in ("match", "style", "why")}
+        extra = sorted(given - allowed)
+        if extra:
+            ok = ", ".join(sorted(allowed)) or "none"
+            raise ValueError(
+                f"style '{self.style}' takes no {', '.join(extra)}; its optional fields are: {ok}."
+            )
+        if self.style == "sequence_parallel" and self.input is not None:
+            kind, _ = parse_layout(self.input)
+            if kind != "shard":
+                raise ValueError(
+                    f"sequence_parallel needs input shard(DIM) naming the sequence dim, not '{self.input}'."
+                )
+        if self.style == "prepare":
+            _check_prepare(self)
+        if self.style == "colwise" and "partial" in (self.input, self.output):
+            raise ValueError(
+                "style 'colwise' cannot take or give layout 'partial'; use replicate or shard(DIM)."
+            )
+        return self
+
+
+def _check_prepare(rule: Rule) -> None:
+    pairs = [
+        ("inputs", "desired_inputs"),
+        ("input_kwargs", "desired_input_kwargs"),
+        ("outputs", "desired_outputs"),
+    ]
+    given = 0
+    for have, want in pairs:
+        a, b = getattr(rule, have), getattr(rule, want)
+        if (a is None) != (b is None):
+            raise ValueError(
+                f"prepare needs both {have} and {want} (as they arrive, as wanted); only "
+                f"{have if a is not None else want} is given."
+            )
+        if a is not None:
+            given += 1
+            if len(a) != len(b) or (isinstance(a, dict) and a.keys() != b.keys()):
+                raise ValueError(f"prepare: {have} and {want} must name the same inputs.")
+    if not given:
+        raise ValueError(
+            "prepare needs at least one pair of layouts: inputs/desired_inputs, "
+            "input_kwargs/desired_input_kwargs or outputs/desired_outputs."
+        )
+
+
+class AttributeRule(_Strict):
+    """Integer attributes divided by the tp size on matched modules after sharding, for
+    models whose forward reshapes with stored counts (`view(B, T, self.n_head, hd)`)."""
+
+    match: str = Field(min_length=1)
+    """Dotted module-name pattern, as in rules."""
+    divide: list[str] = Field(min_length=1)
+    """Names of integer attributes to divide by the tp size on every matched module."""
+    why: str = Field(min_length=1)
+    """Which reshape reads them."""
+
+
+class Plan(_Strict):
+    """A tensor-parallel plan: which modules are split how, and why."""
+
+    tpplan: Literal[1] = Field(default=SCHEMA_VERSION)
+    """Schema version of this file."""
+    model: ModelInfo | None = None
+    """The model the plan was written for."""
+    options: Options = Field(default_factory=Options)
+    """Plan-wide options."""
+    rules: list[Rule] = Field(default_factory=list)
+    """Pattern -> style rules; a module may be matched by one rule only."""
+    attributes: list[AttributeRule] = Field(default_factory=list)
+    """Attribute fixes applied after sharding."""
+
+    # ---- reading -----------------------------------------------------------------------
+    @classmethod
+    def from_data(cls, data: Any, *, source: str = "plan", text: str | None = None) -> Plan:
+        """Validate parsed YAML/JSON data; every problem is reported at once."""
+        if not isinstance(data, dict):
+            raise PlanFileError(
+                source, [f"a plan is a mapping with keys tpplan, model, options, rules; got {type(data).__name__}."]
+            )
+        if "tpplan" not in data:
+            raise PlanFileError(
+                source,
+                [f"not a tpplan plan: the top-level key 'tpplan: {SCHEMA_VERSION}' (the schema version) is missing."],
+            )
+        version = data["tpplan"]
+        if version != SCHEMA_VERSION:
+            raise PlanFileError(
+                source,
+                [
+                    f"schema version {version!r} is not one this tpplan reads (it reads version "
+                    f"{SCHEMA_VERSION}). Upgrade tpplan (pip install -U tpplan) if the file is newer, "
+                    "or regenerate it with `tpplan infer`."
+                ],
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise PlanFileError(source, _explain(e, text)) from None
+
+    @classmethod
+    def from_yaml(cls, text: str, *, source: str = "plan") -> Plan:
+        """Parse a plan from YAML (JSON is YAML too)."""
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise PlanFileError(source, [f"{where}malformed YAML: {problem}."]) from None
+        return cls.from_data(data, source=source, text=text)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "plan") -> Plan:
+        """Parse a plan from JSON."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFileError(
+                source, [f"line {e.lineno}, column {e.colno}: malformed JSON: {e.msg}."]
+            ) from None
+        return cls.from_data(data, source=source)
+
+    # ---- writing -----------------------------------------------------------------------
+    def to_data(self) -> dict[str, Any]:
+        """Plain data in the file's fixed key order, without unset optional fields."""
+        data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if not data["attributes"]:
+            del data["attributes"]
+        return data
+
+    def to_yaml(self) -> str:
+        """YAML text; byte-stable: from_yaml(p.to_yaml()).to_yaml() == p.to_yaml()."""
+        return yaml.dump(
+            self.to_data(),
+            Dumper=_Dumper,
+            sort_keys=False,
+            default_flow_style=False,
+            width=10_000,
+            allow_unicode=True,
+        )
+
+    def to_json(self) -> str:
+        """JSON text with the same key order as the YAML form."""
+        return json.dumps(self.to_data(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan; `.json` files get JSON, anything else YAML."""
+        path = Path(path)
+        path.write_text(self.to_json() if path.suffix == ".json" else self.to_yaml())
+
+    # ---- using -------------------------------------------------------------------------
+    def to_torch(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        """The fully expanded {full module name: ParallelStyle} for parallelize_module.
+
+        Rules of style `replicate` leave their modules as they are and are not in the map.
+        """
+        from ._styles import plan_to_torch
+
+        return plan_to_torch(self, model)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style with lists indented under their key; lists of layouts stay on one line."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    flat = all(not isinstance(x, (dict, list)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file (YAML, or JSON for `.json`)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PlanFileError(str(path), [f"cannot read the file: {e.strerror}."]) from None
+    if path.suffix == ".json":
+        return Plan.from_json(text, source=str(path))
+    return Plan.from_yaml(text, source=str(path))
+
+
+# ---- turning pydantic errors into sentences ---------------------------------------------
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "plan"
+
+
+def _line_of(text: str | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based YAML line of the node at `loc`, when the text is at hand."""
+    if text is None:
+        return None
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = node.start_mark.line if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if k.value == part), None)
+            key = next((k for k, _ in node.value if k.value == part), None)
+            if nxt is None:
+                break
+            line = key.start_mark.line if key is not None else nxt.start_mark.line
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line
+        else:
+            break
+    return None if line is None else line + 1
+
+
+def _explain(err: ValidationError, text: str | None) -> list[str]:
+    issues = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            field = loc[-1]
+            parent = _loc(loc[:-1])
+            msg = f"unknown field '{field}' in {parent}; remove it or check its spelling."
+        elif kind == "missing":
+            field = loc[-1]
+            parent = _loc(loc[:-1])
+            hint = " Every rule says why it exists, in words a reviewer can check." if field == "why" else ""
+            msg = f"{parent} is missing the required field '{field}'.{hint}"
+        elif kind == "value_error":
+            msg = f"{_loc(loc)}: {e['ctx']['error']}"
+        else:
+            msg = f"{_loc(loc)}: {e['msg']} (got {e.get('input')!r})."
+        line = _line_of(text, loc)
+        issues.append(f"line {line}: {msg}" if line else msg)
+    return issues
