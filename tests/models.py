@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def tiny_llama(*, layers: int = 2, device: str | torch.device = "cpu", seed: int = 0) -> LlamaForCausalLM:
-    """8 query heads and 4 KV heads of head_dim 8, so tp 2 and 4 split whole heads."""
+def tiny_llama(
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 8,
+    kv_heads: int = 4,
+    vocab: int = 128,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """head_dim 8 whatever the width, so the plans under tests/plans fit every variant."""
     cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3 // 2,
         num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
@@ -27,3 +38,24 @@ def token_batch(vocab: int = 128, *, batch: int = 2, seq: int = 8, seed: int = 0
     """The same tokens on every rank: drawn from a generator of our own, not the global RNG."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+class HeadNormBlock(nn.Module):
+    """fc1 -> (heads, head_dim) -> a norm over head_dim with one shared weight -> fc2.
+
+    The norm's weight is replicated but used on sharded heads, so its gradient on each rank
+    is a partial sum: the case `replicate_grad_sum` exists for.
+    """
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.fc1 = nn.Linear(dim, dim)
+        self.norm = nn.RMSNorm(self.head_dim)
+        self.fc2 = nn.Linear(dim, dim)
+        with torch.no_grad():  # a weight far from ones, so its gradient is not trivial
+            self.norm.weight.copy_(torch.linspace(0.5, 1.5, self.head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.fc1(x).unflatten(-1, (-1, self.head_dim)))  # -1: local head count
+        return self.fc2(h.flatten(-2))

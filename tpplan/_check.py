@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from ._fingerprint import describe_mismatch, fingerprint
-from ._patterns import collapse, match_names
+from ._patterns import collapse, match_names, wildcard
 from .errors import Problem, did_you_mean
 from .plan import Plan, Rule, parse_layout
 
@@ -33,7 +33,8 @@ def _where(i: int, rule: Rule) -> str:
 
 
 def _legal_sizes(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    """The tp sizes up to 64 (what machines offer) that divide n."""
+    return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0)
 
 
 def _sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
@@ -98,12 +99,26 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     problems.extend(_check_regions(plan, matched, modules))
     problems.extend(_check_attributes(plan, names, modules, tp_size))
     problems.extend(_check_fingerprint(plan, model))
-    return problems
+    return _merge_layers(problems, names)
+
+
+def _merge_layers(problems: list[Problem], names: list[str]) -> list[Problem]:
+    """One problem per rule and message, its modules collapsed over repeated layers."""
+    groups: dict[tuple[str, str, str, str], list[Problem]] = {}
+    for p in problems:
+        groups.setdefault((p.kind, p.rule, p.message, p.fix), []).append(p)
+    out = []
+    for (kind, rule, message, fix), same in groups.items():
+        mods = [p.module for p in same if p.module is not None]
+        module = ", ".join(collapse(mods, names)) if mods else None
+        out.append(Problem(kind, rule, module, message, fix))  # type: ignore[arg-type]
+    return out
 
 
 def _no_match(i: int, rule: Rule, names: list[str]) -> Problem:
-    candidates = collapse(names, names)
-    hint = did_you_mean(rule.match, candidates) or did_you_mean(rule.match, names)
+    depth = rule.match.count(".")
+    candidates = [c for c in collapse(names, names) if c.count(".") == depth]
+    hint = did_you_mean(rule.match, candidates) or did_you_mean(rule.match, collapse(names, names))
     return Problem(
         "no_match",
         _where(i, rule),
@@ -200,7 +215,9 @@ def _check_regions(
         return name.rpartition(".")[0]
 
     def under(root: str, name: str) -> bool:
-        return root == "" or name.startswith(root + ".")
+        # At the top level only a top-level sibling counts: an output head is not closed by
+        # the rowwise layers deep inside the blocks it follows.
+        return "." not in name if root == "" else name.startswith(root + ".")
 
     out: list[Problem] = []
     for i, name in openers:
@@ -215,7 +232,7 @@ def _check_regions(
                     _where(i, rule),
                     name,
                     f"its output stays sharded ({rule.output or 'shard(-1)'}) but no rowwise "
-                    f"module under {p or 'the model'} takes it back to a full tensor.",
+                    f"module under {wildcard(p) or 'the model (top level)'} takes it back to a full tensor.",
                     "add a rowwise rule for the layer that consumes it, or gather the output "
                     "with `output: replicate`.",
                 )
@@ -230,7 +247,7 @@ def _check_regions(
                     _where(i, rule),
                     name,
                     f"it expects a sharded input ({rule.input or 'shard(-1)'}) but no colwise module "
-                    f"under {p or 'the model'} produces one.",
+                    f"under {wildcard(p) or 'the model (top level)'} produces one.",
                     "add colwise rules for the layers that feed it, or declare `input: replicate`.",
                 )
             )

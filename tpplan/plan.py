@@ -31,6 +31,7 @@ __all__ = [
     "Rule",
     "load_plan",
     "parse_layout",
+    "plan_json_schema",
 ]
 
 SCHEMA_VERSION = 1
@@ -89,7 +90,9 @@ def _check_layout(value: Any) -> Any:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, use_attribute_docstrings=True
+    )
 
 
 class ModelInfo(_Strict):
@@ -367,6 +370,13 @@ def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
 
 
 _Dumper.add_representer(list, _represent_list)
+
+
+def plan_json_schema() -> dict[str, Any]:
+    """The JSON Schema of plan files, as checked in under plans/schema.json."""
+    schema = Plan.model_json_schema(by_alias=True)
+    schema["title"] = f"tpplan plan file, schema version {SCHEMA_VERSION}"
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -1,0 +1,48 @@
+"""Run by torchrun from test_processes.py: real gloo ranks apply the hand-written Llama plan
+and compare forward logits and gradients with the unsharded model on every rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import tiny_llama, token_batch  # noqa: E402
+
+import tpplan  # noqa: E402
+
+TOL = 1e-5  # as in test_apply.py
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ref = tiny_llama()  # seeded: the same weights on every rank
+    model = tiny_llama()
+    x = token_batch()
+    want = ref(x).logits
+    want.square().mean().backward()
+    tpplan.apply_plan(model, mesh["tp"], Path(__file__).parent / "plans" / "llama.yaml")
+    got = model(x).logits
+    got.square().mean().backward()
+    errors = {"logits": (got - want).abs().max().item()}
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+        errors[name] = (g - q.grad).abs().max().item()
+    worst = max(errors, key=errors.__getitem__)
+    sharded = sum(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    print(f"rank {rank}/{world} worst {worst} {errors[worst]:.2e} sharded params {sharded}", flush=True)
+    dist.destroy_process_group()
+    if errors[worst] > TOL or sharded == 0:
+        sys.exit(f"rank {rank}: {worst} differs by {errors[worst]:.2e} (sharded params: {sharded})")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,145 @@
+"""check_plan: each kind of problem, with its message, on models built on the meta device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from models import tiny_llama
+
+from tpplan import Plan, Problem, check_plan, load_plan
+from tpplan._fingerprint import fingerprint, parameter_shapes
+from tpplan.plan import ModelInfo
+
+LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
+
+
+@pytest.fixture(scope="module")
+def llama():  # type: ignore[no-untyped-def]
+    return tiny_llama(device="meta")
+
+
+def _edit(plan: Plan, **changes: object) -> Plan:
+    return plan.model_copy(update=changes)
+
+
+def _rules(plan: Plan, drop: set[str] = frozenset(), **replace: dict) -> Plan:  # type: ignore[assignment]
+    rules = []
+    for r in plan.rules:
+        if r.match in drop:
+            continue
+        rules.append(r.model_copy(update=replace.get(r.match, {})))
+    return _edit(plan, rules=rules)
+
+
+def _only(problems: list[Problem], kind: str) -> Problem:
+    hits = [p for p in problems if p.kind == kind]
+    assert len(hits) == 1, problems
+    return hits[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_hand_written_plan_is_sound(llama, tp: int) -> None:  # type: ignore[no-untyped-def]
+    assert check_plan(load_plan(LLAMA_PLAN), llama, tp_size=tp) == []
+
+
+def test_a_pattern_matching_nothing_suggests_the_nearest(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = Plan.from_yaml(
+        "tpplan: 1\nrules:\n  - {match: model.layers.*.self_attn.q_prj, style: colwise, why: x}\n"
+        "  - {match: model.layers.*.self_attn.o_proj, style: rowwise, why: x}\n"
+    )
+    p = _only(check_plan(plan, llama, tp_size=2), "no_match")
+    assert p.rule == "rules[0] (match: model.layers.*.self_attn.q_prj)"
+    assert "Did you mean 'model.layers.*.self_attn.q_proj'?" in str(p)
+
+
+def test_a_module_matched_twice(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = load_plan(LLAMA_PLAN)
+    extra = plan.rules[1].model_copy(update={"match": "model.layers.0.self_attn.q_proj"})
+    p = _only(check_plan(_edit(plan, rules=[*plan.rules, extra]), llama, tp_size=2), "overlap")
+    assert p.module == "model.layers.0.self_attn.q_proj" and "also matched by rules[1]" in p.message
+
+
+def test_a_style_on_the_wrong_module_type(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = Plan.from_yaml(
+        "tpplan: 1\nrules:\n  - {match: model.layers.*.input_layernorm, style: vocab_parallel, why: x}\n"
+    )
+    p = _only(check_plan(plan, llama, tp_size=2), "module_type")
+    assert "applies to nn.Embedding, not to LlamaRMSNorm" in p.message
+    assert p.module == "model.layers.*.input_layernorm"  # one problem for all layers
+
+
+def test_features_that_do_not_divide(llama) -> None:  # type: ignore[no-untyped-def]
+    problems = check_plan(load_plan(LLAMA_PLAN), llama, tp_size=5)
+    gate = next(p for p in problems if p.module == "model.layers.*.mlp.gate_proj")
+    assert gate.message == "out_features = 96 does not divide by tp size 5."
+    assert gate.fix == "use a tp size among 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, or keep this module replicated."
+    embed = next(p for p in problems if p.module == "model.embed_tokens")
+    assert embed.message == "num_embeddings (the vocab) = 128 does not divide by tp size 5."
+
+
+def test_heads_that_do_not_divide_list_the_legal_sizes() -> None:
+    model = tiny_llama(hidden=64, heads=8, kv_heads=4, device="meta")
+    problems = check_plan(load_plan(LLAMA_PLAN), model, tp_size=8)
+    k = next(p for p in problems if p.module == "model.layers.*.self_attn.k_proj")
+    assert k.kind == "divisibility"
+    assert "4 heads (of head_dim 8) do not split evenly over tp size 8" in k.message
+    assert "use a tp size among 1, 2, 4," in k.fix
+    assert not any(p.module == "model.layers.*.self_attn.q_proj" for p in problems)  # 8 q heads do
+
+
+def test_a_region_left_open(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = _rules(load_plan(LLAMA_PLAN), drop={"model.layers.*.mlp.down_proj"})
+    problems = [p for p in check_plan(plan, llama, tp_size=2) if p.kind == "unclosed_region"]
+    assert {p.module for p in problems} == {"model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj"}
+    assert "no rowwise module under model.layers.*.mlp" in problems[0].message
+
+
+def test_a_region_never_opened(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = _rules(
+        load_plan(LLAMA_PLAN), drop={"model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj"}
+    )
+    p = _only(check_plan(plan, llama, tp_size=2), "unopened_region")
+    assert p.module == "model.layers.*.mlp.down_proj" and "`input: replicate`" in p.fix
+
+
+def test_a_gathered_output_opens_no_region(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = _rules(load_plan(LLAMA_PLAN), **{"lm_head": {"output": None}})
+    p = _only(check_plan(plan, llama, tp_size=2), "unclosed_region")
+    assert p.module == "lm_head"
+    loss_parallel = _edit(plan, options=plan.options.model_copy(update={"loss_parallel": True}))
+    assert check_plan(loss_parallel, llama, tp_size=2) == []
+
+
+def test_attribute_fixes_are_checked(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = Plan.from_yaml(
+        "tpplan: 1\nattributes:\n"
+        "  - {match: model.layers.*.self_attn, divide: [num_key_value_groups, nope], why: x}\n"
+        "  - {match: model.layerz.*, divide: [a], why: x}\n"
+    )
+    problems = check_plan(plan, llama, tp_size=4)
+    assert any("has no integer attribute 'nope'" in p.message for p in problems)
+    assert any(p.kind == "divisibility" and "num_key_value_groups = 2" in p.message for p in problems)
+    assert any(p.kind == "no_match" and p.rule.startswith("attributes[1]") for p in problems)
+
+
+def test_a_plan_for_another_model_says_what_differs(llama) -> None:  # type: ignore[no-untyped-def]
+    other = tiny_llama(layers=3, vocab=256, device="meta")
+    info = ModelInfo(
+        class_="LlamaForCausalLM", fingerprint=fingerprint(other), parameters=parameter_shapes(other)
+    )
+    p = _only(check_plan(_edit(load_plan(LLAMA_PLAN), model=info), llama, tp_size=2), "fingerprint")
+    assert "written for another model" in p.message
+    assert "lm_head.weight was (256, 64), is (128, 64)" in p.message
+    assert "model.layers.*.mlp.up_proj.weight was (96, 64) x3, is (96, 64) x2" in p.message
+    assert "delete model.fingerprint" in p.fix
+
+
+def test_a_matching_fingerprint_passes(llama) -> None:  # type: ignore[no-untyped-def]
+    info = ModelInfo(class_="LlamaForCausalLM", fingerprint=fingerprint(llama))
+    assert check_plan(_edit(load_plan(LLAMA_PLAN), model=info), llama, tp_size=2) == []
+
+
+def test_tp_size_must_be_positive(llama) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="tp_size must be a positive integer, got 0"):
+        check_plan(load_plan(LLAMA_PLAN), llama, tp_size=0)

@@ -1,0 +1,117 @@
+"""Build a model from a command-line MODEL spec, on the meta device: no weights, any size.
+
+A spec is one of: `package.module:callable` returning an nn.Module; a local Hugging Face
+model folder or its `config.json`; a model id already in the local Hugging Face cache
+(offline); or a transformers model type (`llama`, `gpt2`) built from its default config.
+`--set key=value` overrides config fields. Start at `build_model`.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import TpplanError, did_you_mean
+
+__all__ = ["ModelSpecError", "build_model", "parse_overrides"]
+
+
+class ModelSpecError(TpplanError, ValueError):
+    """A MODEL argument that names no model tpplan can build, or a bad --set."""
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """`["num_hidden_layers=2", "hidden_act=gelu"]` -> {"num_hidden_layers": 2, ...}."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ModelSpecError(f"--set takes key=value, got '{pair}' (e.g. --set num_hidden_layers=2).")
+        try:
+            value: Any = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw  # a bare word such as gelu is a string
+        out[key.strip()] = value
+    return out
+
+
+def _config(spec: str) -> Any:
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    path = Path(spec)
+    if path.is_file() and path.name.endswith(".json"):
+        return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSpecError(f"the folder '{spec}' has no config.json; point MODEL at a Hugging Face model folder.")
+        return AutoConfig.from_pretrained(str(path))
+    if spec in CONFIG_MAPPING:
+        return AutoConfig.for_model(spec)
+    if "/" in spec:
+        try:
+            return AutoConfig.from_pretrained(spec, local_files_only=True)
+        except OSError:
+            raise ModelSpecError(
+                f"'{spec}' is not in the local Hugging Face cache, and tpplan never downloads. "
+                "Download it first (hf download " + spec + " config.json), or pass a local folder."
+            ) from None
+    raise ModelSpecError(
+        f"'{spec}' is not a model tpplan can build.{did_you_mean(spec, list(CONFIG_MAPPING))} MODEL is a "
+        "transformers model type (llama, gpt2, ...), a local model folder or config.json, a model id in "
+        "the local Hugging Face cache, or package.module:callable."
+    )
+
+
+def _from_config(config: Any) -> Any:
+    import transformers
+
+    kinds = ["AutoModelForCausalLM", "AutoModel"]
+    if getattr(config, "is_encoder_decoder", False):
+        kinds = ["AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", *kinds]
+    for kind in kinds:
+        try:
+            return getattr(transformers, kind).from_config(config)
+        except ValueError:
+            continue  # this auto class has no model for the config; try the next
+    raise ModelSpecError(f"transformers has no model class for config {type(config).__name__}.")
+
+
+def _callable(spec: str) -> Any:
+    mod_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ModelSpecError(f"cannot import '{mod_name}' for MODEL '{spec}': {e}.") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ModelSpecError(f"'{mod_name}' has no callable '{attr}' (MODEL '{spec}').")
+    return fn()
+
+
+def build_model(spec: str, overrides: dict[str, Any] | None = None, *, device: str = "meta") -> Any:
+    """The nn.Module a spec names, built on `device` (meta by default: no memory used)."""
+    import torch
+    from torch import nn
+
+    overrides = overrides or {}
+    with torch.device(device):
+        if ":" in spec and not Path(spec).exists():
+            if overrides:
+                raise ModelSpecError("--set applies to Hugging Face configs, not to package.module:callable models.")
+            model = _callable(spec)
+        else:
+            config = _config(spec)
+            for key, value in overrides.items():
+                if not hasattr(config, key):
+                                    raise ModelSpecError(
+                        f"--set {key}: {type(config).__name__} has no field '{key}'."
+                        f"{did_you_mean(key, list(config.to_dict()))}"
+                    )
+                setattr(config, key, value)
+            model = _from_config(config)
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"MODEL '{spec}' gave a {type(model).__name__}, not a torch nn.Module.")
+    return model.eval()
