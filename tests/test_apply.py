@@ -91,7 +91,9 @@ def test_the_tp_axis_of_a_2d_mesh() -> None:
 def test_problems_are_raised_before_torch_touches_the_model() -> None:
     model = tiny_llama()
     broken = Plan.from_yaml(
-        LLAMA_PLAN.read_text().replace("match: model.layers.*.mlp.up_proj", "match: model.layers.*.mlp.up")
+        LLAMA_PLAN.read_text().replace(
+            "match: model.layers.*.mlp.up_proj", "match: model.layers.*.mlp.up"
+        )
     )
     with fake_ranks(2) as mesh, pytest.raises(PlanProblemsError) as e:
         apply_plan(model, mesh, broken)
@@ -102,7 +104,10 @@ def test_problems_are_raised_before_torch_touches_the_model() -> None:
 
 
 def test_an_unknown_plan_path_is_named(tmp_path: Path) -> None:
-    with fake_ranks(2) as mesh, pytest.raises(tpplan.PlanFileError, match="nope.yaml: cannot read the file"):
+    with (
+        fake_ranks(2) as mesh,
+        pytest.raises(tpplan.PlanFileError, match=r"nope\.yaml: cannot read the file"),
+    ):
         apply_plan(tiny_llama(), mesh, tmp_path / "nope.yaml")
 
 
@@ -126,7 +131,7 @@ def test_to_torch_expands_every_rule_to_full_names() -> None:
     assert isinstance(styles["model.layers.2.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(styles["model.layers.0.mlp.down_proj"], RowwiseParallel)
     assert isinstance(styles["model.embed_tokens"], RowwiseParallel)
-    assert list(styles)[0] == "model.embed_tokens" and list(styles)[-1] == "lm_head"
+    assert next(iter(styles)) == "model.embed_tokens" and list(styles)[-1] == "lm_head"
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -169,7 +174,9 @@ def test_replicated_parameters_in_a_sharded_region_get_summed_gradients(grad_sum
     False case shows the test can tell."""
     text = REPLICATED_NORM
     if grad_sum:
-        text += "  - {match: norm, style: replicate_grad_sum, why: per-head weight on sharded heads}\n"
+        text += (
+            "  - {match: norm, style: replicate_grad_sum, why: per-head weight on sharded heads}\n"
+        )
     ref = HeadNormBlock()
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
     ref(x).square().sum().backward()
@@ -180,7 +187,10 @@ def test_replicated_parameters_in_a_sharded_region_get_summed_gradients(grad_sum
         out = model(x)
         assert all((v - ref(x)).abs().max() <= TOL for v in rank_values(out))
         out.square().sum().backward()
-        errors = [(v - ref.norm.weight.grad).abs().max().item() for v in rank_values(model.norm.weight.grad)]
+        errors = [
+            (v - ref.norm.weight.grad).abs().max().item()
+            for v in rank_values(model.norm.weight.grad)
+        ]
     if grad_sum:
         assert max(errors) <= TOL
     else:

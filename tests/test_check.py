@@ -73,7 +73,10 @@ def test_features_that_do_not_divide(llama) -> None:  # type: ignore[no-untyped-
     problems = check_plan(load_plan(LLAMA_PLAN), llama, tp_size=5)
     gate = next(p for p in problems if p.module == "model.layers.*.mlp.gate_proj")
     assert gate.message == "out_features = 96 does not divide by tp size 5."
-    assert gate.fix == "use a tp size among 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, or keep this module replicated."
+    assert (
+        gate.fix
+        == "use a tp size among 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, or keep this module replicated."
+    )
     embed = next(p for p in problems if p.module == "model.embed_tokens")
     assert embed.message == "num_embeddings (the vocab) = 128 does not divide by tp size 5."
 
@@ -91,7 +94,10 @@ def test_heads_that_do_not_divide_list_the_legal_sizes() -> None:
 def test_a_region_left_open(llama) -> None:  # type: ignore[no-untyped-def]
     plan = _rules(load_plan(LLAMA_PLAN), drop={"model.layers.*.mlp.down_proj"})
     problems = [p for p in check_plan(plan, llama, tp_size=2) if p.kind == "unclosed_region"]
-    assert {p.module for p in problems} == {"model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj"}
+    assert {p.module for p in problems} == {
+        "model.layers.*.mlp.gate_proj",
+        "model.layers.*.mlp.up_proj",
+    }
     assert "no rowwise module under model.layers.*.mlp" in problems[0].message
 
 
@@ -119,14 +125,18 @@ def test_attribute_fixes_are_checked(llama) -> None:  # type: ignore[no-untyped-
     )
     problems = check_plan(plan, llama, tp_size=4)
     assert any("has no integer attribute 'nope'" in p.message for p in problems)
-    assert any(p.kind == "divisibility" and "num_key_value_groups = 2" in p.message for p in problems)
+    assert any(
+        p.kind == "divisibility" and "num_key_value_groups = 2" in p.message for p in problems
+    )
     assert any(p.kind == "no_match" and p.rule.startswith("attributes[1]") for p in problems)
 
 
 def test_a_plan_for_another_model_says_what_differs(llama) -> None:  # type: ignore[no-untyped-def]
     other = tiny_llama(layers=3, vocab=256, device="meta")
     info = ModelInfo(
-        class_="LlamaForCausalLM", fingerprint=fingerprint(other), parameters=parameter_shapes(other)
+        class_="LlamaForCausalLM",
+        fingerprint=fingerprint(other),
+        parameters=parameter_shapes(other),
     )
     p = _only(check_plan(_edit(load_plan(LLAMA_PLAN), model=info), llama, tp_size=2), "fingerprint")
     assert "written for another model" in p.message

@@ -164,7 +164,7 @@ def test_every_problem_is_reported_at_once() -> None:
 
 
 def test_unreadable_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(PlanFileError, match="missing.yaml: cannot read the file"):
+    with pytest.raises(PlanFileError, match=r"missing\.yaml: cannot read the file"):
         load_plan(tmp_path / "missing.yaml")
 
 
@@ -179,7 +179,9 @@ def test_schema_changes_bump_the_version() -> None:
     history = json.loads((ROOT / "plans" / "schema_versions.json").read_text())
     digest = hashlib.sha256(json.dumps(plan_json_schema(), sort_keys=True).encode()).hexdigest()
     recorded = history.get(str(SCHEMA_VERSION))
-    assert recorded is not None, f"record version {SCHEMA_VERSION}'s hash {digest} in plans/schema_versions.json"
+    assert recorded is not None, (
+        f"record version {SCHEMA_VERSION}'s hash {digest} in plans/schema_versions.json"
+    )
     assert recorded == digest, (
         f"the plan schema changed but SCHEMA_VERSION is still {SCHEMA_VERSION}: bump it in "
         "tpplan/plan.py and record the new hash"

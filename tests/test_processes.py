@@ -14,7 +14,15 @@ HERE = Path(__file__).parent
 
 def torchrun(script: Path, nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 

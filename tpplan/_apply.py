@@ -47,7 +47,9 @@ def resolve_plan(plan: Plan | str | Path | None, model: nn.Module, *, tp_size: i
         return infer_plan(model, tp_size=tp_size)
     if isinstance(plan, (str, Path)):
         return load_plan(plan)
-    raise TypeError(f"plan must be a Plan, a path to a plan file, or None; got {type(plan).__name__}.")
+    raise TypeError(
+        f"plan must be a Plan, a path to a plan file, or None; got {type(plan).__name__}."
+    )
 
 
 def apply_plan(

@@ -65,4 +65,8 @@ def describe_mismatch(
             diffs.append(f"{k} was {written_for[k]}, is {now[k]}")
     diffs.sort()
     more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
-    return "; ".join(diffs[:limit]) + more if diffs else "(the recorded shapes agree; the class differs)"
+    return (
+        "; ".join(diffs[:limit]) + more
+        if diffs
+        else "(the recorded shapes agree; the class differs)"
+    )

@@ -29,7 +29,9 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
-            raise ModelSpecError(f"--set takes key=value, got '{pair}' (e.g. --set num_hidden_layers=2).")
+            raise ModelSpecError(
+                f"--set takes key=value, got '{pair}' (e.g. --set num_hidden_layers=2)."
+            )
         try:
             value: Any = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
@@ -39,14 +41,18 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _config(spec: str) -> Any:
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     path = Path(spec)
     if path.is_file() and path.name.endswith(".json"):
-        return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path))
+        return AutoConfig.from_pretrained(
+            str(path.parent) if path.name == "config.json" else str(path)
+        )
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelSpecError(f"the folder '{spec}' has no config.json; point MODEL at a Hugging Face model folder.")
+            raise ModelSpecError(
+                f"the folder '{spec}' has no config.json; point MODEL at a Hugging Face model folder."
+            )
         return AutoConfig.from_pretrained(str(path))
     if spec in CONFIG_MAPPING:
         return AutoConfig.for_model(spec)
@@ -100,18 +106,22 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None, *, device: s
     with torch.device(device):
         if ":" in spec and not Path(spec).exists():
             if overrides:
-                raise ModelSpecError("--set applies to Hugging Face configs, not to package.module:callable models.")
+                raise ModelSpecError(
+                    "--set applies to Hugging Face configs, not to package.module:callable models."
+                )
             model = _callable(spec)
         else:
             config = _config(spec)
             for key, value in overrides.items():
                 if not hasattr(config, key):
-                                    raise ModelSpecError(
+                    raise ModelSpecError(
                         f"--set {key}: {type(config).__name__} has no field '{key}'."
                         f"{did_you_mean(key, list(config.to_dict()))}"
                     )
                 setattr(config, key, value)
             model = _from_config(config)
     if not isinstance(model, nn.Module):
-        raise ModelSpecError(f"MODEL '{spec}' gave a {type(model).__name__}, not a torch nn.Module.")
+        raise ModelSpecError(
+            f"MODEL '{spec}' gave a {type(model).__name__}, not a torch nn.Module."
+        )
     return model.eval()

@@ -18,7 +18,7 @@ def matches(pattern: str, name: str) -> bool:
     p_parts = pattern.split(".")
     n_parts = name.split(".")
     return len(p_parts) == len(n_parts) and all(
-        fnmatchcase(n, p) for p, n in zip(p_parts, n_parts)
+        fnmatchcase(n, p) for p, n in zip(p_parts, n_parts, strict=False)
     )
 
 

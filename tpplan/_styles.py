@@ -113,14 +113,20 @@ def _prepare(rule: Rule) -> ParallelStyle:
         "output_layouts": _placements(rule.outputs),
         "desired_output_layouts": _placements(rule.desired_outputs),
     }
-    local_out = {} if rule.local_output is None else {"use_local_output": rule.local_output}
+    local_out: dict[str, Any] = (
+        {} if rule.local_output is None else {"use_local_output": rule.local_output}
+    )
     if has_in and has_out:
-        local_in = {} if rule.local_input is None else {"use_local_input": rule.local_input}
+        local_in: dict[str, Any] = (
+            {} if rule.local_input is None else {"use_local_input": rule.local_input}
+        )
         return PrepareModuleInputOutput(**ins, **outs, **local_in, **local_out)
     if has_out:
         return PrepareModuleOutput(**outs, **local_out)
-    local_in = {} if rule.local_input is None else {"use_local_output": rule.local_input}
-    return PrepareModuleInput(**ins, **local_in)
+    local_in_only: dict[str, Any] = (
+        {} if rule.local_input is None else {"use_local_output": rule.local_input}
+    )
+    return PrepareModuleInput(**ins, **local_in_only)
 
 
 def plan_to_torch(plan: Plan, model: nn.Module) -> dict[str, ParallelStyle]:

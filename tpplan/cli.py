@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from .errors import MeshError, PlanFileError, PlanProblemsError, TpplanError
 
@@ -36,20 +37,34 @@ def _parser() -> argparse.ArgumentParser:
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(
-            name, help=help, description=help, epilog=_EXAMPLES[name],
+            name,
+            help=help,
+            description=help,
+            epilog=_EXAMPLES[name],
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+        # SUPPRESS: an unset sub-command flag must not undo `tpplan --debug COMMAND`.
+        p.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="show tracebacks of errors",
+        )
         return p
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "model", metavar="MODEL",
+            "model",
+            metavar="MODEL",
             help="a transformers model type (llama, gpt2, ...), a local model folder or config.json, "
             "a model id in the local Hugging Face cache, or package.module:callable",
         )
         p.add_argument(
-            "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
             help="override a config field, e.g. --set num_hidden_layers=2 (repeatable)",
         )
 
@@ -71,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     return top
 
 
-def _build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _build(args: argparse.Namespace) -> Any:
     from ._models import build_model, parse_overrides
 
     return build_model(args.model, parse_overrides(args.overrides))

@@ -256,7 +256,7 @@ class AttributeRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1] = Field(default=SCHEMA_VERSION)
+    tpplan: Literal[1] = 1
     """Schema version of this file."""
     model: ModelInfo | None = None
     """The model the plan was written for."""
@@ -273,12 +273,17 @@ class Plan(_Strict):
         """Validate parsed YAML/JSON data; every problem is reported at once."""
         if not isinstance(data, dict):
             raise PlanFileError(
-                source, [f"a plan is a mapping with keys tpplan, model, options, rules; got {type(data).__name__}."]
+                source,
+                [
+                    f"a plan is a mapping with keys tpplan, model, options, rules; got {type(data).__name__}."
+                ],
             )
         if "tpplan" not in data:
             raise PlanFileError(
                 source,
-                [f"not a tpplan plan: the top-level key 'tpplan: {SCHEMA_VERSION}' (the schema version) is missing."],
+                [
+                    f"not a tpplan plan: the top-level key 'tpplan: {SCHEMA_VERSION}' (the schema version) is missing."
+                ],
             )
         version = data["tpplan"]
         if version != SCHEMA_VERSION:
@@ -419,7 +424,9 @@ def _line_of(text: str | None, loc: tuple[Any, ...]) -> int | None:
                 break
             line = key.start_mark.line if key is not None else nxt.start_mark.line
             node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+        elif (
+            isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value)
+        ):
             node = node.value[part]
             line = node.start_mark.line
         else:
@@ -439,7 +446,11 @@ def _explain(err: ValidationError, text: str | None) -> list[str]:
         elif kind == "missing":
             field = loc[-1]
             parent = _loc(loc[:-1])
-            hint = " Every rule says why it exists, in words a reviewer can check." if field == "why" else ""
+            hint = (
+                " Every rule says why it exists, in words a reviewer can check."
+                if field == "why"
+                else ""
+            )
             msg = f"{parent} is missing the required field '{field}'.{hint}"
         elif kind == "value_error":
             msg = f"{_loc(loc)}: {e['ctx']['error']}"

@@ -1,0 +1,42 @@
+"""Developer sessions: `nox -s tests` is what CI and the README run.
+
+torch is pinned first in every session that installs it: 2.13.0 is the CPU build the
+project is tested against, and unpinned pip would fetch a multi-GB CUDA build instead.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_venv = "yes"
+
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{','.join(extras)}]" if extras else ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole suite, slow multi-process tests included (pass `-- -m 'not slow'` to skip them)."""
+    _install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, as linter and formatter check."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the package."""
+    _install(session)
+    session.install("mypy", "types-PyYAML")
+    session.run("mypy")

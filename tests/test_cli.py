@@ -1,0 +1,131 @@
+"""The command line: output and exit codes, each bad input with its one-line message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpplan.cli import main
+from tpplan.plan import plan_json_schema
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_PLAN = ROOT / "tests" / "plans" / "llama.yaml"
+SMALL = [
+    "--set",
+    "num_hidden_layers=2",
+    "--set",
+    "hidden_size=64",
+    "--set",
+    "intermediate_size=96",
+    "--set",
+    "num_attention_heads=8",
+    "--set",
+    "num_key_value_heads=4",
+    "--set",
+    "head_dim=8",
+    "--set",
+    "vocab_size=128",
+]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "schema")
+    assert code == 0 and json.loads(out) == plan_json_schema()
+
+
+def test_check_a_sound_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "llama", "--tp", "4", *SMALL)
+    assert code == 0 and "sound at tp 4 (9 rules)" in out
+
+
+def test_check_fails_with_every_problem(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "llama", "--tp", "8", *SMALL)
+    assert code == 1
+    assert "problem: rules[2] (match: model.layers.*.self_attn.k_proj)" in out
+    assert "4 heads (of head_dim 8) do not split evenly over tp size 8" in out
+    assert out.strip().endswith("2 problem(s) at tp 8.")  # k_proj and v_proj
+
+
+def test_check_warns_when_the_model_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = LLAMA_PLAN.read_text().replace(
+        "  class: LlamaForCausalLM\n", "  class: LlamaForCausalLM\n  fingerprint: sha256:0000\n"
+    )
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    code, out, _ = run(capsys, "check", str(plan), "llama", "--tp", "2", *SMALL)
+    assert code == 0 and "warning: model: the plan was written for another model" in out
+
+
+def test_malformed_plan_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tpplan: 1\nrules: [\n")
+    code, out, err = run(capsys, "check", str(bad), "llama", "--tp", "2")
+    assert code == 2 and out == ""
+    assert err.startswith(f"tpplan: error: {bad}: line 3, column 1: malformed YAML")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "message"),
+    [
+        ("lama", [], "'lama' is not a model tpplan can build. Did you mean 'llama'?"),
+        (
+            "llama",
+            ["--set", "num_layers=2"],
+            "--set num_layers: LlamaConfig has no field 'num_layers'.",
+        ),
+        ("llama", ["--set", "oops"], "--set takes key=value, got 'oops'"),
+        ("nosuchpkg.mod:build", [], "cannot import 'nosuchpkg.mod'"),
+        (
+            "someone/some-model",
+            [],
+            "is not in the local Hugging Face cache, and tpplan never downloads",
+        ),
+    ],
+)
+def test_bad_model_specs(
+    capsys: pytest.CaptureFixture[str], model: str, extra: list[str], message: str
+) -> None:
+    code, _, err = run(capsys, "check", str(LLAMA_PLAN), model, "--tp", "2", *extra)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_callable_model_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "models:tiny_llama", "--tp", "2")
+    assert code == 0 and "sound" in out
+
+
+@pytest.mark.parametrize("command", ["infer", "check", "schema"])
+def test_help_ends_with_an_example(command: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tpplan.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.rstrip().splitlines()[-2].strip() == "example:"
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tpplan: 9\n")
+    run_ = subprocess.run(
+        [sys.executable, "-m", "tpplan.cli", "--debug", "check", str(bad), "llama", "--tp", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert run_.returncode != 0 and "Traceback" in run_.stderr
