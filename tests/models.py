@@ -59,3 +59,21 @@ class HeadNormBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.fc1(x).unflatten(-1, (-1, self.head_dim)))  # -1: local head count
         return self.fc2(h.flatten(-2))
+
+
+class SeqParallelNet(nn.Module):
+    """Embedding -> pre-norm MLP block with a residual -> norm -> head: small enough to write
+    a sequence-parallel plan by hand (tests/plans/seq_parallel.yaml)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm1 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.norm2 = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.mlp(self.norm1(h))
+        return self.head(self.norm2(h))
