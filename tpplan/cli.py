@@ -1,4 +1,4 @@
-"""The `tpplan` command line: infer, check and schema.
+"""The `tpplan` command line: infer, check, diff, verify, stats and schema.
 
 Each command is a `_cmd_*` function; `main` parses arguments and maps the errors a user can
 cause to one-line messages through `_ERRORS` (exit 2 for bad input, 1 for a failed check).
@@ -22,6 +22,10 @@ _EXAMPLES = {
     "infer": "example:\n  tpplan infer llama --tp 4 --set num_hidden_layers=2 -o llama.yaml",
     "check": "example:\n  tpplan check llama.yaml llama --tp 8 --set num_hidden_layers=2",
     "schema": "example:\n  tpplan schema > plans/schema.json",
+    "diff": "example:\n  tpplan diff llama.yaml llama --tp 4 --set num_hidden_layers=2",
+    "verify": "example:\n  tpplan verify llama --plan llama.yaml --tp 2 --backward --set num_hidden_layers=2 "
+    "--set hidden_size=256 --set intermediate_size=512 --set vocab_size=1024",
+    "stats": "example:\n  tpplan stats llama --tp 8 --backward --set num_hidden_layers=2",
 }
 
 
@@ -81,15 +85,67 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
     p.set_defaults(func=_cmd_check)
 
+    p = command("diff", "Show how two plans shard differently (exit 1 when they do).")
+    p.add_argument("a", metavar="A", help="a plan file, or a MODEL (its inferred plan)")
+    p.add_argument("b", metavar="B", help="a plan file, or a MODEL (its inferred plan)")
+    p.add_argument("--tp", type=int, default=None, help="tp size for inferring a MODEL's plan")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field of a MODEL (repeatable)",
+    )
+    p.set_defaults(func=_cmd_diff)
+
+    p = command("verify", "Compare a sharded model with the unsharded one, module by module.")
+    model_args(p)
+    p.add_argument("--plan", metavar="PLAN", help="plan file (default: the inferred plan)")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    p.add_argument("--backward", action="store_true", help="compare gradients too")
+    p.add_argument(
+        "--tol", type=float, default=1e-4, help="max abs error allowed (default 1e-4, fp32)"
+    )
+    p.set_defaults(func=_cmd_verify)
+
+    p = command("stats", "Per-rank parameter bytes and collectives of one forward (and backward).")
+    model_args(p)
+    p.add_argument("--plan", metavar="PLAN", help="plan file (default: the inferred plan)")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    p.add_argument("--backward", action="store_true", help="count backward collectives too")
+    p.add_argument(
+        "--seq", type=int, default=128, help="tokens in the example sequence (default 128)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(func=_cmd_stats)
+
     p = command("schema", "Print the JSON Schema of plan files.")
     p.set_defaults(func=_cmd_schema)
     return top
 
 
-def _build(args: argparse.Namespace) -> Any:
+def _build(args: argparse.Namespace, spec: str | None = None, *, device: str = "meta") -> Any:
     from ._models import build_model, parse_overrides
 
-    return build_model(args.model, parse_overrides(args.overrides))
+    return build_model(spec or args.model, parse_overrides(args.overrides), device=device)
+
+
+def _plan_for(args: argparse.Namespace, model: Any, tp: int | None) -> Any:
+    """The plan file given with --plan, else the plan inferred for the model."""
+    if getattr(args, "plan", None):
+        from .plan import load_plan
+
+        return load_plan(args.plan)
+    from ._infer import infer_plan
+
+    return infer_plan(model, tp_size=tp)
+
+
+def _progress(args: argparse.Namespace, text: str) -> None:
+    """Progress on stderr for people; never into JSON or a pipe."""
+    if sys.stderr.isatty() and not getattr(args, "json", False):
+        print(text, file=sys.stderr, flush=True)
 
 
 def _cmd_infer(args: argparse.Namespace) -> int:
@@ -120,6 +176,75 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.plan}: {len(errors)} problem(s) at tp {args.tp}.")
         return 1
     print(f"{args.plan}: sound at tp {args.tp} ({len(plan.rules)} rules).")
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ._diff import diff_plans
+    from .plan import load_plan
+
+    plans, names = [], None
+    for spec in (args.a, args.b):
+        if Path(spec).is_file() and not spec.endswith("config.json"):
+            plans.append(load_plan(spec))
+        else:
+            model = _build(args, spec)
+            names = [n for n, _ in model.named_modules()]
+            plans.append(_plan_for(args, model, args.tp))
+    changes = diff_plans(plans[0], plans[1], module_names=names)
+    for c in changes:
+        print(c)
+    if not changes:
+        print(f"{args.a} and {args.b} shard the same way.")
+    return 1 if changes else 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from ._verify import verify_plan
+
+    _progress(args, f"building {args.model} with random weights ...")
+    model = _build(args, device="cpu")
+    plan = _plan_for(args, model, args.tp)
+    _progress(args, f"running the unsharded model and {args.tp} simulated ranks ...")
+    report = verify_plan(model, plan, tp_size=args.tp, backward=args.backward, tol=args.tol)
+    width = max((len(name) for name, _ in report.rows), default=10)
+    print(f"{'module':<{width}}  {'what':<6}  {'max abs error':>13}")
+    for (name, what), err in report.rows.items():
+        flag = "" if err <= args.tol else "  <-- over tolerance"
+        print(f"{name:<{width}}  {what:<6}  {err:>13.3e}{flag}")
+    verdict = "matches" if report.ok else "DIFFERS from"
+    print(
+        f"tp {args.tp}: the sharded model {verdict} the unsharded one (worst {report.worst:.3e}, tol {args.tol:g})."
+    )
+    return 0 if report.ok else 1
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from ._stats import plan_stats
+
+    model = _build(args)
+    plan = _plan_for(args, model, args.tp)
+    _progress(
+        args,
+        f"measuring one {'forward and backward' if args.backward else 'forward'} at tp {args.tp} ...",
+    )
+    stats = plan_stats(model, plan, tp_size=args.tp, backward=args.backward, seq=args.seq)
+    if args.json:
+        print(json.dumps(stats.to_dict(), indent=2))
+        return 0
+    mib = 1024 * 1024
+    print(
+        f"parameters per rank: {stats.param_bytes_per_rank / mib:,.1f} MiB of {stats.param_bytes_total / mib:,.1f} MiB "
+        f"({stats.param_fraction:.1%}) at tp {args.tp}"
+    )
+    print(f"activations per token per rank: {stats.activation_bytes_per_token / 1024:,.1f} KiB")
+    print(f"collectives for {stats.tokens} tokens:")
+    print(f"  {'pass':<9} {'kind':<24} {'count':>6} {'MiB per rank':>13}")
+    for phase, kinds in stats.collectives.items():
+        for kind, v in sorted(kinds.items()):
+            print(f"  {phase:<9} {kind:<24} {v['count']:>6} {v['bytes'] / mib:>13.2f}")
     return 0
 
 

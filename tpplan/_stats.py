@@ -1,0 +1,143 @@
+"""plan_stats: what a plan costs per rank, measured on the meta device with a fake process
+group: parameter bytes, the collectives of one forward (and backward) by kind with counts
+and bytes, and activation bytes per token. No weights, no numbers, any model size.
+
+Start at `plan_stats`; `_Collectives` is the dispatch mode that sees every collective.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._apply import apply_plan
+from ._inputs import example_inputs
+from ._local import fake_ranks
+from .plan import Plan
+
+__all__ = ["Stats", "plan_stats"]
+
+
+def _bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+@dataclass
+class Stats:
+    """Per-rank costs of a plan at one tp size."""
+
+    tp_size: int
+    param_bytes_total: int
+    """Parameter bytes of the unsharded model."""
+    param_bytes_per_rank: int
+    """Parameter bytes each rank holds once the plan is applied."""
+    tokens: int
+    """Tokens in the example batch the collectives were counted on."""
+    activation_bytes_per_token: float
+    """Bytes of module outputs one rank produces per token in one forward."""
+    collectives: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """{'forward' | 'backward': {kind: {'count': n, 'bytes': b}}}, bytes as sent per rank."""
+
+    @property
+    def param_fraction(self) -> float:
+        return self.param_bytes_per_rank / max(1, self.param_bytes_total)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tp_size": self.tp_size,
+            "param_bytes_total": self.param_bytes_total,
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+            "param_fraction": round(self.param_fraction, 6),
+            "tokens": self.tokens,
+            "activation_bytes_per_token": round(self.activation_bytes_per_token, 3),
+            "collectives": self.collectives,
+        }
+
+
+_NOT_TRAFFIC = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the functional collectives DTensor issues, with the bytes each one sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, dict[str, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kind = func.__name__.split(".")[0]
+        # wait_tensor and the autograd wrappers are bookkeeping, not traffic
+        if func.namespace.startswith("_c10d_functional") and kind not in _NOT_TRAFFIC:
+            entry = self.seen.setdefault(kind, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            if args and isinstance(args[0], torch.Tensor):
+                entry["bytes"] += args[0].numel() * args[0].element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v
+    raise ValueError("the model returned no tensor to take a backward pass from.")
+
+
+def plan_stats(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    tp_size: int,
+    backward: bool = False,
+    batch: int = 1,
+    seq: int = 128,
+) -> Stats:
+    """Costs of `plan` on `model` at `tp_size`, measured on a meta copy of the model."""
+    meta = (
+        copy.deepcopy(model).to("meta")
+        if any(p.device.type != "meta" for p in model.parameters())
+        else copy.deepcopy(model)
+    )
+    total = sum(_bytes(p) for p in meta.parameters())
+    inputs = example_inputs(meta, batch=batch, seq=seq, device="meta")
+    tokens = batch * seq
+    act = 0
+    with fake_ranks(tp_size) as mesh:
+        apply_plan(meta, mesh, plan)
+        per_rank = sum(_bytes(p) for p in meta.parameters())
+
+        def count(mod: nn.Module, args: Any, out: Any) -> None:
+            nonlocal act
+            if isinstance(out, torch.Tensor) and not list(mod.children()):
+                act += _bytes(out)
+
+        handles = [m.register_forward_hook(count) for m in meta.modules()]
+        collectives: dict[str, dict[str, dict[str, int]]] = {}
+        fwd = _Collectives()
+        with fwd, torch.set_grad_enabled(backward):
+            out = meta(**inputs)
+        collectives["forward"] = fwd.seen
+        for h in handles:
+            h.remove()
+        if backward:
+            bwd = _Collectives()
+            with bwd:
+                _first_tensor(out).float().sum().backward()
+            collectives["backward"] = bwd.seen
+    return Stats(
+        tp_size=tp_size,
+        param_bytes_total=total,
+        param_bytes_per_rank=per_rank,
+        tokens=tokens,
+        activation_bytes_per_token=act / tokens,
+        collectives=collectives,
+    )
