@@ -1,18 +1,429 @@
-"""infer_plan: placeholder until the tracer lands (issue: Tracer)."""
+"""infer_plan: a tensor-parallel plan from a model's data flow.
+
+Start at `infer_plan`. `tpplan/_trace.py` runs the model once on fake tensors and returns facts
+(which Linear's split features reach which Linear, through which ops, and what stopped them);
+this module groups those facts into regions and decides each module's style:
+
+- a region is the openers and closers that exchanged split tensors; it is sharded when every
+  split ended at a closer that contracts it, nothing broke it, no weight in it is shared, and
+  tp divides its smallest head count: openers colwise, closers rowwise, and modules whose
+  parameters act on the split tensors (per-head norms) replicate_grad_sum;
+- an Embedding looked up with the model's input ids is vocab_parallel;
+- a Linear whose split output reaches the model output over the vocab is colwise, gathered;
+- everything else stays replicated, with the reason in `why`.
+
+Module names are used only to print patterns and to name partners in `why`.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from .plan import Plan
+from ._fingerprint import fingerprint, parameter_shapes
+from ._patterns import collapse
+from ._trace import Trace, trace_model
+from .plan import AttributeRule, ModelInfo, Plan, Rule
 
 __all__ = ["infer_plan"]
 
+# Ops too plain to count as evidence in `why`.
+_PLAIN_OPS = {
+    "linear", "alias", "clone", "_to_copy", "detach", "expand", "contiguous", "lift_fresh",
+    "_unsafe_view", "view", "reshape", "unsqueeze", "squeeze", "_reshape_alias",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """One module's rule, less its pattern; equal decisions share a rule."""
+
+    style: str
+    why: str
+    head_dim: int | None = None
+    output: str | None = None
+
+    def rule(self, match: str) -> Rule:
+        extra: dict[str, Any] = {}
+        if self.head_dim is not None:
+            extra["head_dim"] = self.head_dim
+        if self.output is not None:
+            extra["output"] = self.output
+        return Rule(match=match, style=self.style, why=self.why, **extra)
+
 
 def infer_plan(model: nn.Module, *, tp_size: int | None = None, example_inputs: Any = None) -> Plan:
-    """Infer a plan from the model's data flow (not implemented yet)."""
-    raise NotImplementedError(
-        "tpplan cannot infer plans yet; pass a plan: apply_plan(model, mesh, plan='plan.yaml')."
+    """Infer a plan from the model's data flow.
+
+    The model may be on the meta device; no weights are read. `example_inputs` (a tensor, a
+    tuple of positional inputs, or a dict of keyword inputs) replaces the inputs guessed from
+    the forward signature (`input_ids` of shape (2, 16) for Hugging Face models). With
+    `tp_size`, regions it cannot split stay replicated; without, the plan is valid for tp 2
+    and records head sizes so that `check_plan` can judge any other tp size.
+    """
+    if tp_size is not None and (
+        isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1
+    ):
+        raise ValueError(f"tp_size must be a positive integer or None, got {tp_size!r}.")
+    tp = tp_size or 2
+    trace = trace_model(model, example_inputs=example_inputs)
+    decisions, attributes = _decide(model, trace, tp)
+    if trace.blocks:
+        spread = _spread(trace, decisions), _spread(trace, attributes)
+        if not _local(trace) or spread[0] is None or spread[1] is None:
+            # a region crossed blocks, or twins disagreed: trace every block
+            trace = trace_model(model, example_inputs=example_inputs, shorten=False)
+            decisions, attributes = _decide(model, trace, tp)
+        else:
+            decisions, attributes = spread  # type: ignore[assignment]
+    return Plan(
+        model=ModelInfo(
+            class_=type(model).__name__,
+            fingerprint=fingerprint(model),
+            parameters=parameter_shapes(model),
+        ),
+        rules=_rules(model, decisions),
+        attributes=_attribute_rules(model, attributes),
     )
+
+
+# ---- regions -----------------------------------------------------------------------------
+def _regions(trace: Trace) -> list[list[str]]:
+    """Openers and closers joined by the split tensors they exchanged (union-find)."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for name in list(trace.openers) + list(trace.closers):
+        root(name)
+    for group in trace.links:
+        first, *rest = sorted(group)
+        for other in rest:
+            parent[root(other)] = root(first)
+    out: dict[str, list[str]] = {}
+    for name in parent:
+        out.setdefault(root(name), []).append(name)
+    return list(out.values())
+
+
+def _relative(names: list[str]) -> dict[str, str]:
+    """Names without their common leading segments, so that `why` reads the same in every layer."""
+    parts = [n.split(".") for n in names]
+    k = 0
+    while all(len(p) > k + 1 for p in parts) and len({p[k] for p in parts}) == 1:
+        k += 1
+    return {n: ".".join(p[k:]) for n, p in zip(names, parts, strict=True)}
+
+
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _shared_params(model: nn.Module) -> dict[str, list[str]]:
+    """Module -> other modules holding one of its parameters (tied weights)."""
+    holders: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(name.rpartition(".")[0])
+    out: dict[str, list[str]] = {}
+    for mods in holders.values():
+        for m in mods:
+            others = sorted(set(mods) - {m})
+            if others:
+                out.setdefault(m, []).extend(others)
+    return out
+
+
+def _own_params(module: nn.Module, name: str) -> list[str]:
+    prefix = f"{name}." if name else ""
+    return [prefix + n for n, _ in module.named_parameters(recurse=False)]
+
+
+class _Decider:
+    """The decisions for one traced model; see the module docstring for the rules."""
+
+    def __init__(self, model: nn.Module, trace: Trace, tp: int) -> None:
+        self.modules = dict(model.named_modules())
+        self.trace = trace
+        self.tp = tp
+        self.tied = _shared_params(model)
+        self.decisions: dict[str, _Decision] = {}
+        self.attributes: dict[str, tuple[tuple[str, ...], str]] = {}  # module -> (attrs, why)
+        self.kept: dict[str, str] = {}  # module -> why it stays replicated
+
+    def used_outside(self, name: str) -> bool:
+        params = _own_params(self.modules[name], name)
+        return any(
+            p in self.trace.params_outside or p in self.trace.params_in_region for p in params
+        )
+
+    def region(self, members: list[str]) -> None:
+        t = self.trace
+        openers = [m for m in members if m in t.openers]
+        closers = [m for m in members if m in t.closers]
+        short = _relative(members)
+        reasons: list[str] = []
+        for m in members:
+            for r in t.broken.get(m, []):
+                reasons.append(f"{short[m]}'s split ends at {r}")
+            if m in t.misfits:
+                reasons.append(f"{short[m]}: {t.misfits[m]}")
+            if m in self.tied:
+                reasons.append(
+                    f"{short[m]}'s weight is shared with {_join(self.tied[m])} (tied); sharding would untie it"
+                )
+            elif self.used_outside(m):
+                reasons.append(f"{short[m]}'s weight is also used outside its own forward")
+        if any(o in t.at_output for o in openers):
+            reasons.append("the split reaches the model output")
+        if openers and not closers and not reasons:
+            reasons.append("no Linear contracts its output features")
+        units = math.gcd(*(t.units.get(o, t.openers[o]) for o in openers)) if openers else 0
+        if openers and units % self.tp:
+            reasons.append(
+                f"its features split into {units} indivisible blocks (heads), which tp {self.tp} does not divide"
+            )
+        helpers = self.helpers(set(openers), short, reasons)
+        counts = {c for o in openers for c in t.counts.get(o, ())}
+        for _, attr, value in sorted(counts):
+            if value % self.tp:
+                reasons.append(
+                    f"a view reads the head count {attr} = {value}, which tp {self.tp} does not divide"
+                )
+        if reasons:
+            for m in members:
+                self.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
+            return
+        self.open(openers, closers, short, units)
+        self.close(openers, closers, short)
+        for module, attr, _ in sorted(counts):
+            attrs = tuple(sorted({*self.attributes.get(module, ((), ""))[0], attr}))
+            self.attributes[module] = (
+                attrs,
+                f"its forward views the split features of {_join(sorted(short[o] for o in openers))} "
+                f"with a stored head count ({', '.join(attrs)}) and -1 for another dim; each rank "
+                "must use its own share of the heads",
+            )
+        for h in helpers:
+            self.decisions[h] = _Decision(
+                "replicate_grad_sum",
+                f"its parameters act on the split features of {_join(sorted(short[o] for o in openers))} "
+                "inside the region; each rank's gradient is a partial sum, summed over the tp axis",
+            )
+
+    def helpers(self, openers: set[str], short: dict[str, str], reasons: list[str]) -> list[str]:
+        """Modules (not Linear) whose parameters meet this region's split tensors."""
+        t = self.trace
+        owners = {p.rpartition(".")[0] for p, srcs in t.params_in_region.items() if srcs & openers}
+        out = []
+        for owner in sorted(owners):
+            module = self.modules.get(owner)
+            label = owner.rpartition(".")[2] or type(module).__name__
+            if module is None or isinstance(module, (nn.Linear, nn.Embedding)):
+                reasons.append(
+                    f"the weight of {label} is used inside the region outside its own call"
+                )
+                continue
+            own = _own_params(module, owner)
+            if any(
+                p in t.params_outside or not (t.params_in_region.get(p, openers) <= openers)
+                for p in own
+            ):
+                reasons.append(f"{label}'s parameters are used both inside and outside the region")
+                continue
+            out.append(owner)
+        return out
+
+    def open(
+        self, openers: list[str], closers: list[str], short: dict[str, str], units: int
+    ) -> None:
+        t = self.trace
+        to = _join(sorted(short[c] for c in closers))
+        # `to` names the closers: the evidence a reviewer checks against the model's forward
+        verb = "contracts" if len(closers) == 1 else "contract"
+        for o in openers:
+            out = t.openers[o]
+            ops = sorted(t.ops.get(o, set()) - _PLAIN_OPS)
+            path = f"through {', '.join(ops)} to {to}" if ops else f"to {to}"
+            partners = sorted(short[p] for p in openers if p != o)
+            mates = f" (with the outputs of {_join(partners)})" if partners else ""
+            heads = t.heads.get(o)
+            head_dim = out // heads if heads and out % heads == 0 else None
+            if head_dim is not None:
+                what, it = (
+                    f"output split into {heads} heads of {head_dim} by a view; it flows",
+                    "it",
+                )
+            else:
+                what, it = f"its {out} output features flow", "them"
+            need = (
+                f"; tp must divide {units} (the region's smallest head count)"
+                if heads and units < heads
+                else ""
+            )
+            self.decisions[o] = _Decision(
+                "colwise",
+                f"{what} {path}{mates}, which {verb} {it} on its input dim (rowwise){need}",
+                head_dim=head_dim,
+            )
+
+    def close(self, openers: list[str], closers: list[str], short: dict[str, str]) -> None:
+        by = _join(sorted(short[o] for o in openers))
+        for c in closers:
+            s = self.trace.closers[c]
+            head_dim = s.inner if s.inner > 1 else None
+            what = f"{s.n} heads of {s.inner}" if head_dim else f"{s.n} features"
+            self.decisions[c] = _Decision(
+                "rowwise",
+                f"contracts the features split by {by} ({what}) on its input dim; its output is a "
+                "partial sum, one all-reduce",
+                head_dim=head_dim,
+            )
+
+    def embeddings(self) -> dict[int, str]:
+        """vocab_parallel for token lookups; returns {vocab size: embedding} for the head."""
+        vocabs: dict[int, str] = {}
+        for name, module in self.modules.items():
+            if not isinstance(module, nn.Embedding) or name not in self.trace.called:
+                continue
+            n = module.num_embeddings
+            if not self.trace.lookups.get(name):
+                self.kept[name] = (
+                    "kept whole: its indices are computed inside forward (positions or types), not the input tokens"
+                )
+            elif name in self.tied:
+                self.kept[name] = (
+                    f"kept whole: its weight is shared with {_join(self.tied[name])} (tied); sharding would untie it"
+                )
+            elif self.used_outside(name):
+                self.kept[name] = "kept whole: its weight is also used outside its own lookup"
+            elif module.max_norm is not None:
+                self.kept[name] = "kept whole: max_norm renormalizes looked-up rows in place"
+            elif n % self.tp:
+                self.kept[name] = f"kept whole: its vocab of {n} does not divide by tp {self.tp}"
+            else:
+                vocabs.setdefault(n, name)
+                self.decisions[name] = _Decision(
+                    "vocab_parallel",
+                    f"token lookup (its indices are the model's input ids); vocab {n} splits "
+                    "evenly, each rank looks up its rows and one all-reduce sums them",
+                )
+        return vocabs
+
+    def head(self, vocabs: dict[int, str]) -> None:
+        """A lone opener whose split output is the model output over the vocab: gathered colwise."""
+        t = self.trace
+        for name in t.at_output:
+            module = self.modules.get(name)
+            linked = any(name in group for group in t.links)
+            if (
+                not isinstance(module, nn.Linear)
+                or linked
+                or name in t.misfits
+                or name in self.tied
+            ):
+                continue
+            if module.out_features not in vocabs or self.used_outside(name):
+                continue
+            self.kept.pop(name, None)
+            self.decisions[name] = _Decision(
+                "colwise",
+                f"its output ({module.out_features} features, the vocab of the token lookup) is the "
+                "model output; split over the vocab and gathered, so callers see full rows",
+                output="replicate",
+            )
+
+    def rest(self) -> None:
+        for name, module in self.modules.items():
+            if not isinstance(module, (nn.Linear, nn.Embedding)) or name in self.decisions:
+                continue
+            if name not in self.trace.called:
+                why = "kept whole: it was not called in the traced forward"
+            else:
+                why = self.kept.get(
+                    name, "kept whole: its output is not split anywhere the tracer could follow"
+                )
+            self.decisions[name] = _Decision("replicate", why)
+
+
+def _decide(
+    model: nn.Module, trace: Trace, tp: int
+) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
+    d = _Decider(model, trace, tp)
+    for members in _regions(trace):
+        d.region(members)
+    d.head(d.embeddings())
+    d.rest()
+    return d.decisions, d.attributes
+
+
+# ---- shortened traces ---------------------------------------------------------------------
+def _block_of(name: str, blocks: list[str]) -> str | None:
+    return next((b for b in blocks if name == b or name.startswith(b + ".")), None)
+
+
+def _local(trace: Trace) -> bool:
+    """Every region, with the modules its parameters and head counts live in, sits inside one
+    traced block (or outside all of them), so a block's decisions hold for its twins."""
+    for members in _regions(trace):
+        near = set(members)
+        near |= {p.rpartition(".")[0] for p, srcs in trace.params_in_region.items() if srcs & near}
+        near |= {c[0] for o in members for c in trace.counts.get(o, ())}
+        if len({_block_of(m, trace.blocks) for m in near}) > 1:
+            return False
+    return True
+
+
+def _spread(trace: Trace, decided: dict[str, Any]) -> dict[str, Any] | None:
+    """Decisions of traced blocks copied to the identical blocks that were not traced; None
+    when two traced twins decided differently."""
+
+    def copied(block: str, twin: str) -> dict[str, Any]:
+        return {
+            block + name[len(twin) :]: d
+            for name, d in decided.items()
+            if name == twin or name.startswith(twin + ".")
+        }
+
+    for block, twin in trace.twins.items():
+        mine = {n: d for n, d in decided.items() if _block_of(n, [block])}
+        if mine != copied(block, twin):
+            return None
+    out = dict(decided)
+    for block, twin in trace.stand_ins.items():
+        # Modules of untraced blocks were marked "not called" by `rest`; the copies replace them.
+        out.update(copied(block, twin))
+    return out
+
+
+# ---- rules --------------------------------------------------------------------------------
+def _rules(model: nn.Module, decisions: dict[str, _Decision]) -> list[Rule]:
+    """One rule per group of modules with equal decisions, as compact patterns, in module order."""
+    names = [n for n, _ in model.named_modules() if n]
+    groups: dict[_Decision, list[str]] = {}
+    for n in names:
+        if n in decisions:
+            groups.setdefault(decisions[n], []).append(n)
+    return [d.rule(p) for d, members in groups.items() for p in collapse(members, names)]
+
+
+def _attribute_rules(
+    model: nn.Module, attributes: dict[str, tuple[tuple[str, ...], str]]
+) -> list[AttributeRule]:
+    names = [n for n, _ in model.named_modules() if n]
+    groups: dict[tuple[tuple[str, ...], str], list[str]] = {}
+    for n in names:
+        if n in attributes:
+            groups.setdefault(attributes[n], []).append(n)
+    return [
+        AttributeRule(match=p, divide=list(attrs), why=why)
+        for (attrs, why), members in groups.items()
+        for p in collapse(members, names)
+    ]

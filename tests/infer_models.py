@@ -1,0 +1,159 @@
+"""Tiny models for the tracer's tests: Hugging Face families from small configs, and
+hand-written blocks whose module names can be changed without changing the computation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 128
+_SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+
+
+def _build(cls: type[nn.Module], config: object, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def llama_mha(seed: int = 0) -> nn.Module:
+    """8 query heads and 8 key/value heads of head_dim 8."""
+    return _build(LlamaForCausalLM, LlamaConfig(**_SMALL, num_key_value_heads=8), seed)
+
+
+def llama_gqa(seed: int = 0) -> nn.Module:
+    """8 query heads sharing 4 key/value heads (grouped-query attention)."""
+    return _build(LlamaForCausalLM, LlamaConfig(**_SMALL, num_key_value_heads=4), seed)
+
+
+def qwen2(seed: int = 0) -> nn.Module:
+    """Biases on q/k/v projections."""
+    return _build(Qwen2ForCausalLM, Qwen2Config(**_SMALL, num_key_value_heads=4), seed)
+
+
+def qwen3(seed: int = 0) -> nn.Module:
+    """Per-head RMSNorm on queries and keys (q_norm, k_norm) inside the attention region."""
+    return _build(Qwen3ForCausalLM, Qwen3Config(**_SMALL, num_key_value_heads=4, head_dim=8), seed)
+
+
+def opt(seed: int = 0) -> nn.Module:
+    """Views by a stored head count, `view(bsz, -1, self.num_heads, self.head_dim)`: 4 heads
+    of 16 so the count is not also the head size; fc1 -> relu -> fc2 MLP; tied embeddings."""
+    cfg = OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        ffn_dim=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=64,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
+    return _build(OPTForCausalLM, cfg, seed)
+
+
+class Mlp(nn.Module):
+    """fc1 -> gelu -> fc2 on float features."""
+
+    def __init__(self, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class NormedMlp(nn.Module):
+    """fc1 -> LayerNorm over its features -> fc2: the norm needs all of fc1's features."""
+
+    def __init__(self, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+ROLES = ("embed", "norm1", "q", "k", "v", "o", "norm2", "up", "down", "head")
+PLAIN_NAMES = {r: r for r in ROLES}
+# Other names, declared in another order: the tracer must not care.
+ODD_NAMES = {
+    "embed": "lookup",
+    "norm1": "n_a",
+    "q": "alpha",
+    "k": "beta",
+    "v": "gamma",
+    "o": "delta",
+    "norm2": "n_b",
+    "up": "widen",
+    "down": "narrow",
+    "head": "readout",
+}
+
+
+class Block(nn.Module):
+    """A one-block decoder written by hand; `names` picks each role's attribute name."""
+
+    def __init__(
+        self, names: dict[str, str], *, dim: int = 32, heads: int = 4, hidden: int = 48
+    ) -> None:
+        super().__init__()
+        self.names = names
+        self.head_dim = dim // heads
+        shapes: dict[str, nn.Module] = {
+            "embed": nn.Embedding(VOCAB, dim),
+            "norm1": nn.LayerNorm(dim),
+            "q": nn.Linear(dim, dim),
+            "k": nn.Linear(dim, dim),
+            "v": nn.Linear(dim, dim),
+            "o": nn.Linear(dim, dim),
+            "norm2": nn.LayerNorm(dim),
+            "up": nn.Linear(dim, hidden),
+            "down": nn.Linear(hidden, dim),
+            "head": nn.Linear(dim, VOCAB, bias=False),
+        }
+        for role in sorted(shapes, key=lambda r: names[r]):
+            setattr(self, names[role], shapes[role])
+
+    def part(self, role: str) -> nn.Module:
+        return getattr(self, self.names[role])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.part("embed")(ids)
+        h = self.part("norm1")(x)
+        b, t, _ = h.shape
+        q, k, v = (
+            self.part(r)(h).view(b, t, -1, self.head_dim).transpose(1, 2) for r in ("q", "k", "v")
+        )
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.part("o")(a.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.part("down")(F.gelu(self.part("up")(self.part("norm2")(x))))
+        return self.part("head")(x)
+
+
+def block(names: dict[str, str] = PLAIN_NAMES, seed: int = 0) -> Block:
+    torch.manual_seed(seed)
+    return Block(names).eval()

@@ -1,0 +1,263 @@
+"""infer_plan: plans inferred from data flow, checked against hand-written plans (ours and the
+ones transformers ships) and against the unsharded model's numbers on simulated ranks."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from infer_models import (
+    ODD_NAMES,
+    PLAIN_NAMES,
+    ROLES,
+    Mlp,
+    NormedMlp,
+    block,
+    llama_gqa,
+    llama_mha,
+    opt,
+    qwen2,
+    qwen3,
+)
+from models import tiny_llama, token_batch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tpplan
+from tpplan._local import rank_values, simulated_ranks
+from tpplan._patterns import match_names
+from tpplan.plan import Plan, load_plan
+
+# fp32 forward and backward of a two-layer model: a sharded run sums the same products in
+# another order, which moves the last bits only (seen: ~1e-6); 1e-4 leaves room, and any real
+# mistake (a wrong shard, a missing reduction) is off by O(0.1).
+TOL = 1e-4
+
+HF_FAMILIES = {"llama_mha": llama_mha, "llama_gqa": llama_gqa, "qwen2": qwen2, "qwen3": qwen3}
+
+
+def styles(
+    plan: Plan, model: nn.Module, *, sharded_only: bool = True
+) -> dict[str, tuple[str, str | None]]:
+    """{module name: (style, output layout)} with every rule expanded."""
+    names = [n for n, _ in model.named_modules() if n]
+    out = {}
+    for rule in plan.rules:
+        if sharded_only and rule.style == "replicate":
+            continue
+        for n in match_names(rule.match, names):
+            out[n] = (rule.style, rule.output)
+    return out
+
+
+def rule_for(plan: Plan, model: nn.Module, name: str) -> tpplan.Rule:
+    names = [n for n, _ in model.named_modules() if n]
+    (rule,) = [r for r in plan.rules if name in match_names(r.match, names)]
+    return rule
+
+
+# ---- oracles --------------------------------------------------------------------------------
+def test_llama_plan_equals_the_hand_written_one() -> None:
+    model = tiny_llama()
+    inferred = tpplan.infer_plan(model)
+    written = load_plan("tests/plans/llama.yaml")
+    assert styles(inferred, model) == styles(written, model)
+    for name in styles(written, model):
+        assert (
+            rule_for(inferred, model, name).head_dim == rule_for(written, model, name).head_dim
+        ), name
+
+
+_HF_STYLES = {
+    "colwise": ("colwise", None),
+    "rowwise": ("rowwise", None),
+    "colwise_gather_output": ("colwise", "replicate"),
+    "replicated_with_grad_allreduce": ("replicate_grad_sum", None),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_hf_plans_match_transformers_own(family: str) -> None:
+    """transformers' hand-written plans (read here as oracles only) shard the same modules."""
+    model = HF_FAMILIES[family]()
+    names = [n for n, _ in model.named_modules() if n]
+    oracle: dict[str, tuple[str, str | None]] = {}
+    base = model.base_model_prefix
+    for pattern, style in type(model.config).base_model_tp_plan.items():
+        for n in match_names(f"{base}.{pattern}", names):
+            oracle[n] = _HF_STYLES[style]
+    for pattern, style in type(model)._tp_plan.items():
+        for n in match_names(pattern, names):
+            oracle[n] = _HF_STYLES[style]
+    ours = styles(tpplan.infer_plan(model), model)
+    assert {n: ours.get(n) for n in oracle} == oracle
+    # The one module we shard beyond theirs is the token embedding (vocab-parallel).
+    assert {n: s for n, s in ours.items() if n not in oracle} == {
+        "model.embed_tokens": ("vocab_parallel", None)
+    }
+
+
+# ---- numeric parity ---------------------------------------------------------------------------
+def _tokens() -> torch.Tensor:
+    return token_batch(batch=2, seq=8)
+
+
+def _logits(out: object) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out  # type: ignore[attr-defined, return-value]
+
+
+def assert_parity(ref: nn.Module, plan: Plan, tp: int, x: torch.Tensor) -> None:
+    """Forward output and every parameter's gradient equal the unsharded model's, on each rank."""
+    ref = copy.deepcopy(ref)
+    want = _logits(ref(x))
+    want.float().pow(2).mean().backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    with simulated_ranks(tp) as mesh:
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        tpplan.apply_plan(model, mesh, plan)
+        got = _logits(model(x))
+        for value in rank_values(got):
+            assert (value - want).abs().max().item() <= TOL
+        got.float().pow(2).mean().backward()
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for value in rank_values(grad):
+                assert (value - ref_grads[name]).abs().max().item() <= TOL, name
+
+
+PARITY = [
+    ("llama_mha", 2), ("llama_mha", 4), ("llama_gqa", 2), ("llama_gqa", 4),
+    ("qwen2", 2), ("qwen2", 4), ("qwen3", 2), ("qwen3", 4),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "tp"), PARITY)
+def test_hf_plans_keep_the_numbers(family: str, tp: int) -> None:
+    model = HF_FAMILIES[family]()
+    assert_parity(model, tpplan.infer_plan(model), tp, _tokens())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_stored_head_count_is_divided(tp: int) -> None:
+    """OPT views with `self.num_heads` and -1 for the sequence: the plan divides num_heads."""
+    model = opt()
+    plan = tpplan.infer_plan(model)
+    (attr,) = plan.attributes
+    assert attr.match == "model.decoder.layers.*.self_attn"
+    assert attr.divide == ["num_heads"]
+    assert styles(plan, model)["model.decoder.layers.0.self_attn.q_proj"] == ("colwise", None)
+    assert_parity(model, plan, tp, _tokens())
+
+
+def test_tied_embeddings_stay_whole() -> None:
+    model = opt()
+    plan = tpplan.infer_plan(model)
+    for name in ("model.decoder.embed_tokens", "lm_head"):
+        rule = rule_for(plan, model, name)
+        assert rule.style == "replicate"
+        assert "tied" in rule.why
+
+
+def test_mlp() -> None:
+    model = Mlp()
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model) == {"fc1": ("colwise", None), "fc2": ("rowwise", None)}
+    assert "gelu" in rule_for(plan, model, "fc1").why
+    assert_parity(model, plan, 2, x)
+
+
+def test_norm_over_features_keeps_the_layer_whole() -> None:
+    model = NormedMlp()
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model) == {}
+    why = rule_for(plan, model, "fc1").why
+    assert "native_layer_norm" in why and "normalizes over the split features" in why
+
+
+def test_names_do_not_matter() -> None:
+    """The same computation under other attribute names, declared in another order."""
+    plain, odd = block(PLAIN_NAMES), block(ODD_NAMES)
+    ids = token_batch(batch=2, seq=8)
+    p1, p2 = (
+        tpplan.infer_plan(plain, example_inputs=ids),
+        tpplan.infer_plan(odd, example_inputs=ids),
+    )
+    s1, s2 = styles(p1, plain, sharded_only=False), styles(p2, odd, sharded_only=False)
+    assert {r: s1.get(PLAIN_NAMES[r]) for r in ROLES} == {r: s2.get(ODD_NAMES[r]) for r in ROLES}
+    assert styles(p1, plain) == {
+        "embed": ("vocab_parallel", None),
+        "q": ("colwise", None), "k": ("colwise", None), "v": ("colwise", None), "o": ("rowwise", None),
+        "up": ("colwise", None), "down": ("rowwise", None),
+        "head": ("colwise", "replicate"),
+    }  # fmt: skip
+    assert_parity(odd, p2, 2, ids)
+
+
+# ---- tp sizes -------------------------------------------------------------------------------
+def test_tp_that_does_not_divide_kv_heads_keeps_attention_whole() -> None:
+    model = llama_gqa()
+    plan = tpplan.infer_plan(model, tp_size=8)
+    sharded = styles(plan, model)
+    assert not any("self_attn" in n for n in sharded)
+    assert sharded["model.layers.0.mlp.down_proj"] == ("rowwise", None)
+    assert "tp 8 does not divide" in rule_for(plan, model, "model.layers.0.self_attn.k_proj").why
+
+
+def test_odd_tp_shards_what_it_can() -> None:
+    """tp 3 divides the MLP (96) but neither the heads nor the vocab (128)."""
+    model = llama_gqa()
+    plan = tpplan.infer_plan(model, tp_size=3)
+    assert set(styles(plan, model)) == {
+        f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert tpplan.check_plan(plan, model, tp_size=3) == []
+    assert_parity(model, plan, 3, _tokens())
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_plan_without_tp_checks_at_2_and_4_and_round_trips(family: str) -> None:
+    model = HF_FAMILIES[family]()
+    plan = tpplan.infer_plan(model)
+    assert tpplan.check_plan(plan, model, tp_size=2) == []
+    assert tpplan.check_plan(plan, model, tp_size=4) == []
+    assert Plan.from_yaml(plan.to_yaml()) == plan
+    # head_dim lets check_plan refuse a tp that splits a head
+    assert tpplan.check_plan(plan, model, tp_size=16)
+
+
+def test_meta_model_gives_the_same_plan() -> None:
+    cpu = llama_gqa()
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cpu.config)
+    assert tpplan.infer_plan(meta) == tpplan.infer_plan(cpu)
+
+
+def test_llama_405b_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = LlamaConfig(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    start = time.perf_counter()
+    plan = tpplan.infer_plan(model)
+    with capsys.disabled():
+        print(f"\n405B infer_plan: {time.perf_counter() - start:.2f} s")
+    assert len(plan.rules) == 9  # one rule per role, every layer under one pattern
+    assert tpplan.check_plan(plan, model, tp_size=8) == []
+    assert rule_for(plan, model, "model.layers.125.self_attn.k_proj").head_dim == 128
+
+
+def test_untraceable_model_says_what_to_pass() -> None:
+    with pytest.raises(tpplan.TpplanError, match="example_inputs"):
+        tpplan.infer_plan(Mlp())

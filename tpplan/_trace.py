@@ -1,0 +1,793 @@
+"""The tracer: run a model once on fake tensors and record where each Linear's output features go.
+
+Start at `trace_model`; it returns a `Trace`, a bag of facts that `tpplan/_infer.py` turns into
+rules. Nothing here decides a style.
+
+How it works. The model is copied onto fake tensors (shapes and dtypes, no storage), hooks mark
+every nn.Linear / nn.Embedding call, and a TorchDispatchMode sees every aten op in between. The
+output of a Linear called on an unsplit input gets a `Split`: "dim d of this tensor holds that
+Linear's output features; splitting them into tp contiguous chunks splits this dim so". Each op
+either carries the Split to its outputs (element-wise ops, views, transposes, batched matmuls,
+attention over heads) or ends it (a reduction, softmax or norm over the split dim, an op we do
+not know); an ended Split marks its source Linears `broken` with the reason. A Split that arrives
+at a Linear on its contracted input dim marks that Linear a closer. Names are recorded only to
+report facts; the decisions follow the data flow alone.
+
+Long stacks of identical blocks are traced through a prefix that holds each distinct block
+structure (at least two blocks), so a 126-layer model costs what a 2-layer one does;
+`Trace.stand_ins` says which traced block stands for which untraced one.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import TpplanError
+
+__all__ = ["Split", "Trace", "TraceError", "trace_model"]
+
+
+class TraceError(TpplanError, RuntimeError):
+    """The model could not be run on fake tensors to trace it."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """Where some Linear layers' output features sit in a tensor.
+
+    Dim `dim` is read as a mixed-radix index (outer, n, inner): the features are split along
+    the middle digit, of size n. A tp-way split of the features is a split of that digit into
+    tp contiguous chunks, valid when tp divides n. Right after a Linear it is (1, out, 1);
+    after `view(B, S, -1, 8)` it is (1, heads, 1) on the heads dim; merged back by
+    `view(B, S, -1)` it is (1, heads, 8) on the feature dim.
+    """
+
+    dim: int
+    outer: int
+    n: int
+    inner: int
+    sources: frozenset[str]
+
+    def same_cut(self, other: Split) -> bool:
+        """Both describe the same partition of the same dim (up to how finely it may be cut)."""
+        return (
+            self.dim == other.dim
+            and self.outer == other.outer
+            and self.n * self.inner == other.n * other.inner
+        )
+
+
+@dataclass
+class Trace:
+    """Facts seen in one traced forward; names are full module / parameter names of the model."""
+
+    called: set[str] = field(default_factory=set)
+    """Linear and Embedding modules that ran."""
+    openers: dict[str, int] = field(default_factory=dict)
+    """Linear called on an unsplit input -> its out_features (its output got a Split)."""
+    closers: dict[str, Split] = field(default_factory=dict)
+    """Linear whose input arrived split on its contracted dim -> that Split."""
+    misfits: dict[str, str] = field(default_factory=dict)
+    """Linear that cannot take a role (called both ways, or split along another dim) -> why."""
+    heads: dict[str, int] = field(default_factory=dict)
+    """Opener -> number of heads of the first view that split its features into heads."""
+    units: dict[str, int] = field(default_factory=dict)
+    """Opener -> gcd of every split size its features met; tp must divide it."""
+    links: set[frozenset[str]] = field(default_factory=set)
+    """Groups of openers/closers that exchanged split tensors: one region each."""
+    broken: dict[str, list[str]] = field(default_factory=dict)
+    """Opener -> why its split could not be followed to a closer."""
+    ops: dict[str, set[str]] = field(default_factory=dict)
+    """Opener -> the ops its split passed through (evidence for `why`)."""
+    at_output: set[str] = field(default_factory=set)
+    """Openers whose split reaches the model's output."""
+    params_in_region: dict[str, set[str]] = field(default_factory=dict)
+    """Parameter -> openers whose split tensors it was combined with (outside any Linear)."""
+    params_outside: set[str] = field(default_factory=set)
+    """Parameters used by ops on unsplit tensors only (outside any Linear/Embedding call)."""
+    counts: dict[str, set[tuple[str, str, int]]] = field(default_factory=dict)
+    """Opener -> (module, attribute, value) of head counts its views read from attributes."""
+    lookups: dict[str, bool] = field(default_factory=dict)
+    """Embedding -> whether its indices are the model's input (token ids) rather than computed."""
+    stand_ins: dict[str, str] = field(default_factory=dict)
+    """Untraced block prefix -> traced block prefix of identical structure."""
+    twins: dict[str, str] = field(default_factory=dict)
+    """Traced block prefix -> an earlier traced block of identical structure (must agree)."""
+    blocks: list[str] = field(default_factory=list)
+    """Prefixes of the traced blocks of shortened stacks."""
+
+    def break_(self, sources: frozenset[str], reason: str) -> None:
+        for s in sources:
+            reasons = self.broken.setdefault(s, [])
+            if reason not in reasons:
+                reasons.append(reason)
+
+
+# ---- op vocabulary -------------------------------------------------------------------------
+# Ops that look at a tensor's metadata only.
+_METADATA = {
+    "device",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "dim",
+    "is_contiguous",
+}
+# Element-wise ops that carry no pointwise tag; anything tagged pointwise is element-wise too.
+_ELEMENTWISE = {
+    "where", "_to_copy", "clone", "alias", "detach", "lift_fresh", "native_dropout",
+    "masked_fill", "fill_", "zero_", "copy_", "contiguous", "dropout",
+}  # fmt: skip
+_RESHAPES = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "_reshape_alias",
+    "unsqueeze",
+    "squeeze",
+    "view_as",
+    "flatten",
+    "unflatten",
+}
+_SAME_SHAPE_OVER_DIM = {
+    "_softmax",
+    "_safe_softmax",
+    "_log_softmax",
+    "softmax",
+    "log_softmax",
+    "cumsum",
+    "cumprod",
+    "logcumsumexp",
+}
+_REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "prod",
+    "logsumexp", "norm", "linalg_vector_norm", "argmax", "argmin", "any", "all",
+}  # fmt: skip
+_SPLITS = {
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "chunk",
+    "unsafe_split",
+    "unsafe_split_with_sizes",
+    "tensor_split",
+}
+_NORMS = {"native_layer_norm", "_fused_rms_norm", "rms_norm", "layer_norm"}
+# Ops whose output is the same data as their one input: a parameter or a model input passed
+# through them is still that parameter or input.
+_PASS_THROUGH = _RESHAPES | {
+    "alias",
+    "detach",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "_to_copy",
+    "clone",
+    "lift_fresh",
+    "slice",
+    "contiguous",
+}
+
+
+class _Break(Exception):
+    """An op ends the splits it received; the message says why."""
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        out[k] = out[k + 1] * shape[k + 1]
+    return out
+
+
+def _reshape(split: Split, before: tuple[int, ...], after: tuple[int, ...]) -> Split:
+    """Follow a split digit through a row-major reshape (views keep the flat order)."""
+    st = _strides(before)
+    low = split.inner * st[split.dim]  # flat stride of the split digit
+    top = low * split.n
+    st2 = _strides(after)
+    for k, size in enumerate(after):
+        if st2[k] < top <= st2[k] * size:
+            break
+    else:
+        raise _Break("a reshape scatters the split features")
+    if top % st2[k] or (st2[k] * size) % top:
+        raise _Break(f"a reshape to {list(after)} cuts across the split features")
+    if low >= st2[k]:  # the whole digit lands in dim k
+        if low % st2[k]:
+            raise _Break(f"a reshape to {list(after)} cuts across the split features")
+        inner, n = low // st2[k], split.n
+    else:  # the digit spans dim k and lower dims: its top part in dim k is the new split
+        if st2[k] % low:
+            raise _Break(f"a reshape to {list(after)} cuts across the split features")
+        inner, n = 1, top // st2[k]
+    return Split(k, size // (n * inner), n, inner, split.sources)
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _merge(splits: list[Split], dims: list[int]) -> Split:
+    """One split from several that must cut the same dim the same way (kept at the finest n)."""
+    first = None
+    for old, d in zip(splits, dims, strict=True):
+        s = Split(d, old.outer, old.n, old.inner, old.sources)
+        if first is None:
+            first = s
+            continue
+        if not first.same_cut(s):
+            raise _Break("it combines tensors split along different dims or in different ways")
+        finest = first if first.n >= s.n else s
+        first = Split(d, finest.outer, finest.n, finest.inner, first.sources | s.sources)
+    assert first is not None  # callers pass at least one split
+    return first
+
+
+class _Tracer(TorchDispatchMode):
+    """Carries Splits from op to op; see the module docstring."""
+
+    def __init__(self, trace: Trace, params: dict[int, str]) -> None:
+        super().__init__()
+        self.trace = trace
+        self.splits: dict[int, tuple[torch.Tensor, Split]] = {}
+        # Tensors that are (views or copies of) a parameter or the model's input; the tensors
+        # are held so that their ids stay unique while traced.
+        self.params: dict[int, tuple[Any, str]] = {i: (None, n) for i, n in params.items()}
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.quiet = 0  # > 0 inside a hooked module or a whole-op rule: ops there are not ours
+        self.stack: list[tuple[str, nn.Module]] = []  # the modules whose forward is running
+
+    # ---- bookkeeping ------------------------------------------------------------------
+    def split_of(self, t: Any) -> Split | None:
+        entry = self.splits.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0] is t else None
+
+    def mark(self, t: torch.Tensor, split: Split, op: str) -> None:
+        self.splits[id(t)] = (t, split)
+        if len(split.sources) == 1:
+            (src,) = split.sources
+            if split.n < self.trace.openers.get(src, 0):
+                self.trace.heads.setdefault(src, split.n)  # the first view into (heads, head_dim)
+        for s in split.sources:
+            self.trace.units[s] = math.gcd(self.trace.units.get(s, split.n), split.n)
+            self.trace.ops.setdefault(s, set()).add(op)
+        if len(split.sources) > 1:
+            self.trace.links.add(split.sources)
+
+    def param_of(self, t: Any) -> str | None:
+        entry = self.params.get(id(t))
+        return entry[1] if entry is not None and (entry[0] is None or entry[0] is t) else None
+
+    # ---- the dispatch hook ------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.quiet:
+            self.on_op(func, args, kwargs, out)
+        return out
+
+    def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        name = func.overloadpacket.__name__
+        ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        splits = [s for s in (self.split_of(t) for t in ins) if s is not None]
+        sources = frozenset().union(*(s.sources for s in splits))
+        self.note_params(name, ins, outs, sources)
+        if not splits:
+            return
+        if not outs:
+            if func.namespace != "prim" and name not in _METADATA:
+                self.trace.break_(sources, f"{name} turns the split tensor into a plain value")
+            return
+        try:
+            results = self.follow(func, name, args, kwargs, out)
+        except _Break as e:
+            self.trace.break_(sources, f"{name}: {e}")
+            return
+        for t, s in results:
+            self.mark(t, s, name)
+
+    def note_params(
+        self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor], sources: frozenset[str]
+    ) -> None:
+        """Which parameters meet split tensors, and which tensors are still the model input."""
+        used = [p for p in (self.param_of(t) for t in ins) if p is not None]
+        if name in _PASS_THROUGH and len(ins) == 1 and len(outs) == 1:
+            if used:
+                self.params[id(outs[0])] = (outs[0], used[0])
+                return
+            if id(ins[0]) in self.inputs and self.inputs[id(ins[0])] is ins[0]:
+                self.inputs[id(outs[0])] = outs[0]
+        for p in used:
+            if sources:
+                self.trace.params_in_region.setdefault(p, set()).update(sources)
+            else:
+                self.trace.params_outside.add(p)
+
+    # ---- op rules: each returns [(output tensor, its Split)] or raises _Break ----------
+    def follow(
+        self, func: Any, name: str, args: Any, kwargs: Any, out: Any
+    ) -> list[tuple[torch.Tensor, Split]]:
+        a = _named(func, args, kwargs)
+        if name in _RESHAPES:
+            s = _reshape(self.only_split(args[0]), tuple(args[0].shape), tuple(out.shape))
+            self.check_count(a.get("size", a.get("shape")), s)
+            return [(out, s)]
+        if name in ("transpose", "t", "permute"):
+            return [(out, self.permuted(name, a, args[0]))]
+        if name == "expand":
+            s = self.only_split(args[0])
+            d = s.dim + out.dim() - args[0].dim()
+            if out.shape[d] != args[0].shape[s.dim]:
+                raise _Break("it expands the split dim")
+            return [(out, Split(d, s.outer, s.n, s.inner, s.sources))]
+        if name in ("slice", "select", "narrow"):
+            return self.sliced(name, a, args[0], out)
+        if name == "cat":
+            return [(out, self.concatenated(a))]
+        if name in _SPLITS:
+            return self.split_apart(name, a, args[0], out)
+        if name in _SAME_SHAPE_OVER_DIM:
+            s = self.only_split(args[0])
+            if _norm_dim(a["dim"], args[0].dim()) == s.dim:
+                raise _Break("it normalizes over the split dim")
+            return [(out, s)]
+        if name in _REDUCTIONS:
+            return self.reduced(a, args[0], out)
+        if name in _NORMS:
+            s = self.only_split(args[0])
+            if s.dim >= args[0].dim() - len(a["normalized_shape"]):
+                raise _Break("it normalizes over the split features")
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            self.check_affine(a, first, s)
+            return [(first, s)]
+        if name in ("mm", "bmm", "addmm", "baddbmm"):
+            return [(out, self.multiplied(name, a, out))]
+        if name in _ELEMENTWISE or torch.Tag.pointwise in func.tags:
+            return self.elementwise(func, args, kwargs, out)
+        raise _Break("the tracer does not know how this op treats a split dim")
+
+    def check_count(self, sizes: Any, s: Split) -> None:
+        """A view that asks for a fixed size at the split dim and -1 elsewhere is wrong on a
+        rank's shard without a word: `view(B, -1, n_heads, hd)` would fold half the heads into
+        the sequence. Such a count must be an integer attribute of an enclosing module, which
+        the plan then divides by the tp size; anything else ends the split."""
+        if not isinstance(sizes, (list, tuple)) or -1 not in sizes or sizes[s.dim] == -1:
+            return
+        count = sizes[s.dim]
+        # The innermost running module holding the number is the one whose forward asked.
+        holders = [
+            (name, sorted(k for k, v in vars(m).items() if type(v) is int and v == count))
+            for name, m in reversed(self.stack)
+        ]
+        owner, attrs = next(((n, a) for n, a in holders if a), ("", []))
+        if len(attrs) != 1:
+            which = "several attributes hold it" if attrs else "no module attribute holds it"
+            raise _Break(f"it fixes the split dim at {count} with -1 elsewhere, and {which}")
+        for src in s.sources:
+            self.trace.counts.setdefault(src, set()).add((owner, attrs[0], count))
+
+    def only_split(self, t: torch.Tensor) -> Split:
+        s = self.split_of(t)
+        if s is None:
+            raise _Break("unexpected unsplit operand")
+        return s
+
+    def permuted(self, name: str, a: dict[str, Any], t: torch.Tensor) -> Split:
+        s = self.only_split(t)
+        nd = t.dim()
+        if name == "permute":
+            order = [_norm_dim(d, nd) for d in a["dims"]]
+        else:
+            order = list(range(nd))
+            d0, d1 = (0, 1) if name == "t" else (_norm_dim(a["dim0"], nd), _norm_dim(a["dim1"], nd))
+            if nd >= 2:
+                order[d0], order[d1] = order[d1], order[d0]
+        return Split(order.index(s.dim), s.outer, s.n, s.inner, s.sources)
+
+    def sliced(
+        self, name: str, a: dict[str, Any], t: torch.Tensor, out: torch.Tensor
+    ) -> list[tuple[torch.Tensor, Split]]:
+        s = self.only_split(t)
+        d = _norm_dim(a.get("dim", 0), t.dim())
+        if d == s.dim:
+            if name != "select" and out.shape[d] == t.shape[d]:
+                return [(out, s)]  # a full slice, `x[..., :n]` with n the whole size
+            raise _Break("it takes part of the split dim")
+        if name == "select" and d < s.dim:
+            return [(out, Split(s.dim - 1, s.outer, s.n, s.inner, s.sources))]
+        return [(out, s)]
+
+    def concatenated(self, a: dict[str, Any]) -> Split:
+        tensors = [t for t in a["tensors"] if t.numel() or t.dim() > 1]
+        nd = tensors[0].dim()
+        d = _norm_dim(a.get("dim", 0), nd)
+        splits = [s for s in (self.split_of(t) for t in tensors) if s is not None]
+        if len(splits) < len(tensors):
+            raise _Break("it joins split and unsplit tensors")
+        merged = _merge(splits, [s.dim for s in splits])
+        if merged.dim == d:
+            raise _Break("it concatenates along the split dim")
+        return merged
+
+    def split_apart(
+        self, name: str, a: dict[str, Any], t: torch.Tensor, out: Any
+    ) -> list[tuple[torch.Tensor, Split]]:
+        s = self.only_split(t)
+        d = _norm_dim(a.get("dim", 0), t.dim())
+        if d == s.dim:
+            raise _Break(
+                f"its split features are cut into {len(out)} parts (a fused layer); a contiguous "
+                "shard would mix the parts"
+            )
+        dim = s.dim - 1 if name == "unbind" and d < s.dim else s.dim  # unbind drops its dim
+        return [(o, Split(dim, s.outer, s.n, s.inner, s.sources)) for o in out]
+
+    def reduced(
+        self, a: dict[str, Any], t: torch.Tensor, out: Any
+    ) -> list[tuple[torch.Tensor, Split]]:
+        s = self.only_split(t)
+        dims = a.get("dim")
+        if dims is None or dims == []:
+            raise _Break("it reduces the whole tensor, split dim included")
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        dims = [_norm_dim(d, t.dim()) for d in dims]
+        if s.dim in dims:
+            raise _Break("it reduces over the split dim")
+        keep = bool(a.get("keepdim", False))
+        d = s.dim if keep else s.dim - sum(1 for x in dims if x < s.dim)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        return [(o, Split(d, s.outer, s.n, s.inner, s.sources)) for o in outs]
+
+    def multiplied(self, name: str, a: dict[str, Any], out: torch.Tensor) -> Split:
+        """mm/bmm (and addmm/baddbmm): batch dims must be split alike, rows or columns may be
+        split against an unsplit other side; a split contracted dim is a Linear's job."""
+        x, y = {
+            "mm": ("self", "mat2"),
+            "bmm": ("self", "mat2"),
+            "addmm": ("mat1", "mat2"),
+            "baddbmm": ("batch1", "batch2"),
+        }[name]
+        sx, sy = self.split_of(a[x]), self.split_of(a[y])
+        batched = name in ("bmm", "baddbmm")
+        row, col = (1, 2) if batched else (0, 1)
+        if sx is not None and sy is not None:
+            if not (batched and sx.dim == 0 and sy.dim == 0):
+                raise _Break("it contracts split operands outside a Linear")
+            result = _merge([sx, sy], [0, 0])
+        elif sx is not None and sx.dim == row:
+            result = sx
+        elif sy is not None and sy.dim == col:
+            result = sy
+        else:
+            raise _Break("it contracts or batches over the split dim against an unsplit operand")
+        if name in ("addmm", "baddbmm"):
+            bias = a["self"]
+            if self.split_of(bias) is not None:
+                raise _Break("it adds a split bias to a matrix product")
+            self.check_broadcast(bias, result, out.dim())
+        return result
+
+    def elementwise(
+        self, func: Any, args: Any, kwargs: Any, out: Any
+    ) -> list[tuple[torch.Tensor, Split]]:
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        shape = outs[0].shape
+        nd = len(shape)
+        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        pairs = [(t, self.split_of(t)) for t in ins]
+        split_pairs = [(t, s) for t, s in pairs if s is not None]
+        dims = [s.dim + nd - t.dim() for t, s in split_pairs]
+        for (t, s), d in zip(split_pairs, dims, strict=True):
+            if t.shape[s.dim] != shape[d]:
+                raise _Break("the split dim is broadcast")
+        result = _merge([s for _, s in split_pairs], dims)
+        for t, maybe in pairs:
+            if maybe is None:
+                self.check_broadcast(t, result, nd)
+        if func._schema.is_mutable and self.split_of(args[0]) is None:
+            raise _Break("it writes split values into an unsplit tensor in place")
+        return [(o, result) for o in outs if o.dim() == nd]
+
+    def check_affine(self, a: dict[str, Any], out: torch.Tensor, s: Split) -> None:
+        for key in ("weight", "bias"):
+            if isinstance(a.get(key), torch.Tensor):
+                self.check_broadcast(a[key], s, out.dim())
+
+    def check_broadcast(self, t: torch.Tensor, s: Split, nd: int) -> None:
+        """An unsplit operand may meet a split one only where it is broadcast (size 1)."""
+        k = s.dim - (nd - t.dim())
+        if k >= 0 and t.shape[k] != 1:
+            raise _Break(
+                "it combines the split tensor with an unsplit one of full size along the split dim"
+            )
+
+
+def _named(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+    names = [arg.name for arg in func._schema.arguments]
+    out = dict(zip(names, args, strict=False))  # trailing defaults are not passed
+    out.update(kwargs)
+    return out
+
+
+class _Attention(TorchFunctionMode):
+    """scaled_dot_product_attention as one op: heads (dim -3) of q, k and v go together.
+
+    Seen whole, so its evidence reads as attention and its internals (on the math path on fake
+    tensors) need no rules. Grouped-query attention pairs query head i with key/value head
+    i * kv_heads // heads, so a tp-way split keeps pairs together when tp divides both counts.
+    """
+
+    def __init__(self, tracer: _Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention or self.tracer.quiet:
+            return func(*args, **kwargs)
+        t = self.tracer
+        qkv = list(args[:3]) + [kwargs[k] for k in ("query", "key", "value") if k in kwargs]
+        splits = [t.split_of(x) for x in qkv]
+        if all(s is None for s in splits):
+            return func(*args, **kwargs)
+        sources = frozenset().union(*(s.sources for s in splits if s is not None))
+        t.quiet += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            t.quiet -= 1
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        try:
+            q = _attention_split(qkv, splits)
+            if isinstance(mask, torch.Tensor):
+                ms = t.split_of(mask)
+                if ms is None:
+                    t.check_broadcast(mask, q, out.dim())
+                elif (
+                    not ms.same_cut(Split(ms.dim, q.outer, q.n, q.inner, q.sources))
+                    or ms.dim != q.dim
+                ):
+                    raise _Break("the mask is split differently from the heads")
+        except _Break as e:
+            t.trace.break_(sources, f"scaled_dot_product_attention: {e}")
+            return out
+        for s in sources:
+            t.trace.units[s] = math.gcd(t.trace.units.get(s, q.n), *(x.n for x in splits if x))
+        t.mark(out, Split(q.dim, 1, q.n, q.inner, sources), "scaled_dot_product_attention")
+        return out
+
+
+def _attention_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:
+    if any(s is None for s in splits):
+        raise _Break("query, key and value are not all split")
+    dims = [x.dim() - 3 for x in qkv]
+    for x, s, d in zip(qkv, splits, dims, strict=True):
+        assert s is not None
+        if s.dim != d or s.outer != 1 or s.n * s.inner != x.shape[d]:
+            raise _Break("query, key or value is not split along its heads dim")
+    q = splits[0]
+    assert q is not None
+    return q
+
+
+# ---- running the model ---------------------------------------------------------------------
+def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
+    trace = tracer.trace
+    arrived: list[Split | None] = []  # the split of each call's input, until the call returns
+
+    def before(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        trace.called.add(name)
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(module, nn.Embedding):
+            trace.lookups[name] = (
+                trace.lookups.get(name, True)
+                and id(x) in tracer.inputs
+                and tracer.inputs[id(x)] is x
+            )
+            s = tracer.split_of(x)
+            if s is not None:
+                trace.break_(s.sources, "it is used as indices of an embedding lookup")
+        else:
+            s = tracer.split_of(x)
+            role = "opener" if s is None else "closer"
+            if s is not None and x is not None and (s.dim != x.dim() - 1 or s.outer != 1):
+                trace.break_(
+                    s.sources, "it reaches a Linear along a dim the Linear does not contract"
+                )
+                trace.misfits[name] = "its input arrives split along a dim it does not contract"
+            elif s is not None:
+                if name in trace.closers and not trace.closers[name].same_cut(s):
+                    trace.misfits[name] = "it is called twice with inputs split differently"
+                trace.closers[name] = s
+                trace.links.add(s.sources | {name})
+            if (role == "opener" and name in trace.closers) or (
+                role == "closer" and name in trace.openers
+            ):
+                trace.misfits[name] = "it is called both on split and on unsplit inputs"
+        tracer.quiet += 1
+        arrived.append(tracer.split_of(x))
+
+    def after(mod: nn.Module, args: Any, out: Any) -> None:
+        tracer.quiet -= 1
+        unsplit = arrived.pop() is None
+        if isinstance(module, nn.Linear) and unsplit and isinstance(out, torch.Tensor):
+            trace.openers[name] = module.out_features
+            tracer.mark(
+                out, Split(out.dim() - 1, 1, module.out_features, 1, frozenset({name})), "linear"
+            )
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
+
+
+def _track(tracer: _Tracer, name: str, module: nn.Module) -> None:
+    """Keep `tracer.stack` as the chain of modules whose forward is running."""
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        tracer.stack.append((name, mod))
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        tracer.stack.pop()
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
+def _structure(module: nn.Module) -> tuple[Any, ...]:
+    """What two blocks must share to be traced once: module types and parameter shapes."""
+    mods = tuple((n, type(m).__qualname__) for n, m in module.named_modules())
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    return mods, params
+
+
+def _repeats(model: nn.Module) -> dict[int, tuple[str, int, dict[int, int]]]:
+    """Outermost ModuleLists worth shortening: id -> (name, blocks kept, {block: first twin})."""
+    found: dict[int, tuple[str, int, dict[int, int]]] = {}
+    taken: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) < 3:
+            continue
+        if any(name.startswith(p + ".") for p in taken):
+            continue
+        shapes = [_structure(c) for c in m]
+        first: dict[Any, int] = {}
+        for i, s in enumerate(shapes):
+            first.setdefault(s, i)
+        keep = max(2, max(first.values()) + 1)
+        if keep >= len(m):
+            continue
+        found[id(m)] = (
+            name,
+            keep,
+            {i: first[shapes[i]] for i in range(len(m)) if first[shapes[i]] != i},
+        )
+        taken.append(name)
+    return found
+
+
+def _fake_copy(model: nn.Module, fake: FakeTensorMode, trace: Trace, *, shorten: bool) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are fake tensors (no storage copied)."""
+    memo: dict[int, Any] = {}
+    repeats = _repeats(model) if shorten else {}
+    # Tensors of blocks left out are never copied; making fakes of them would cost the most.
+    skipped = {
+        id(t)
+        for m in model.modules()
+        if id(m) in repeats
+        for block in list(m.children())[repeats[id(m)][1] :]
+        for t in [*block.parameters(), *block.buffers()]
+    }
+    for p in model.parameters():
+        if id(p) not in skipped:
+            memo[id(p)] = nn.Parameter(fake.from_tensor(p), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        if id(b) not in skipped:
+            memo[id(b)] = fake.from_tensor(b)
+    for m in model.modules():
+        if id(m) in repeats:
+            name, keep, twin = repeats[id(m)]
+            prefix = f"{name}." if name else ""
+            blocks = list(m.children())
+            memo[id(m)] = nn.ModuleList([copy.deepcopy(blocks[i], memo) for i in range(keep)])
+            trace.blocks.extend(f"{prefix}{i}" for i in range(keep))
+            for i, j in twin.items():
+                into = trace.stand_ins if i >= keep else trace.twins
+                into[f"{prefix}{i}"] = f"{prefix}{j}"
+    return copy.deepcopy(model, memo)
+
+
+def _example_inputs(
+    model: nn.Module, example_inputs: Any, device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(args, kwargs) for the traced forward, from the caller or from the forward signature."""
+    if example_inputs is not None:
+        if isinstance(example_inputs, dict):
+            return (), dict(example_inputs)
+        if isinstance(example_inputs, (tuple, list)):
+            return tuple(example_inputs), {}
+        return (example_inputs,), {}
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" not in params:
+        raise TraceError(
+            f"cannot guess inputs for {type(model).__name__}.forward{inspect.signature(model.forward)}; "
+            "pass example_inputs=(tensor, ...) or a dict of keyword inputs."
+        )
+    # Batch 2, sequence 16: distinct sizes, so a broadcast batch dim is never taken for a split.
+    ids = torch.zeros(2, 16, dtype=torch.long, device=device)
+    kwargs: dict[str, Any] = {"input_ids": ids}
+    config = getattr(model, "config", None)
+    if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
+        kwargs["decoder_input_ids"] = ids
+    if "use_cache" in params:
+        kwargs["use_cache"] = False  # no cache to fill: its writes are not part of the math
+    return (), kwargs
+
+
+def _leaves(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, dict):
+        for v in out.values():
+            yield from _leaves(v)
+    elif isinstance(out, (list, tuple)):
+        for v in out:
+            yield from _leaves(v)
+
+
+def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool = True) -> Trace:
+    """Run `model` once on fake tensors and return the data-flow facts.
+
+    `shorten` traces long stacks of identical blocks through a prefix (see the module
+    docstring); pass False to trace every block.
+    """
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    trace = Trace()
+    copy_ = _fake_copy(model, fake, trace, shorten=shorten)
+    copy_.eval()
+    params = {id(p): n for n, p in copy_.named_parameters(remove_duplicate=False)}
+    tracer = _Tracer(trace, params)
+    for name, m in copy_.named_modules():
+        _track(tracer, name, m)
+        if type(m) in (nn.Linear, nn.Embedding) or isinstance(m, (nn.Linear, nn.Embedding)):
+            _hook(tracer, name, m)
+    args, kwargs = _example_inputs(model, example_inputs, device)
+    with fake:
+        args, kwargs = pytree.tree_map(
+            lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
+    for x in pytree.tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor):
+            tracer.inputs[id(x)] = x
+    try:
+        with torch.no_grad(), fake, tracer, _Attention(tracer):
+            out = copy_(*args, **kwargs)
+    except TpplanError:
+        raise
+    except Exception as e:
+        raise TraceError(
+            f"could not run {type(model).__name__} on fake tensors to trace it ({type(e).__name__}: {e}). "
+            "Pass example_inputs that its forward accepts, or write the plan by hand."
+        ) from e
+    for t in _leaves(out):
+        s = tracer.split_of(t)
+        if s is not None:
+            trace.at_output |= s.sources
+    return trace
