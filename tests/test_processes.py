@@ -1,9 +1,11 @@
-"""The real engine: torchrun starts gloo processes that apply a plan and check parity."""
+"""The real engine: torchrun (and tpplan.launch) start gloo processes that apply a plan,
+train a step on a 2-D mesh, run compiled, and check parity with the unsharded model."""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,27 +13,84 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(script: Path, nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+def torchrun(script: Path, *launcher_args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
+
+
+def _ranks(stdout: str, pattern: str) -> list[int]:
+    # ranks print concurrently, so their lines may share a line of stdout
+    return sorted(int(r) for r in re.findall(rf"rank (\d+){pattern}", stdout))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gloo_parity(tp: int) -> None:
-    run = torchrun(HERE / "gloo_parity.py", tp)
+    run = torchrun(HERE / "gloo_parity.py", "--standalone", f"--nproc-per-node={tp}")
     assert run.returncode == 0, run.stdout + run.stderr
-    # ranks print concurrently, so their lines may share a line of stdout
-    ranks = sorted(int(r) for r in re.findall(rf"rank (\d+)/{tp} worst", run.stdout))
-    assert ranks == list(range(tp)), run.stdout
+    assert _ranks(run.stdout, f"/{tp} worst") == list(range(tp)), run.stdout
+
+
+@pytest.mark.slow
+def test_tp_and_fsdp_on_a_2x2_mesh_train_like_the_unsharded_model() -> None:
+    run = torchrun(HERE / "fsdp_tp_step.py", "--standalone", "--nproc-per-node=4")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _ranks(run.stdout, " worst") == [0, 1, 2, 3], run.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback() -> None:
+    """Two torchrun agents (2 nodes x 2 processes) meet by c10d rendezvous on 127.0.0.1."""
+    args = [
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        "--rdzv-id=tpplan-two-nodes",
+        "--local-addr=127.0.0.1",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(HERE / "fsdp_tp_step.py")]
+    agents = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        for _ in range(2)
+    ]
+    outputs = [a.communicate(timeout=400)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    assert _ranks("".join(outputs), " worst") == [0, 1, 2, 3], outputs
+
+
+@pytest.mark.slow
+def test_compiled_model_matches() -> None:
+    run = torchrun(HERE / "compile_ranks.py", "--standalone", "--nproc-per-node=2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _ranks(run.stdout, " compiled") == [0, 1], run.stdout
+
+
+@pytest.mark.slow
+def test_launch_returns_each_ranks_result() -> None:
+    from launch_targets import rank_and_size
+
+    from tpplan import launch
+
+    assert launch(rank_and_size, nprocs=2, args=(100,)) == [102, 112]
+
+
+@pytest.mark.slow
+def test_launch_names_the_rank_that_failed() -> None:
+    from launch_targets import fail_on_rank
+
+    from tpplan import LaunchError, launch
+
+    with pytest.raises(
+        LaunchError, match=r"rank 1 of 2 failed: ValueError: rank 1 was told to fail"
+    ):
+        launch(fail_on_rank, nprocs=2, args=(1,))

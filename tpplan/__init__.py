@@ -17,10 +17,17 @@ from .plan import SCHEMA_VERSION, Plan, Rule, load_plan
 if TYPE_CHECKING:
     from ._apply import apply_plan
     from ._check import check_plan
+    from ._guard import InputMismatchError
     from ._infer import infer_plan
+    from ._launch import LaunchError, launch
+    from ._parallelize import parallelize
+    from ._stats import plan_stats
+    from ._verify import verify_plan
 
 __all__ = [
     "SCHEMA_VERSION",
+    "InputMismatchError",
+    "LaunchError",
     "MeshError",
     "Plan",
     "PlanFileError",
@@ -31,12 +38,27 @@ __all__ = [
     "apply_plan",
     "check_plan",
     "infer_plan",
+    "launch",
     "load_plan",
+    "parallelize",
+    "plan_stats",
+    "verify_plan",
 ]
 
 __version__ = "0.1.0"
 
-_LAZY = {"apply_plan": "._apply", "check_plan": "._check", "infer_plan": "._infer"}
+# name -> module; these import torch, so they load on first use
+_LAZY = {
+    "apply_plan": "._apply",
+    "check_plan": "._check",
+    "infer_plan": "._infer",
+    "InputMismatchError": "._guard",
+    "launch": "._launch",
+    "LaunchError": "._launch",
+    "parallelize": "._parallelize",
+    "plan_stats": "._stats",
+    "verify_plan": "._verify",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ._check import check_plan
+from ._guard import guard_inputs, wants_guard
 from ._patterns import match_names
 from .errors import MeshError, PlanProblemsError
 from .plan import Plan, load_plan
@@ -53,7 +54,11 @@ def resolve_plan(plan: Plan | str | Path | None, model: nn.Module, *, tp_size: i
 
 
 def apply_plan(
-    model: nn.Module, mesh: DeviceMesh, plan: Plan | str | Path | None = None
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Plan | str | Path | None = None,
+    *,
+    check_inputs: bool | None = None,
 ) -> nn.Module:
     """Shard `model` in place over the 1-D tensor-parallel `mesh` and return it.
 
@@ -61,6 +66,10 @@ def apply_plan(
     checked first; all problems are raised together as PlanProblemsError and the model is
     left untouched. Works on models on the meta device (materialize or load weights after)
     as well as on CPU/CUDA.
+
+    `check_inputs` (default: the TPPLAN_CHECK_INPUTS environment variable) makes every
+    forward verify that the model's tensor inputs are identical on all tp ranks, raising
+    InputMismatchError naming the input and the ranks that differ.
     """
     mesh = tp_mesh(mesh)
     tp_size = mesh.size()
@@ -72,6 +81,8 @@ def apply_plan(
     if styles:
         parallelize_module(model, mesh, styles)
     _divide_attributes(plan, model, tp_size)
+    if wants_guard(check_inputs):
+        guard_inputs(model, mesh)
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
     return model
 

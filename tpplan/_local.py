@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["fake_ranks", "rank_values", "simulated_ranks"]
+__all__ = ["fake_ranks", "own_replicas", "rank_values", "simulated_ranks"]
 
 
 @contextmanager
@@ -50,7 +50,8 @@ def simulated_ranks(world_size: int) -> Iterator[DeviceMesh]:
     """A 1-D CPU mesh whose ranks all run here, each with its own real tensors.
 
     Inside, tensors produced by sharded modules hold one value per rank; read them with
-    `rank_values`. Inputs made inside are the same on every rank.
+    `rank_values`. Make inputs before entering: random ops inside draw different values on
+    each rank, as separately seeded processes would.
     """
     from torch.distributed._local_tensor import LocalTensorMode
 
@@ -69,3 +70,23 @@ def rank_values(t: Any) -> list[torch.Tensor]:
     if isinstance(t, LocalTensor):
         return [t._local_tensors[r] for r in sorted(t._local_tensors)]
     return [t]
+
+
+def own_replicas(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """Give every simulated rank its own copy of the plain (replicated) parameters.
+
+    A plain tensor is one object shared by all simulated ranks, so an in-place update with
+    per-rank gradients (an optimizer step) would be applied once per rank. Real processes
+    each hold their own copy; this makes the simulation do the same. Call after apply_plan,
+    inside `simulated_ranks`, before building the optimizer.
+    """
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or isinstance(p, (DTensor, LocalTensor)):
+                continue
+            copies = LocalTensor({r: p.data.clone() for r in range(world_size)})
+            module._parameters[name] = torch.nn.Parameter(copies, requires_grad=p.requires_grad)
+    return model

@@ -1,0 +1,58 @@
+"""Run by torchrun from test_processes.py on 4 ranks (one node or two): a 2x2 (dp, tp) mesh
+trains one step; the parameters must equal the unsharded model trained on the whole batch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import tiny_llama, token_batch
+
+import tpplan
+
+TOL = 1e-5  # fp32, one SGD step of a 2-layer model
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref, model = tiny_llama(), tiny_llama()
+    batch = token_batch(batch=4)
+    loss_fn = torch.nn.functional.cross_entropy
+
+    out = ref(batch).logits
+    loss_fn(out[:, :-1].flatten(0, 1), batch[:, 1:].flatten()).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+
+    tpplan.parallelize(
+        model, mesh, Path(__file__).parent / "plans" / "llama.yaml", check_inputs=True
+    )
+    dp_rank = mesh["dp"].get_local_rank()
+    part = batch.chunk(2)[dp_rank]  # both tp ranks of one dp rank get the same half
+    out = model(part).logits
+    loss_fn(out[:, :-1].flatten(0, 1), part[:, 1:].flatten()).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+
+    worst, where = 0.0, ""
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        err = (full.detach() - q.detach()).abs().max().item()
+        if err > worst:
+            worst, where = err, name
+    # every parameter is FSDP-sharded over dp; the plan's layers over (dp, tp) as well
+    dims = {len(p.placements) if isinstance(p, DTensor) else 0 for p in model.parameters()}
+    print(f"rank {rank} worst {where} {worst:.2e} mesh dims {sorted(dims)}", flush=True)
+    dist.destroy_process_group()
+    if worst > TOL or dims != {1, 2}:
+        sys.exit(f"rank {rank}: {where} differs by {worst:.2e}; placements over mesh dims {dims}")
+
+
+if __name__ == "__main__":
+    main()

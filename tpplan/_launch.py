@@ -1,0 +1,81 @@
+"""launch: run a function on N local ranks with the process group initialised, from a
+notebook or a plain script, on top of torch's own elastic launcher (what torchrun runs).
+
+tpplan starts no processes and opens no sockets of its own: this is a thin call into
+torch.distributed.launcher. Start at `launch`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import TpplanError
+
+__all__ = ["LaunchError", "launch"]
+
+
+class LaunchError(TpplanError, RuntimeError):
+    """A launched rank failed; the message names the rank and carries its error."""
+
+
+def _on_rank(fn: Callable[..., Any], args: Sequence[Any], backend: str | None) -> Any:
+    """Runs in each child: init the default process group, call fn, tear down."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        import os
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    try:
+        return record(fn)(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    *,
+    nprocs: int,
+    args: Sequence[Any] = (),
+    backend: str | None = None,
+    start_method: str = "spawn",
+) -> list[Any]:
+    """Run `fn(*args)` on `nprocs` local ranks and return their results, rank 0 first.
+
+    Every rank has the default process group initialised (NCCL when CUDA is available,
+    else gloo), so `init_device_mesh` works inside `fn`. `fn` and `args` must be picklable
+    (a module-level function) under the default "spawn" start method; "fork" also takes
+    functions defined in a notebook. An error on any rank is raised here as LaunchError,
+    naming the rank.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}.")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"tpplan-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free port on loopback, as torchrun --standalone
+        max_restarts=0,
+        start_method=start_method,
+    )
+    try:
+        results = elastic_launch(config, _on_rank)(fn, tuple(args), backend)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", message)
+        text = str(message).strip() or f"exit code {failure.exitcode}"
+        raise LaunchError(f"rank {rank} of {nprocs} failed: {text}") from None
+    return [results[r] for r in sorted(results)]

@@ -1,0 +1,73 @@
+"""parallelize: a plan on the mesh axis named "tp", and FSDP2 on the axis named "dp".
+
+This is tensor parallelism beside data parallelism on one 2-D mesh, the layout torchtitan
+uses: each block is wrapped by `fully_shard` over "dp" after its weights were split over
+"tp". Start at `parallelize`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._apply import apply_plan
+from .errors import MeshError
+from .plan import Plan
+
+__all__ = ["parallelize"]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: members of every nn.ModuleList, outermost lists only."""
+    blocks: list[nn.Module] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        if id(module) in seen:
+            continue
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                blocks.append(child)
+                seen.update(id(m) for m in child.modules())
+    return blocks
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Plan | str | Path | None = None,
+    *,
+    dp: Literal["fsdp"] | None = "fsdp",
+    check_inputs: bool | None = None,
+) -> nn.Module:
+    """Apply `plan` over mesh["tp"] and, with dp="fsdp", FSDP2 over mesh["dp"].
+
+    The mesh names its axes ("dp", "tp") as in init_device_mesh(..., mesh_dim_names=...).
+    A 1-D mesh named "tp" (or unnamed) gets tensor parallelism only. Each dp rank must then
+    feed its own part of the batch; all tp ranks of one dp rank the same part.
+    """
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1 and names in ((), ("tp",)):
+        return apply_plan(model, mesh, plan, check_inputs=check_inputs)
+    if "tp" not in names:
+        raise MeshError(
+            f"parallelize needs a mesh axis named 'tp' (this mesh's axes: {', '.join(names) or 'unnamed'}); "
+            "build it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
+        )
+    apply_plan(model, mesh["tp"], plan, check_inputs=check_inputs)
+    if dp is None:
+        return model
+    if dp != "fsdp":
+        raise ValueError(f"dp must be 'fsdp' or None, got {dp!r}.")
+    if "dp" not in names:
+        raise MeshError(
+            f"dp='fsdp' needs a mesh axis named 'dp' (this mesh's axes: {', '.join(names)})."
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
