@@ -225,3 +225,32 @@ def test_stats_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_stats_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "stats", "llama", "--plan", str(LLAMA_PLAN), "--tp", "4", *SMALL)
     assert code == 0 and "at tp 4" in out and "forward   all_reduce" in out
+
+
+def test_infer_prints_a_plan_that_reads_back(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's first command: a plan for a model built in, no network."""
+    from tpplan import Plan
+
+    code, out, _ = run(capsys, "infer", "llama", "--tp", "2", *SMALL)
+    plan = Plan.from_yaml(out)
+    styles = {r.match: r.style for r in plan.rules}
+    assert code == 0 and plan.model is not None and plan.model.class_ == "LlamaForCausalLM"
+    assert styles["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert styles["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert all(r.why for r in plan.rules)
+
+
+def test_infer_writes_json_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tpplan import load_plan
+
+    target = tmp_path / "plan.json"
+    code, out, err = run(capsys, "infer", "llama", "--format", "json", "-o", str(target), *SMALL)
+    assert code == 0 and out == "" and f"wrote {target}" in err
+    assert load_plan(target).rules
+
+
+def test_infer_then_check_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "plan.yaml"
+    assert run(capsys, "infer", "llama", "--tp", "4", "-o", str(target), *SMALL)[0] == 0
+    code, out, _ = run(capsys, "check", str(target), "llama", "--tp", "4", *SMALL)
+    assert code == 0 and "sound at tp 4" in out

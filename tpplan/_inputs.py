@@ -59,7 +59,7 @@ def example_inputs(
         if vocab is None:
             raise InputsError(
                 f"{type(model).__name__} takes token ids but its config names no vocab_size; "
-                "pass example inputs."
+                "pass example_inputs (a tensor, a tuple of them, or a dict of keyword inputs)."
             )
         return torch.randint(0, int(vocab), (batch, n), generator=g).to(device)
 
@@ -80,6 +80,6 @@ def example_inputs(
         names = ", ".join(params) or "no arguments"
         raise InputsError(
             f"tpplan cannot make up inputs for {type(model).__name__} (its forward takes {names}); "
-            "pass example inputs."
+            "pass example_inputs (a tensor, a tuple of them, or a dict of keyword inputs)."
         )
     return out

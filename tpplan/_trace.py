@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._inputs import example_inputs as _derived_inputs
 from .errors import TpplanError
 
 __all__ = ["Split", "Trace", "TraceError", "trace_model"]
@@ -722,18 +723,9 @@ def _example_inputs(
         if isinstance(example_inputs, (tuple, list)):
             return tuple(example_inputs), {}
         return (example_inputs,), {}
-    params = inspect.signature(model.forward).parameters
-    if "input_ids" not in params:
-        raise TraceError(
-            f"cannot guess inputs for {type(model).__name__}.forward{inspect.signature(model.forward)}; "
-            "pass example_inputs=(tensor, ...) or a dict of keyword inputs."
-        )
     # Batch 2, sequence 16: distinct sizes, so a broadcast batch dim is never taken for a split.
-    ids = torch.zeros(2, 16, dtype=torch.long, device=device)
-    kwargs: dict[str, Any] = {"input_ids": ids}
-    config = getattr(model, "config", None)
-    if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
-        kwargs["decoder_input_ids"] = ids
+    kwargs: dict[str, Any] = dict(_derived_inputs(model, batch=2, seq=16, device=device))
+    params = inspect.signature(model.forward).parameters
     if "use_cache" in params:
         kwargs["use_cache"] = False  # no cache to fill: its writes are not part of the math
     return (), kwargs
