@@ -98,7 +98,9 @@ def test_a_region_left_open(llama) -> None:  # type: ignore[no-untyped-def]
         "model.layers.*.mlp.gate_proj",
         "model.layers.*.mlp.up_proj",
     }
-    assert "no rowwise module under model.layers.*.mlp" in problems[0].message
+    assert problems[0].message.startswith(
+        "its output is contracted by model.layers.*.mlp.down_proj,"
+    )
 
 
 def test_a_region_never_opened(llama) -> None:  # type: ignore[no-untyped-def]
@@ -153,3 +155,35 @@ def test_a_matching_fingerprint_passes(llama) -> None:  # type: ignore[no-untype
 def test_tp_size_must_be_positive(llama) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="tp_size must be a positive integer, got 0"):
         check_plan(load_plan(LLAMA_PLAN), llama, tp_size=0)
+
+
+def test_a_region_that_spans_sibling_modules_is_closed() -> None:
+    """BERT opens attention in attention.self.query and closes it in attention.output.dense:
+    different parents, one region; the trace sees the data flow join them."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+    )
+    model = BertModel(cfg, add_pooling_layer=False)
+    plan = Plan.from_yaml(
+        "tpplan: 1\nrules:\n"
+        "  - {match: 'encoder.layer.*.attention.self.[qkv]*', style: colwise, why: q k v, head_dim: 16}\n"
+        "  - {match: encoder.layer.*.attention.output.dense, style: rowwise, why: closes, head_dim: 16}\n"
+    )
+    assert check_plan(plan, model, tp_size=2) == []
+    half = plan.model_copy(update={"rules": plan.rules[:1]})
+    p = _only(check_plan(half, model, tp_size=2), "unclosed_region")
+    assert "contracted by encoder.layer.*.attention.output.dense" in p.message
+
+
+def test_an_untraceable_model_gets_the_structural_check() -> None:
+    from models import HeadNormBlock
+
+    plan = Plan.from_yaml("tpplan: 1\nrules:\n  - {match: fc1, style: colwise, why: opens}\n")
+    p = _only(check_plan(plan, HeadNormBlock(), tp_size=2), "unclosed_region")
+    assert "no rowwise module under the model (top level)" in p.message

@@ -7,12 +7,17 @@ Start at `check_plan`; each `_check_*` function adds one kind of Problem.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from torch import nn
 
 from ._fingerprint import describe_mismatch, fingerprint
 from ._patterns import collapse, match_names, wildcard
-from .errors import Problem, did_you_mean
+from .errors import Problem, TpplanError, did_you_mean
 from .plan import Plan, Rule, parse_layout
+
+if TYPE_CHECKING:
+    from ._trace import Trace
 
 __all__ = ["check_plan"]
 
@@ -96,7 +101,7 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
                 continue
             owner[name] = i
             problems.extend(_check_module(i, rule, name, modules[name], tp_size))
-    problems.extend(_check_regions(plan, matched, modules))
+    problems.extend(_check_regions(plan, matched, model))
     problems.extend(_check_attributes(plan, names, modules, tp_size))
     problems.extend(_check_fingerprint(plan, model))
     return _merge_layers(problems, names)
@@ -194,22 +199,98 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
     return out
 
 
-def _check_regions(
-    plan: Plan, matched: dict[int, list[str]], modules: dict[str, nn.Module]
-) -> list[Problem]:
-    """A column-parallel output must reach a row-parallel layer (and the reverse).
+def _check_regions(plan: Plan, matched: dict[int, list[str]], model: nn.Module) -> list[Problem]:
+    """A column-parallel output must reach row-parallel layers only (and the reverse).
 
-    Without running the model this looks at structure: the closing layer must sit under the
-    same parent module as the opening one (q_proj and o_proj under one attention module).
-    The tracer proves the data flow itself; this catches a rule forgotten by hand.
+    The model is traced (tpplan/_trace.py) to see where each layer's output goes; a model
+    that cannot be traced (its inputs cannot be guessed) gets the structural check instead.
     """
-    openers: list[tuple[int, str]] = []
-    closers: list[tuple[int, str]] = []
-    for i, rule in enumerate(plan.rules):
-        if _opens_region(rule):
-            openers.extend((i, n) for n in matched[i])
-        elif _closes_region(rule):
-            closers.extend((i, n) for n in matched[i])
+    from ._trace import trace_model
+
+    openers = [(i, n) for i, r in enumerate(plan.rules) if _opens_region(r) for n in matched[i]]
+    closers = [(i, n) for i, r in enumerate(plan.rules) if _closes_region(r) for n in matched[i]]
+    if not openers and not closers:
+        return []
+    try:
+        trace = trace_model(model)
+    except TpplanError:
+        return _check_regions_by_structure(plan, openers, closers)
+    return _check_regions_by_flow(plan, openers, closers, trace)
+
+
+def _check_regions_by_flow(
+    plan: Plan, openers: list[tuple[int, str]], closers: list[tuple[int, str]], trace: Trace
+) -> list[Problem]:
+    def traced(name: str) -> str:
+        # untraced repeats of a block are checked through the block traced in their place
+        for block, twin in trace.stand_ins.items():
+            if name == block or name.startswith(block + "."):
+                return twin + name[len(block) :]
+        return name
+
+    open_t = {traced(n) for _, n in openers}
+    close_t = {traced(n) for _, n in closers}
+
+    def partners(t: str, role: dict[str, Any]) -> set[str]:
+        return {m for g in trace.links if t in g for m in g if m in role and m != t}
+
+    out: list[Problem] = []
+    for i, name in openers:
+        rule, t = plan.rules[i], traced(name)
+        if t not in trace.openers:
+            continue  # not a Linear called on a whole input; the type check speaks for it
+        missing = sorted(wildcard(c) for c in partners(t, trace.closers) - close_t)
+        if missing:
+            out.append(
+                Problem(
+                    "unclosed_region",
+                    _where(i, rule),
+                    name,
+                    f"its output is contracted by {', '.join(missing)}, which the plan does not make "
+                    "rowwise, so that layer would read a shard as if it were the whole tensor.",
+                    "make those layers rowwise, or gather this output with `output: replicate`.",
+                )
+            )
+        elif (
+            t in trace.at_output
+            and not partners(t, trace.closers)
+            and not plan.options.loss_parallel
+        ):
+            out.append(
+                Problem(
+                    "unclosed_region",
+                    _where(i, rule),
+                    name,
+                    f"its output stays sharded ({rule.output or 'shard(-1)'}) up to the model's output.",
+                    "gather it with `output: replicate`, or set options.loss_parallel and compute "
+                    "the loss under torch.distributed.tensor.parallel.loss_parallel().",
+                )
+            )
+    for i, name in closers:
+        rule, t = plan.rules[i], traced(name)
+        if t not in trace.closers:
+            # The trace saw no split arrive (or its split went through a reshape by stored
+            # head counts, which the plan's attributes fix): nothing to pair it with.
+            continue
+        missing = sorted(wildcard(o) for o in partners(t, trace.openers) - open_t)
+        if missing:
+            out.append(
+                Problem(
+                    "unopened_region",
+                    _where(i, rule),
+                    name,
+                    f"its input comes from {', '.join(missing)}, which the plan does not make colwise.",
+                    "make those layers colwise too, or declare `input: replicate`.",
+                )
+            )
+    return out
+
+
+def _check_regions_by_structure(
+    plan: Plan, openers: list[tuple[int, str]], closers: list[tuple[int, str]]
+) -> list[Problem]:
+    """Without a trace: the closing layer must sit under the same parent module as the
+    opening one (q_proj and o_proj under one attention module)."""
 
     def parent(name: str) -> str:
         return name.rpartition(".")[0]
