@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._apply import apply_plan
 from ._inputs import example_inputs
 from ._local import fake_ranks
+from ._tree import first_tensor
 from .plan import Plan
 
 __all__ = ["Stats", "plan_stats"]
@@ -82,16 +83,6 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    values = out.values() if isinstance(out, dict) else out
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            return v
-    raise ValueError("the model returned no tensor to take a backward pass from.")
-
-
 def plan_stats(
     model: nn.Module,
     plan: Plan,
@@ -131,7 +122,10 @@ def plan_stats(
         if backward:
             bwd = _Collectives()
             with bwd:
-                _first_tensor(out).float().sum().backward()
+                first = first_tensor(out)
+                if first is None:
+                    raise ValueError("the model returned no tensor to take a backward pass from.")
+                first.float().sum().backward()
             collectives["backward"] = bwd.seen
     return Stats(
         tp_size=tp_size,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +34,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._inputs import example_inputs as _derived_inputs
+from ._tree import tensor_leaves
 from .errors import TpplanError
 
 __all__ = ["Split", "Trace", "TraceError", "trace_model"]
@@ -731,17 +731,6 @@ def _example_inputs(
     return (), kwargs
 
 
-def _leaves(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, dict):
-        for v in out.values():
-            yield from _leaves(v)
-    elif isinstance(out, (list, tuple)):
-        for v in out:
-            yield from _leaves(v)
-
-
 def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool = True) -> Trace:
     """Run `model` once on fake tensors and return the data-flow facts.
 
@@ -778,7 +767,7 @@ def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool =
             f"could not run {type(model).__name__} on fake tensors to trace it ({type(e).__name__}: {e}). "
             "Pass example_inputs that its forward accepts, or write the plan by hand."
         ) from e
-    for t in _leaves(out):
+    for t in tensor_leaves(out):
         s = tracer.split_of(t)
         if s is not None:
             trace.at_output |= s.sources

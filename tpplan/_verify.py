@@ -8,7 +8,6 @@ Start at `verify_plan`; the comparison of one sharded output with its unsharded 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,7 @@ from ._apply import apply_plan
 from ._inputs import example_inputs
 from ._local import rank_values, simulated_ranks
 from ._patterns import wildcard
+from ._tree import first_tensor
 from .plan import Plan
 
 __all__ = ["Verification", "verify_plan"]
@@ -46,21 +46,6 @@ class Verification:
         self.rows[key] = max(self.rows.get(key, 0.0), err)
 
 
-def _leaves(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, dict):
-        for v in out.values():
-            yield from _leaves(v)
-    elif isinstance(out, (tuple, list)):
-        for v in out:
-            yield from _leaves(v)
-
-
-def _first(out: Any) -> torch.Tensor | None:
-    return next(_leaves(out), None)
-
-
 def _error(got: torch.Tensor, want: torch.Tensor, rank: int, tp: int) -> float:
     """Max abs difference; a rank's piece of an output split over one dim is compared with
     that rank's chunk of the whole."""
@@ -77,7 +62,7 @@ def _error(got: torch.Tensor, want: torch.Tensor, rank: int, tp: int) -> float:
 def _record(model: nn.Module, store: dict[str, Any]) -> list[Any]:
     def hook(name: str) -> Any:
         def fn(mod: nn.Module, args: Any, out: Any) -> None:
-            store.setdefault(name, _first(out))
+            store.setdefault(name, first_tensor(out))
 
         return fn
 
@@ -85,7 +70,7 @@ def _record(model: nn.Module, store: dict[str, Any]) -> list[Any]:
 
 
 def _loss(out: Any) -> torch.Tensor:
-    first = _first(out)
+    first = first_tensor(out)
     if first is None:
         raise ValueError("the model returned no tensor; verify needs one to compare.")
     return first.float().square().mean()
