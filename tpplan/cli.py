@@ -99,21 +99,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_diff)
 
+    def measured(p: argparse.ArgumentParser, backward_help: str) -> None:
+        """What verify and stats share: a model, an optional plan, a tp size."""
+        model_args(p)
+        p.add_argument("--plan", metavar="PLAN", help="plan file (default: the inferred plan)")
+        p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+        p.add_argument("--backward", action="store_true", help=backward_help)
+
     p = command("verify", "Compare a sharded model with the unsharded one, module by module.")
-    model_args(p)
-    p.add_argument("--plan", metavar="PLAN", help="plan file (default: the inferred plan)")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
-    p.add_argument("--backward", action="store_true", help="compare gradients too")
+    measured(p, "compare gradients too")
     p.add_argument(
         "--tol", type=float, default=1e-4, help="max abs error allowed (default 1e-4, fp32)"
     )
     p.set_defaults(func=_cmd_verify)
 
     p = command("stats", "Per-rank parameter bytes and collectives of one forward (and backward).")
-    model_args(p)
-    p.add_argument("--plan", metavar="PLAN", help="plan file (default: the inferred plan)")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
-    p.add_argument("--backward", action="store_true", help="count backward collectives too")
+    measured(p, "count backward collectives too")
     p.add_argument(
         "--seq", type=int, default=128, help="tokens in the example sequence (default 128)"
     )
