@@ -17,6 +17,7 @@ from .plan import SCHEMA_VERSION, Plan, Rule, load_plan
 if TYPE_CHECKING:
     from ._apply import apply_plan
     from ._check import check_plan
+    from ._checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
     from ._guard import InputMismatchError
     from ._infer import infer_plan
     from ._launch import LaunchError, launch
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMA_VERSION",
+    "CheckpointError",
     "InputMismatchError",
     "LaunchError",
     "MeshError",
@@ -37,11 +39,14 @@ __all__ = [
     "TpplanError",
     "apply_plan",
     "check_plan",
+    "full_state_dict",
     "infer_plan",
     "launch",
+    "load_checkpoint",
     "load_plan",
     "parallelize",
     "plan_stats",
+    "save_checkpoint",
     "verify_plan",
 ]
 
@@ -52,6 +57,10 @@ _LAZY = {
     "apply_plan": "._apply",
     "check_plan": "._check",
     "infer_plan": "._infer",
+    "CheckpointError": "._checkpoint",
+    "full_state_dict": "._checkpoint",
+    "load_checkpoint": "._checkpoint",
+    "save_checkpoint": "._checkpoint",
     "InputMismatchError": "._guard",
     "launch": "._launch",
     "LaunchError": "._launch",

@@ -1,0 +1,255 @@
+"""Peak memory per rank while loading a checkpoint into a sharded model, against the model's size.
+
+Run: `python benchmarks/checkpoint_memory.py` (CPU, gloo, a few minutes; `--tp 2 4`, `--layers`).
+
+It builds a Llama from a small config (about 320 MB in fp32, random weights), saves it with
+save_pretrained into a temporary folder, and then, under torchrun at each tp size, loads it
+three ways in fresh processes:
+
+- tpplan, safetensors: meta-built model, apply_plan, to_empty, load_checkpoint;
+- tpplan, DCP: the same from a torch.distributed.checkpoint folder saved at tp 2;
+- transformers: `from_pretrained(folder, tp_plan="auto")`, its own hand-written plan. It
+  needs the `accelerate` package, which tpplan does not depend on; without it that row
+  says so.
+
+Each rank resets its peak-RSS counter (writing 5 to /proc/self/clear_refs) right before the
+load and reads VmHWM after it: the increase is what loading cost that rank, including the
+shards it ends up holding. Pages of the checkpoint that a rank maps while reading count too,
+as they should: they are resident. The target is at most 1/tp of the model plus 10%. After
+measuring, rank 0 saves its logits on fixed tokens; they are compared with the unsharded
+model's. The same file is the worker (`--worker`), started by torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SEQ = 16
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    """Linux resets VmHWM to the current RSS on '5' (since 4.0); False where it may not."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _config(layers: int):  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=16000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+
+def _tokens():  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.randint(0, 16000, (1, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+# --- worker: one torchrun rank --------------------------------------------------------------
+
+
+def worker(method: str, folder: Path, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    import tpplan
+    from tpplan._checkpoint import load_checkpoint, save_checkpoint
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    source = folder / ("dcp" if method == "tpplan-dcp" else "safetensors")
+    mesh = init_device_mesh("cpu", (world,))
+    plan = folder / f"plan-tp{world}.yaml"
+    config = AutoConfig.from_pretrained(folder / "safetensors")
+    error = ""
+    if method.startswith("tpplan"):
+        # building on meta and applying the plan allocate nothing worth counting; both are
+        # inside transformers' measured call too
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config).eval()
+        tpplan.apply_plan(model, mesh, plan)
+    dist.barrier()
+    exact = _reset_peak()
+    base_rss, base_hwm = _status("VmRSS"), _status("VmHWM")
+    start = time.perf_counter()
+    try:
+        if method.startswith("tpplan"):
+            model.to_empty(device="cpu")
+            load_checkpoint(model, source)
+        else:
+            model = LlamaForCausalLM.from_pretrained(source, tp_plan="auto", dtype=torch.float32)
+            model.eval()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    seconds = time.perf_counter() - start
+    peak = _status("VmHWM") - (base_rss if exact else base_hwm)
+    held = 0
+    if not error:
+        for t in model.state_dict().values():
+            local = t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+            held += local.numel() * local.element_size()
+    result = {
+        "method": method,
+        "tp": world,
+        "rank": rank,
+        "peak": peak,
+        "held": held,
+        "seconds": seconds,
+        "exact": exact,
+        "error": error,
+    }
+    if not error:
+        with torch.no_grad():
+            logits = model(_tokens()).logits
+        # a model whose weights are views of the mapped file pays for them on first use
+        result["peak_forward"] = _status("VmHWM") - (base_rss if exact else base_hwm)
+        if isinstance(logits, torch.distributed.tensor.DTensor):
+            logits = logits.full_tensor()
+        if rank == 0:
+            torch.save(logits, out / f"logits-{method}-tp{world}.pt")
+    print("RESULT " + json.dumps(result), flush=True)
+    if method == "tpplan-safetensors" and world == 2 and not (folder / "dcp").exists():
+        save_checkpoint(model, folder / "dcp", sharded=True)  # the DCP rows read this
+    dist.barrier()  # a peer may still be finishing a DTensor collective
+    dist.destroy_process_group()
+    # torch 2.13 on gloo aborts now and then in interpreter teardown, after all the work
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+def _torchrun(nproc: int, method: str, folder: Path) -> tuple[list[dict], str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", __file__, "--worker", method, str(folder)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    results = []
+    for chunk in run.stdout.split("RESULT ")[1:]:  # ranks' lines may share a line of stdout
+        text = chunk[: chunk.index("}") + 1]
+        results.append(json.loads(text))
+    tail = "" if run.returncode == 0 else (run.stderr.strip().splitlines() or ["?"])[-1]
+    return results, tail
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--worker", nargs=2, metavar=("METHOD", "FOLDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], Path(args.worker[1]), Path(args.worker[1]))
+        return
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import tpplan
+
+    folder = Path(tempfile.mkdtemp(prefix="tpplan-ckpt-bench-"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config(args.layers)).eval()
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(folder / "safetensors")
+    with torch.no_grad():
+        want = model(_tokens()).logits
+    for tp in sorted(set(args.tp) | {2}):
+        with torch.device("meta"):
+            meta = LlamaForCausalLM(_config(args.layers))
+        tpplan.infer_plan(meta, tp_size=tp).save(folder / f"plan-tp{tp}.yaml")
+    del model
+
+    print(f"model: Llama, {args.layers} layers, {size / 2**20:.0f} MiB in fp32; folder {folder}")
+    rows: list[dict] = []
+    notes = []
+    # tpplan-safetensors at tp 2 runs first: it also writes the DCP checkpoint the DCP rows load
+    for tp in args.tp if 2 in args.tp else [2, *args.tp]:
+        for method in ("tpplan-safetensors", "tpplan-dcp", "transformers-auto"):
+            results, tail = _torchrun(tp, method, folder)
+            if tp not in args.tp:
+                continue
+            errors = {r["error"] for r in results if r["error"]} | ({tail} if tail else set())
+            logits_file = folder / f"logits-{method}-tp{tp}.pt"
+            if not results or errors or not logits_file.exists():
+                rows.append({"method": method, "tp": tp})
+                notes.append(f"{method} at tp {tp} failed: {'; '.join(sorted(errors)) or tail}")
+                continue
+            row = {
+                k: max(r[k] for r in results) for k in ("peak", "peak_forward", "held", "seconds")
+            }
+            row |= {"method": method, "tp": tp, "exact": all(r["exact"] for r in results)}
+            row["diff"] = (torch.load(logits_file) - want).abs().max().item()
+            rows.append(row)
+    _print_table(rows, size)
+    if not all(r.get("exact", True) for r in rows):
+        print(
+            "*: the peak counter could not be reset; increase over the earlier peak (a lower bound)"
+        )
+    for note in notes:
+        print("note:", note)
+    shutil.rmtree(folder)
+
+
+def _print_table(rows: list[dict], size: int) -> None:
+    mib = 2**20
+    cols = (
+        f"{'method':<19} {'tp':>2} {'model/tp':>8} {'params':>7} {'load peak':>10} "
+        f"{'÷ model/tp':>10} {'≤ 1.1':>5} {'+1st fwd':>9} {'load s':>6} {'logits Δ':>8}"
+    )
+    print(cols)
+    print("-" * len(cols))
+    for r in rows:
+        share = size / r["tp"]
+        if "peak" not in r:
+            print(f"{r['method']:<19} {r['tp']:>2} {share / mib:>8.0f}  failed (see note)")
+            continue
+        mark = "" if r["exact"] else "*"
+        ok = "yes" if r["peak"] <= 1.1 * share else "NO"
+        print(
+            f"{r['method']:<19} {r['tp']:>2} {share / mib:>8.0f} {r['held'] / mib:>7.0f} "
+            f"{r['peak'] / mib:>9.0f}{mark:1} {r['peak'] / share:>10.2f} {ok:>5} "
+            f"{r['peak_forward'] / mib:>9.0f} {r['seconds']:>6.1f} {r['diff']:>8.1e}"
+        )
+    print(
+        "MiB per rank. params: the local shards a rank holds. load peak: the largest rise of "
+        "VmHWM over the load on any rank, those shards included. +1st fwd: the same through one "
+        "forward pass after it (weights left as views of the mapped file are paid for here). "
+        "logits Δ: largest difference from the unsharded model."
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,469 @@
+"""Checkpoints: gather, save whole or sharded, load at another tp size, refuse bad files.
+
+Most tests run every rank in this process (simulated_ranks, LocalTensorMode), where each
+rank's reads from safetensors happen one rank at a time. DCP needs real processes, so the
+save-at-tp-2 / load-at-tp-4 round trip of both formats runs under torchrun (marked slow);
+tp 1 needs no process group at all and runs here.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from models import tiny_llama, token_batch
+from safetensors.torch import save_file
+from transformers import LlamaForCausalLM
+
+import tpplan
+from tpplan._checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+from tpplan._local import rank_values, simulated_ranks
+from tpplan._safetensors_io import StreamingWriter, index_folder, open_files, read_region_into
+
+HERE = Path(__file__).parent
+LLAMA_PLAN = HERE / "plans" / "llama.yaml"
+# fp32 logits of a 2-layer model: sharded matmuls sum in another order, which moves the last
+# bits (observed ~2e-7); 1e-5 is the bar the issue sets.
+TOL = 1e-5
+SENTINEL = 7.0  # what the model holds before a load that must be refused
+
+
+def _shard(model: LlamaForCausalLM, tp_mesh) -> LlamaForCausalLM:  # type: ignore[no-untyped-def]
+    """Shard by the hand-written plan; a model on meta is then materialized, empty.
+
+    Build the model before entering simulated_ranks: built inside, its parameters are
+    LocalTensors, and to_empty must then swap them, which torch refuses once the plan
+    check has taken a weak reference to them.
+    """
+    tpplan.apply_plan(model, tp_mesh, LLAMA_PLAN)
+    if model.lm_head.weight.device.type == "meta":
+        model.to_empty(device="cpu")
+    return model
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """tests/checkpoint_ranks.py on `nproc` gloo ranks (about 10 s per start)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", str(HERE / "checkpoint_ranks.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _empty_llama() -> LlamaForCausalLM:
+    """tp 1: no mesh, built on meta and materialized, as a loader would."""
+    model = tiny_llama(device="meta")
+    model.to_empty(device="cpu")
+    return model
+
+
+def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
+    return max((v - want).abs().max().item() for v in rank_values(got))
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A safetensors folder written by 2 simulated ranks from the seeded tiny Llama."""
+    folder = tmp_path_factory.mktemp("tp2") / "ckpt"
+    model = tiny_llama()
+    with simulated_ranks(2) as mesh:
+        save_checkpoint(_shard(model, mesh), folder, sharded=False)
+    return folder
+
+
+# --- gathering and saving ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_full_state_dict_is_the_unsharded_state_dict(tp: int) -> None:
+    want = tiny_llama().state_dict()
+    model = tiny_llama()
+    with simulated_ranks(tp) as mesh:
+        got = full_state_dict(_shard(model, mesh))
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert type(got[name]) is torch.Tensor, name
+        assert got[name].shape == t.shape and torch.equal(got[name], t), name
+
+
+def test_a_whole_save_loads_with_plain_from_pretrained(saved_at_tp2: Path) -> None:
+    assert sorted(p.name for p in saved_at_tp2.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    x = token_batch()
+    loaded = LlamaForCausalLM.from_pretrained(saved_at_tp2)
+    # the gathered weights are the original bits, so the outputs are identical, not close
+    assert torch.equal(loaded(x).logits, tiny_llama()(x).logits)
+
+
+def test_a_large_model_is_split_into_files_with_an_index(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    model = tiny_llama()
+    with simulated_ranks(2) as mesh:
+        save_checkpoint(_shard(model, mesh), folder, sharded=False, max_file_bytes=100_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+    x = token_batch()
+    want = tiny_llama()(x).logits
+    assert torch.equal(LlamaForCausalLM.from_pretrained(folder)(x).logits, want)
+    model = _empty_llama()
+    load_checkpoint(model, folder)
+    assert torch.equal(model(x).logits, want)
+
+
+def test_sharded_saves_need_real_processes(tmp_path: Path) -> None:
+    model = tiny_llama()
+    with simulated_ranks(2) as mesh, pytest.raises(CheckpointError, match="needs real processes"):
+        save_checkpoint(_shard(model, mesh), tmp_path / "ckpt", sharded=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- loading at another tp size ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_tp2_safetensors_save_loads_at_any_tp(saved_at_tp2: Path, tp: int) -> None:
+    x = token_batch()
+    want = tiny_llama()(x).logits
+    if tp == 1:
+        model = _empty_llama()
+        load_checkpoint(model, saved_at_tp2)
+        assert _worst(model(x).logits, want) <= TOL
+        return
+    meta = tiny_llama(device="meta")
+    with simulated_ranks(tp) as mesh:
+        model = _shard(meta, mesh)
+        load_checkpoint(model, saved_at_tp2)
+        assert _worst(model(x).logits, want) <= TOL
+
+
+def _tied_llama(device: str = "cpu") -> LlamaForCausalLM:
+    config = tiny_llama(device="meta").config
+    config.tie_word_embeddings = True
+    with torch.device(device):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tied_weights_saved_once_by_save_pretrained_load(tmp_path: Path, tp: int) -> None:
+    """save_pretrained drops lm_head.weight of a tied model; sharding unties the two, so
+    the head is filled from the embedding it was tied to."""
+    ref = _tied_llama()
+    ref.save_pretrained(tmp_path / "ckpt")
+    x = token_batch()
+    want = ref(x).logits
+    meta = _tied_llama("meta")
+    if tp == 1:
+        meta.to_empty(device="cpu")
+        load_checkpoint(meta, tmp_path / "ckpt")
+        assert torch.equal(meta(x).logits, want)
+        return
+    with simulated_ranks(tp) as mesh:
+        model = _shard(meta, mesh)
+        load_checkpoint(model, tmp_path / "ckpt")
+        assert _worst(model(x).logits, want) <= TOL
+
+
+def test_each_rank_holds_only_its_own_slices(saved_at_tp2: Path) -> None:
+    want = tiny_llama().model.layers[0]
+    meta = tiny_llama(device="meta")
+    with simulated_ranks(4) as mesh:
+        model = _shard(meta, mesh)
+        load_checkpoint(model, saved_at_tp2)
+        layer = model.model.layers[0]
+        q = rank_values(layer.self_attn.q_proj.weight.to_local())
+        o = rank_values(layer.self_attn.o_proj.weight.to_local())
+    # colwise is Shard(0), rowwise Shard(1): rank r holds chunk r of that dim
+    assert [v.shape for v in q] == [torch.Size([16, 64])] * 4
+    assert torch.equal(torch.cat(q, 0), want.self_attn.q_proj.weight)
+    assert torch.equal(torch.cat(o, 1), want.self_attn.o_proj.weight)
+
+
+def test_rotary_buffers_of_a_meta_model_are_rebuilt(saved_at_tp2: Path) -> None:
+    ref = tiny_llama()
+    meta = tiny_llama(device="meta")
+    with simulated_ranks(2) as mesh:
+        model = _shard(meta, mesh)
+        rotary = model.model.rotary_emb
+        rotary.inv_freq.fill_(float("nan"))  # what to_empty may leave: any bits at all
+        load_checkpoint(model, saved_at_tp2)
+        assert torch.equal(rotary.inv_freq, ref.model.rotary_emb.inv_freq)
+        assert torch.equal(rotary.original_inv_freq, ref.model.rotary_emb.original_inv_freq)
+
+
+@pytest.mark.parametrize(
+    ("shape", "region"),
+    [
+        ((6, 10), (slice(2, 4), slice(0, 10))),  # rows: one run
+        ((6, 10), (slice(0, 6), slice(5, 10))),  # columns: one short run per row, in blocks
+        ((4, 5, 6), (slice(1, 3), slice(0, 5), slice(2, 4))),  # runs over two outer dims
+        ((3, 40000), (slice(0, 3), slice(20000, 40000))),  # runs long enough to read one by one
+        ((), ()),  # a 0-dim tensor
+        ((5, 0), (slice(0, 5), slice(0, 0))),  # nothing to read
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_region_is_read_exactly(
+    tmp_path: Path, shape: tuple[int, ...], region: tuple[slice, ...], dtype: torch.dtype
+) -> None:
+    """Whatever the stored dtype, the region lands in an fp32 tensor as torch indexing gives it."""
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(shape, generator=g).to(dtype)
+    save_file({"pad": torch.ones(3), "t": full}, tmp_path / "x.safetensors")
+    out = torch.full(full[region].shape, SENTINEL)
+    with open_files([tmp_path / "x.safetensors"]) as fds:
+        entry = index_folder(fds)["t"]
+        read_region_into(fds[entry.file], entry, region, out)
+    assert torch.equal(out, full[region].float())
+
+
+def test_a_model_left_on_meta_is_refused(saved_at_tp2: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"still on the meta device.*to_empty"):
+        load_checkpoint(tiny_llama(device="meta"), saved_at_tp2)
+
+
+def test_a_strided_placement_is_refused_by_name() -> None:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from tpplan._checkpoint import _region
+
+    with simulated_ranks(2) as mesh, pytest.raises(CheckpointError, match=r"qkv\.weight.*strided"):
+        _region("qkv.weight", (12, 4), (_StridedShard(0, split_factor=3),), mesh, 0)
+
+
+def test_progress_is_shown_on_a_terminal_only(
+    saved_at_tp2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr("sys.stderr", stream)
+        load_checkpoint(_empty_llama(), saved_at_tp2)
+        assert ("loading ckpt [" in stream.getvalue()) is shown
+        assert not shown or "100%" in stream.getvalue()
+
+
+@pytest.mark.slow
+def test_real_ranks_save_at_tp2_and_load_at_tp4_and_tp1(tmp_path: Path) -> None:
+    """Both formats: gloo ranks save at tp 2 and load at tp 4 (meta-built), then tp 1 here."""
+    for mode, nproc in (("save", 2), ("load", 4)):
+        run = _torchrun(nproc, mode, str(tmp_path))
+        assert run.returncode == 0, run.stdout + run.stderr
+        # ranks print concurrently, so their lines may share a line of stdout
+        assert run.stdout.count(f"/{nproc} {mode} worst") == nproc, run.stdout
+    assert (tmp_path / "dcp" / ".metadata").is_file()
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == 2  # one file per saving rank
+    x = token_batch()
+    want = tiny_llama()(x).logits
+    for fmt in ("dcp", "safetensors"):
+        model = _empty_llama()
+        load_checkpoint(model, tmp_path / fmt)
+        assert _worst(model(x).logits, want) <= TOL, fmt
+
+
+# --- saving atomically ---------------------------------------------------------------------
+
+
+def _file_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_new_save_replaces_the_previous_one(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_llama(seed=1), folder, sharded=False)
+    save_checkpoint(tiny_llama(seed=2), folder, sharded=False)
+    model = _empty_llama()
+    load_checkpoint(model, folder)
+    assert torch.equal(model.lm_head.weight, tiny_llama(seed=2).lm_head.weight)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharded: bool
+) -> None:
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_llama(seed=1), folder, sharded=sharded)
+    before = _file_bytes(folder)
+    calls = 0
+
+    def crash(*args: object, **kwargs: object) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # some tensors already written
+            raise OSError("disk full (simulated)")
+        return write(*args, **kwargs)  # type: ignore[no-any-return]
+
+    if sharded:
+        import torch.distributed.checkpoint.filesystem as fs
+
+        write = fs._write_item
+        monkeypatch.setattr(fs, "_write_item", crash)
+    else:
+        write = StreamingWriter.write  # type: ignore[assignment]
+        monkeypatch.setattr(StreamingWriter, "write", crash)
+    with pytest.raises(
+        CheckpointError,
+        match=r"ckpt failed \(.*disk full \(simulated\)\); the previous checkpoint there is unchanged",
+    ):
+        save_checkpoint(tiny_llama(seed=2), folder, sharded=sharded)
+    assert calls >= 3
+    assert _file_bytes(folder) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_not_replaced(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint.*new or empty folder"):
+        save_checkpoint(tiny_llama(), tmp_path, sharded=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+# --- bad checkpoints -----------------------------------------------------------------------
+
+
+def _write_folder(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def _untouched(model: torch.nn.Module) -> bool:
+    return all(
+        bool((v == SENTINEL).all()) for p in model.parameters() for v in rank_values(p.detach())
+    )
+
+
+def _fill_sentinel(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(SENTINEL)
+    return model
+
+
+def _bad_load(folder: Path, message: str, *, tp: int = 1) -> None:
+    """The load is refused with `message` and the model keeps every value it had."""
+    if tp == 1:
+        model = _fill_sentinel(_empty_llama())
+        with pytest.raises(CheckpointError, match=message) as e:
+            load_checkpoint(model, folder)
+        assert _untouched(model)
+    else:
+        meta = tiny_llama(device="meta")
+        with simulated_ranks(tp) as mesh:
+            model = _fill_sentinel(_shard(meta, mesh))
+            with pytest.raises(CheckpointError, match=message) as e:
+                load_checkpoint(model, folder)
+            assert _untouched(model)
+    assert isinstance(e.value, tpplan.TpplanError)
+    assert "Nothing was loaded" in str(e.value) or "nothing was loaded" in str(e.value)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_missing_key_is_named(tmp_path: Path, tp: int) -> None:
+    sd = tiny_llama().state_dict()
+    del sd["model.layers.1.mlp.down_proj.weight"]
+    folder = _write_folder(tmp_path / "ckpt", sd)
+    _bad_load(
+        folder,
+        r"1 key missing from the checkpoint: model\.layers\.1\.mlp\.down_proj\.weight\b",
+        tp=tp,
+    )
+
+
+def test_an_unexpected_key_is_named(tmp_path: Path) -> None:
+    sd = tiny_llama().state_dict()
+    sd["model.layers.2.mlp.up_proj.weight"] = torch.zeros(3)
+    folder = _write_folder(tmp_path / "ckpt", sd)
+    _bad_load(
+        folder,
+        r"1 key in the checkpoint but not in the model: model\.layers\.2\.mlp\.up_proj\.weight",
+    )
+
+
+def test_a_shape_mismatch_is_named(tmp_path: Path) -> None:
+    sd = tiny_llama().state_dict()
+    sd["model.embed_tokens.weight"] = torch.zeros(100, 64)
+    folder = _write_folder(tmp_path / "ckpt", sd)
+    _bad_load(
+        folder,
+        r"model\.embed_tokens\.weight is \(100, 64\) in the checkpoint but \(128, 64\) in the model",
+        tp=2,
+    )
+
+
+def test_every_mismatch_is_reported_at_once(tmp_path: Path) -> None:
+    sd = tiny_llama().state_dict()
+    del sd["model.norm.weight"]
+    sd["extra"] = torch.zeros(1)
+    sd["lm_head.weight"] = torch.zeros(1, 1)
+    folder = _write_folder(tmp_path / "ckpt", sd)
+    _bad_load(folder, r"missing.*model\.norm\.weight; .*extra; 1 shape differ: lm_head\.weight")
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path: Path) -> None:
+    folder = _write_folder(tmp_path / "ckpt", tiny_llama().state_dict())
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _bad_load(folder, r"ckpt/model\.safetensors is truncated or corrupt")
+
+
+def test_a_truncated_dcp_file_is_named(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_llama(), folder, sharded=True)  # tp 1: one process, no group
+    (data,) = folder.glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:1000])
+    _bad_load(folder, rf"{data.name} is truncated \(1000 bytes, needs \d+\)")
+
+
+def test_a_corrupt_dcp_metadata_file_is_named(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_llama(), folder, sharded=True)
+    (folder / ".metadata").write_bytes(b"not a pickle")
+    _bad_load(folder, r"ckpt/\.metadata is truncated or corrupt")
+
+
+def test_a_folder_without_a_checkpoint_is_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"neither a torch\.distributed\.checkpoint folder"):
+        load_checkpoint(_empty_llama(), tmp_path)
+
+
+def test_a_dcp_checkpoint_loads_at_tp1_with_parity(tmp_path: Path) -> None:
+    save_checkpoint(tiny_llama(), tmp_path / "ckpt", sharded=True)
+    model = _empty_llama()
+    load_checkpoint(model, tmp_path / "ckpt")
+    x = token_batch()
+    assert torch.equal(model(x).logits, tiny_llama()(x).logits)
+    assert copy.deepcopy(model) is not None  # a loaded model is an ordinary module again
+
+
+class _Freqs(torch.nn.Module):
+    """Not a Hugging Face model: nothing says how to recompute its non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("freqs", torch.arange(4.0), persistent=False)
+
+
+def test_a_buffer_no_one_can_rebuild_is_named(tmp_path: Path) -> None:
+    saved = _Freqs()
+    save_checkpoint(saved, tmp_path / "ckpt", sharded=False)
+    model = _fill_sentinel(_Freqs())
+    with pytest.raises(CheckpointError, match=r"buffers freqs are in no checkpoint.*=False"):
+        load_checkpoint(model, tmp_path / "ckpt")
+    assert _untouched(model) and torch.equal(model.freqs, torch.arange(4.0))
+    load_checkpoint(model, tmp_path / "ckpt", rebuild_buffers=False)
+    assert torch.equal(model.lin.weight, saved.lin.weight)

@@ -1,0 +1,744 @@
+"""Checkpoints of a sharded model: gather it whole, save it (whole or per rank), load it at any tp size.
+
+Start at `load_checkpoint`, then `save_checkpoint` and `full_state_dict`. Two formats:
+
+- a safetensors model folder (`sharded=False`): what the unsharded world reads, for a
+  Hugging Face model a folder `from_pretrained` loads. Rank 0 writes it tensor by tensor
+  while every rank takes part in gathering each tensor, so no rank holds the whole model.
+  Loading one, each rank reads only the region of each tensor its DTensor placement gives
+  it (tpplan/_safetensors_io.py does the file work);
+- torch.distributed.checkpoint (`sharded=True`): each rank writes its own shards; DCP
+  reshards on load, so a checkpoint saved at tp 2 loads at tp 4 or tp 1.
+
+Both are written to a temporary folder beside the target and swapped into place, so a crash
+mid-save leaves the previous checkpoint as it was. Loading checks every key and shape (and
+that every file is whole) before the first byte is copied, so a bad checkpoint is refused
+with the model untouched. Under `tpplan._local.simulated_ranks` (every rank in one process)
+the safetensors paths work per rank; DCP needs real processes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._local import rank_values
+from ._safetensors_io import (
+    INDEX_NAME,
+    CheckpointError,
+    Entry,
+    StreamingWriter,
+    index_folder,
+    open_files,
+    read_region_into,
+    safetensors_files,
+)
+
+__all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]
+
+DEFAULT_MAX_FILE_BYTES = 5 * 2**30  # Hugging Face's own default shard size
+_TMP_SUFFIX = ".tpplan-tmp"
+_OLD_SUFFIX = ".tpplan-old"
+_MAX_LISTED = 8  # keys named per kind of mismatch; the count says how many more
+
+
+# --- gathering ------------------------------------------------------------------------------
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict the unsharded model would have: original names, full shapes, plain tensors.
+
+    Call it on every rank: each sharded tensor is gathered with one collective, in the same
+    order everywhere. With `rank0_only`, ranks other than 0 drop each gathered tensor at
+    once and get an empty dict, so only rank 0 ends up holding the whole model.
+    """
+    keep = not rank0_only or _rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        whole = _gather(t)
+        if keep:
+            out[name] = whole
+    return out
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor as a plain tensor (a collective for a DTensor). Under simulated ranks
+    every rank's copy is equal after the gather; rank 0's stands for them."""
+    return rank_values(t)[0].detach()
+
+
+# --- saving ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    sharded: bool,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> Path:
+    """Save `model` (sharded by apply_plan, or not) to the folder `path`; call on every rank.
+
+    sharded=False: a safetensors folder (model.safetensors, or several files and
+    model.safetensors.index.json past `max_file_bytes`), plus config.json for a Hugging Face
+    model, so `from_pretrained(path)` loads it. Only rank 0 writes.
+    sharded=True: a torch.distributed.checkpoint folder, each rank writing its own shards
+    (on more than one node, `path` must be on a filesystem every rank sees).
+
+    Either way the folder is built under a temporary name beside `path` and swapped in when
+    complete; an existing checkpoint at `path` is replaced only then.
+    """
+    path = Path(path)
+    if sharded and _simulated():
+        raise CheckpointError(
+            "sharded=True writes with torch.distributed.checkpoint, which needs real processes; "
+            "under simulated ranks save with sharded=False, or run under torchrun."
+        )
+    _check_replaceable(path)  # on every rank: a refusal must not leave the others waiting
+    tmp = path.with_name(f".{path.name}{_TMP_SUFFIX}")
+    # Every step that can fail on one rank is followed by _agree_on_failure, so all ranks
+    # raise together and none waits in a collective that another rank never reaches.
+    failure: BaseException | None = None
+    if _rank() == 0:
+        try:
+            # a save killed hard leaves its temporary folder, never the only copy of anything
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failure = e
+    failure = _agree_on_failure(failure)
+    if failure is None:
+        try:
+            if sharded:
+                _save_dcp(model, tmp)
+            else:
+                failure = _save_safetensors(model, tmp, max_file_bytes=max_file_bytes)
+            if failure is None and _rank() == 0:
+                _save_config(model, tmp)
+        except BaseException as e:  # DCP's CheckpointException is not an Exception
+            failure = e
+        failure = _agree_on_failure(failure)
+        if _rank() == 0:
+            try:
+                if failure is None:
+                    _swap_into_place(tmp, path)
+            except OSError as e:
+                failure = e
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        failure = _agree_on_failure(failure)
+    # all_gather_object's last send may still be in flight when a rank returns; a process
+    # that then tears down its group aborts gloo, so end on a barrier
+    _barrier()
+    if isinstance(failure, (KeyboardInterrupt, SystemExit)):
+        raise failure
+    if failure is not None:
+        raise CheckpointError(
+            f"saving to {path} failed ({_cause(failure)}); "
+            + ("the previous checkpoint there is unchanged. " if path.exists() else "")
+            + "Fix: see the cause above (disk space, permissions), then save again."
+        ) from failure
+    return path
+
+
+def _save_safetensors(
+    model: nn.Module, folder: Path, *, max_file_bytes: int
+) -> BaseException | None:
+    """Gather tensor by tensor on every rank; rank 0 appends each to its file and drops it.
+
+    A failure on rank 0 must not leave the others waiting in a gather, so rank 0 records the
+    first error, keeps taking part in the gathers without writing, and returns it.
+    """
+    sd = model.state_dict()
+    files = _plan_files([(n, t.dtype, tuple(t.shape)) for n, t in sd.items()], max_file_bytes)
+    writing = _rank() == 0
+    failure: BaseException | None = None
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+    weight_map: dict[str, str] = {}
+    for file_name, entries in files:
+        writer = None
+        if writing and failure is None:
+            try:
+                writer = StreamingWriter(folder / file_name, entries, metadata=metadata)
+            except Exception as e:
+                failure = e
+        for name, _, _ in entries:
+            whole = _gather(sd[name])
+            if writer is None:
+                continue
+            try:
+                with _outside_simulation():
+                    writer.write(name, whole)
+                weight_map[name] = file_name
+            except Exception as e:
+                writer.abort()
+                failure, writer = e, None
+            del whole
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as e:
+                failure = e
+    if writing and failure is None and len(files) > 1:
+        total = sum(t.dtype.itemsize * t.numel() for t in sd.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return failure
+
+
+def _plan_files(
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_file_bytes: int
+) -> list[tuple[str, list[tuple[str, torch.dtype, tuple[int, ...]]]]]:
+    """Entries split into files of at most `max_file_bytes` (a bigger tensor gets its own),
+    named as Hugging Face names them."""
+    groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    size = 0
+    for entry in entries:
+        n = entry[1].itemsize * _numel(entry[2])
+        if groups[-1] and size + n > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += n
+    if len(groups) == 1:
+        return [("model.safetensors", groups[0])]
+    k = len(groups)
+    return [(f"model-{i + 1:05d}-of-{k:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _save_dcp(model: nn.Module, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_is_meant():
+        dcp.save(
+            model.state_dict(),
+            storage_writer=dcp.FileSystemWriter(folder),
+            no_dist=not dist.is_initialized(),
+        )
+
+
+@contextmanager
+def _single_process_is_meant() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists, even when told
+    so with no_dist=True; an unsharded model at tp 1 is exactly that case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _save_config(model: nn.Module, folder: Path) -> None:
+    """config.json (and generation_config.json) for Hugging Face models: from_pretrained
+    needs the config to build the model before it reads a single weight."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)
+    if generation is not None and can_generate():
+        generation.save_pretrained(folder)
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse to swap out anything that is not a checkpoint: a typo in `path` must not
+    delete someone's folder."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} exists and is a file, not a checkpoint folder; fix: pass a folder path."
+        )
+    if not any(path.iterdir()):
+        return
+    if (path / ".metadata").is_file() or any(path.glob("*.safetensors")):
+        return
+    raise CheckpointError(
+        f"{path} exists and holds no checkpoint (no .metadata, no *.safetensors); saving there "
+        "would replace it. Fix: pass a new or empty folder, or an existing checkpoint folder."
+    )
+
+
+def _swap_into_place(tmp: Path, path: Path) -> None:
+    """Move the finished folder to `path`. Where the kernel can exchange two names in one
+    step (Linux renameat2), the old checkpoint is never missing; elsewhere it is missing
+    only between two renames, kept under a `.tpplan-old` name."""
+    if not path.exists():
+        os.rename(tmp, path)
+        return
+    if _exchange(tmp, path):
+        shutil.rmtree(tmp)  # tmp now holds the previous checkpoint
+        return
+    old = path.with_name(f".{path.name}{_OLD_SUFFIX}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _agree_on_failure(failure: BaseException | None) -> BaseException | None:
+    """Every rank learns whether any rank failed, so all of them raise (none hangs)."""
+    if not dist.is_initialized() or _simulated() or dist.get_world_size() == 1:
+        return failure
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, None if failure is None else _cause(failure))
+    if failure is not None:
+        return failure
+    for rank, text in enumerate(flags):
+        if text is not None:
+            return CheckpointError(f"saving failed on rank {rank}: {text}")
+    return None
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def load_checkpoint(model: nn.Module, path: str | Path, *, rebuild_buffers: bool = True) -> None:
+    """Load a checkpoint folder into `model`, sharded by apply_plan at any tp size, or not.
+
+    `path` is a torch.distributed.checkpoint folder or a safetensors model folder (one
+    written by save_checkpoint(sharded=False) or save_pretrained). Call on every rank. The
+    intended use is a model built on the meta device, sharded, then materialized with
+    `model.to_empty(device=...)`: from safetensors each rank reads only its own regions;
+    DCP reshards by itself. Every key, shape and file is checked first; on a mismatch a
+    CheckpointError names the keys (or the file) and nothing is loaded.
+
+    Non-persistent buffers (rotary `inv_freq` and the like) are in no checkpoint, and after
+    `to_empty` they hold garbage; with `rebuild_buffers` they are recomputed (see
+    `_rebuild_buffers`).
+    """
+    path = Path(path)
+    sd = model.state_dict(keep_vars=True)
+    _check_materialized(sd)
+    if (path / ".metadata").is_file():
+        if _simulated():
+            raise CheckpointError(
+                f"{path} is a torch.distributed.checkpoint folder; loading one needs real "
+                "processes (torchrun). Under simulated ranks load a safetensors folder."
+            )
+        loader = _load_dcp(model, sd, path)
+    else:
+        loader = _load_safetensors(model, sd, path)
+    with torch.no_grad():
+        next(loader)  # everything checked; nothing copied yet
+        if rebuild_buffers:
+            _rebuild_buffers(model)
+        for _ in loader:
+            pass
+
+
+def _check_materialized(sd: dict[str, torch.Tensor]) -> None:
+    on_meta = [n for n, t in sd.items() if t.device.type == "meta"]
+    if on_meta:
+        raise CheckpointError(
+            f"the model is still on the meta device ({_names(on_meta)}), so there is nowhere to "
+            "load into; fix: call model.to_empty(device='cpu') (or 'cuda') after apply_plan "
+            "and before load_checkpoint."
+        )
+
+
+def _aliases(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """{key: other keys holding the same tensor}: tied weights are saved once by
+    save_pretrained, so any one of them satisfies the others."""
+    by_id: dict[int, list[str]] = {}
+    for n, t in sd.items():
+        by_id.setdefault(id(t), []).append(n)
+    out = {n: [m for m in by_id[id(t)] if m != n] for n, t in sd.items()}
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # transformers: {tied: source}
+    for target, source in dict(tied).items():
+        if target in out and source in sd:
+            out[target].append(source)
+    return out
+
+
+def _ignored_unexpected(model: nn.Module) -> list[re.Pattern[str]]:
+    """Keys a Hugging Face model says old checkpoints may carry and it does not need."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    return [re.compile(p) for p in patterns]
+
+
+def _match_keys(
+    model: nn.Module, sd: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], path: Path
+) -> dict[str, str]:
+    """{model key: checkpoint key}, or a CheckpointError naming every mismatch at once."""
+    aliases = _aliases(model, sd)
+    source: dict[str, str] = {}
+    missing = []
+    for key in sd:
+        found = next((k for k in [key, *aliases[key]] if k in shapes), None)
+        if found is None:
+            missing.append(key)
+        else:
+            source[key] = found
+    ignored = _ignored_unexpected(model)
+    unexpected = [k for k in shapes if k not in sd and not any(p.search(k) for p in ignored)]
+    mismatched = [
+        f"{k} is {_shape(shapes[src])} in the checkpoint but {_shape(tuple(sd[k].shape))} in "
+        "the model"
+        for k, src in source.items()
+        if shapes[src] != tuple(sd[k].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{_count(missing, 'key')} missing from the checkpoint: {_names(missing)}")
+    if unexpected:
+        problems.append(
+            f"{_count(unexpected, 'key')} in the checkpoint but not in the model: "
+            f"{_names(unexpected)}"
+        )
+    if mismatched:
+        problems.append(f"{_count(mismatched, 'shape')} differ: {_names(mismatched)}")
+    if problems:
+        raise CheckpointError(
+            f"{path} does not fit this {type(model).__name__}: "
+            + "; ".join(problems)
+            + ". Nothing was loaded. Fix: load a checkpoint saved from a model with the same "
+            "config (layer count, widths, vocab), or build the model from the checkpoint's "
+            "config.json."
+        )
+    return source
+
+
+def _load_safetensors(model: nn.Module, sd: dict[str, torch.Tensor], path: Path) -> Iterator[None]:
+    files = [path] if path.is_file() and path.suffix == ".safetensors" else []
+    if not files and path.is_dir():
+        files = safetensors_files(path)
+    if not files:
+        raise CheckpointError(
+            f"{path} is neither a torch.distributed.checkpoint folder (no .metadata) nor a "
+            "safetensors model folder (no *.safetensors); fix: pass the folder that "
+            "save_checkpoint or save_pretrained wrote."
+        )
+    with open_files(files) as fds:
+        index = index_folder(fds)
+        source = _match_keys(model, sd, {k: e.shape for k, e in index.items()}, path)
+        yield
+        total = sum(t.dtype.itemsize * t.numel() for t in sd.values())
+        with _Progress(total, f"loading {path.name}") as progress:
+            for key, target in sd.items():
+                entry = index[source[key]]
+                _copy_from_file(key, target, fds[entry.file], entry)
+                progress.advance(target.dtype.itemsize * target.numel())
+                yield
+
+
+def _copy_from_file(key: str, target: torch.Tensor, fd: int, entry: Entry) -> None:
+    """Each rank reads the region its placement gives it, straight into its local tensor."""
+    if isinstance(target, DTensor):
+        shape, mesh, placements = tuple(target.shape), target.device_mesh, target.placements
+
+        def fill(rank: int, local: torch.Tensor) -> None:
+            read_region_into(fd, entry, _region(key, shape, placements, mesh, rank), local)
+
+        _each_rank(target.to_local(), fill)
+    else:
+        whole = tuple(slice(0, n) for n in entry.shape)
+        _each_rank(target.data, lambda rank, local: read_region_into(fd, entry, whole, local))
+
+
+def _region(
+    key: str, shape: tuple[int, ...], placements: Any, mesh: Any, rank: int
+) -> tuple[slice, ...]:
+    """The part of the full tensor `rank` holds, from the placements alone.
+
+    Shard(d) on a mesh axis of size n gives the rank at coordinate c chunk c of dim d with
+    torch.chunk's rule (chunks of ceil(len/n), the last ones shorter or empty); several
+    axes sharding one dim split it left to right, as DTensor does. Replicate keeps the dim
+    whole.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    where = (mesh.mesh == rank).nonzero()
+    coordinate = [int(c) for c in where[0]]
+    lo, hi = [0] * len(shape), list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            # Fused layers (one qkv weight split per q/k/v, then per rank) need interleaved
+            # regions; the plan schema has no fused split yet, so nothing writes these.
+            raise CheckpointError(
+                f"{key} is split with a strided placement ({p}), which loading from "
+                "safetensors does not support yet; fix: load a sharded (DCP) checkpoint "
+                "instead, or keep that layer unfused."
+            )
+        if isinstance(p, Shard):
+            d = p.dim % len(shape)
+            n = mesh.size(axis)
+            size = hi[d] - lo[d]
+            chunk = -(-size // n)
+            start = min(coordinate[axis] * chunk, size)
+            stop = min(start + chunk, size)
+            lo[d], hi[d] = lo[d] + start, lo[d] + stop
+        elif not isinstance(p, Replicate):
+            raise CheckpointError(
+                f"{key} has placement {p} on mesh axis {axis}; only Shard and Replicate "
+                "parameters can be read from a full tensor. Fix: keep parameters out of "
+                "Partial layouts in the plan."
+            )
+    return tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+
+
+def _load_dcp(model: nn.Module, sd: dict[str, torch.Tensor], path: Path) -> Iterator[None]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        raise CheckpointError(
+            f"{path / '.metadata'} is truncated or corrupt ({type(e).__name__}: {e}); nothing "
+            "was loaded. Fix: save or copy that checkpoint again."
+        ) from None
+    shapes = {
+        k: tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+    _match_keys(model, sd, shapes, path)
+    _check_dcp_files(path, metadata)
+    yield
+    state = model.state_dict()
+    no_dist = not dist.is_initialized()
+    total = sum(t.dtype.itemsize * t.numel() for t in state.values())
+    with _Progress(total, f"loading {path.name}") as progress:
+        # in batches so the progress bar moves; DCP reads only each rank's own regions
+        for batch in _batches(state, total // 16 + 1):
+            try:
+                with _single_process_is_meant():
+                    dcp.load(batch, storage_reader=dcp.FileSystemReader(path), no_dist=no_dist)
+            except BaseException as e:  # DCP's CheckpointException is not an Exception
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise CheckpointError(
+                    f"reading {path} failed after the checks passed ({_cause(e)}); "
+                    "the model is partly loaded. Fix: check the disk and load again."
+                ) from None
+            progress.advance(sum(t.dtype.itemsize * t.numel() for t in batch.values()))
+            yield
+
+
+def _check_dcp_files(path: Path, metadata: Any) -> None:
+    """Every data file must exist and reach the end of every item stored in it; DCP itself
+    would find a short file only halfway through loading."""
+    need: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        f = path / name
+        size = f.stat().st_size if f.is_file() else -1
+        if size < end:
+            what = "is missing" if size < 0 else f"is truncated ({size} bytes, needs {end})"
+            raise CheckpointError(
+                f"{f} {what}; nothing was loaded. Fix: save or copy that checkpoint again."
+            )
+
+
+def _batches(state: dict[str, torch.Tensor], nbytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+    for k, t in state.items():
+        batch[k] = t
+        size += t.dtype.itemsize * t.numel()
+        if size >= nbytes:
+            yield batch
+            batch, size = {}, 0
+    if batch:
+        yield batch
+
+
+# --- non-persistent buffers -----------------------------------------------------------------
+
+
+def _rebuild_buffers(model: nn.Module) -> None:
+    """Recompute every non-persistent buffer, which no checkpoint holds.
+
+    The choice: ask the model. A Hugging Face model's `_init_weights(module)` is how
+    transformers itself fills these buffers after building on the meta device (rotary
+    embeddings recompute `inv_freq` from the config), so it is called on each module that
+    owns such a buffer, by the nearest enclosing model that has it. Each buffer is first
+    replaced by NaNs, so one the model did not recompute is caught rather than left
+    holding whatever `to_empty` found in memory. Those modules are small and replicated
+    (parallelize_module shards parameters, never buffers), so this runs as plain tensors on
+    every rank. A model with no such method gets an error naming the buffers.
+    """
+    modules = dict(model.named_modules())
+    owners = []
+    for name, module in modules.items():
+        owned = sorted(b for b in module._non_persistent_buffers_set if b in module._buffers)
+        owned = [b for b in owned if module._buffers[b] is not None]
+        if owned:
+            owners.append((name, module, owned, _init_owner(modules, name)))
+    orphans = [f"{n}.{b}" if n else b for n, _, owned, o in owners if o is None for b in owned]
+    if orphans:
+        raise CheckpointError(
+            f"non-persistent buffers {_names(orphans)} are in no checkpoint and the model has "
+            "no _init_weights to recompute them; nothing was loaded. Fix: pass "
+            "rebuild_buffers=False and set them after load_checkpoint (or build that module "
+            "off the meta device)."
+        )
+    not_rebuilt: list[str] = []
+    with _outside_simulation():
+        for name, module, owned, owner in owners:
+            old = {b: module.get_buffer(b) for b in owned}
+            for b, t in old.items():
+                fill = float("nan") if t.is_floating_point() else 0
+                module._buffers[b] = torch.full(
+                    tuple(t.shape), fill, dtype=t.dtype, device=t.device
+                )
+            owner._init_weights(module)
+            missed = [
+                b
+                for b in owned
+                if (t := module.get_buffer(b)).is_floating_point() and t.isnan().any()
+            ]
+            if missed:
+                module._buffers.update(old)  # leave them as they were
+                not_rebuilt += [f"{name}.{b}" if name else b for b in missed]
+    if not_rebuilt:
+        raise CheckpointError(
+            f"non-persistent buffers {_names(not_rebuilt)} are in no checkpoint and the model's "
+            "_init_weights did not recompute them; nothing was loaded. Fix: pass "
+            "rebuild_buffers=False and set them after load_checkpoint."
+        )
+
+
+def _init_owner(modules: dict[str, nn.Module], name: str) -> Any:
+    """The innermost enclosing module (itself included) with Hugging Face's `_init_weights`."""
+    parts = name.split(".") if name else []
+    for i in range(len(parts), -1, -1):
+        candidate = modules.get(".".join(parts[:i]))
+        if candidate is not None and callable(getattr(candidate, "_init_weights", None)):
+            return candidate
+    return None
+
+
+# --- ranks: real processes and simulated ones -----------------------------------------------
+# The simulation is torch's private LocalTensorMode (see tpplan/_local.py); these three
+# helpers are the only code here that knows about it.
+
+
+def _simulated() -> bool:
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    return local_tensor_mode() is not None
+
+
+def _outside_simulation() -> AbstractContextManager[None]:
+    """File work runs as plain tensors, not once per simulated rank."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    return maybe_disable_local_tensor_mode()
+
+
+def _each_rank(local: torch.Tensor, fill: Callable[[int, torch.Tensor], None]) -> None:
+    """fill(rank, that rank's local tensor) for this process's rank, or for every simulated
+    rank when `local` holds one value per rank."""
+    from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
+
+    mode = local_tensor_mode()
+    if mode is not None and isinstance(local, LocalTensor):
+        with mode.disable():
+            for rank, value in sorted(local._local_tensors.items()):
+                fill(rank, value)
+        return
+    with _outside_simulation():
+        fill(_rank(), local)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and not _simulated() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+# --- small things ---------------------------------------------------------------------------
+
+
+class _Progress:
+    """A one-line progress bar on stderr, from rank 0, only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = max(total, 1), label, 0
+        self.on = _rank() == 0 and sys.stderr.isatty()
+        self._last = 0.0
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if self.on and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            frac = min(self.done / self.total, 1.0)
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(
+                f"\r{self.label} [{bar:<30}] {frac:4.0%} "
+                f"{self.done / 2**20:,.0f}/{self.total / 2**20:,.0f} MiB"
+            )
+            sys.stderr.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _cause(e: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException carries each rank's error with its
+    whole traceback, of which the first error itself is what a reader needs."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _count(items: list[str], noun: str) -> str:
+    return f"{len(items)} {noun}{'s' if len(items) != 1 else ''}"
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    more = len(items) - _MAX_LISTED
+    return shown + (f" (and {more} more)" if more > 0 else "")
