@@ -56,6 +56,16 @@ def _parser() -> argparse.ArgumentParser:
         )
         return p
 
+    def overrides(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field of a MODEL, e.g. --set num_hidden_layers=2 (repeatable)",
+        )
+
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "model",
@@ -63,14 +73,7 @@ def _parser() -> argparse.ArgumentParser:
             help="a transformers model type (llama, gpt2, ...), a local model folder or config.json, "
             "a model id in the local Hugging Face cache, or package.module:callable",
         )
-        p.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config field, e.g. --set num_hidden_layers=2 (repeatable)",
-        )
+        overrides(p)
 
     p = command("infer", "Print the plan inferred from a model's data flow.")
     model_args(p)
@@ -89,14 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("a", metavar="A", help="a plan file, or a MODEL (its inferred plan)")
     p.add_argument("b", metavar="B", help="a plan file, or a MODEL (its inferred plan)")
     p.add_argument("--tp", type=int, default=None, help="tp size for inferring a MODEL's plan")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field of a MODEL (repeatable)",
-    )
+    overrides(p)
     p.set_defaults(func=_cmd_diff)
 
     def measured(p: argparse.ArgumentParser, backward_help: str) -> None:
