@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import tiny_llama, token_batch
+from rank_exit import finish
 
 import tpplan
 
@@ -49,9 +50,12 @@ def main() -> None:
     # every parameter is FSDP-sharded over dp; the plan's layers over (dp, tp) as well
     dims = {len(p.placements) if isinstance(p, DTensor) else 0 for p in model.parameters()}
     print(f"rank {rank} worst {where} {worst:.2e} mesh dims {sorted(dims)}", flush=True)
-    dist.destroy_process_group()
-    if worst > TOL or dims != {1, 2}:
-        sys.exit(f"rank {rank}: {where} differs by {worst:.2e}; placements over mesh dims {dims}")
+    bad = worst > TOL or dims != {1, 2}
+    finish(
+        f"rank {rank}: {where} differs by {worst:.2e}; placements over mesh dims {dims}"
+        if bad
+        else None
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import tiny_llama, token_batch
+from rank_exit import finish
 
 import tpplan
 
@@ -41,9 +42,12 @@ def main() -> None:
         f"rank {rank}/{world} worst {worst} {errors[worst]:.2e} sharded params {sharded}",
         flush=True,
     )
-    dist.destroy_process_group()
-    if errors[worst] > TOL or sharded == 0:
-        sys.exit(f"rank {rank}: {worst} differs by {errors[worst]:.2e} (sharded params: {sharded})")
+    bad = errors[worst] > TOL or sharded == 0
+    finish(
+        f"rank {rank}: {worst} differs by {errors[worst]:.2e} (sharded params: {sharded})"
+        if bad
+        else None
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ torch.distributed.launcher. Start at `launch`.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,9 +34,38 @@ def _on_rank(fn: Callable[..., Any], args: Sequence[Any], backend: str | None) -
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
     try:
-        return record(fn)(*args)
+        result = record(fn)(*args)
+        # All ranks leave together: gloo can abort a process torn down while peers still
+        # talk. If the barrier breaks, a peer has failed, and its own error is the one to
+        # report, not this rank's lost connection.
+        with contextlib.suppress(RuntimeError):
+            dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
+
+
+def _message(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    return str(message).strip() or f"exit code {failure.exitcode}"
+
+
+def _first_cause(failures: dict[int, Any], nprocs: int) -> str:
+    """The failure that started it: when one rank raises, its peers then fail on a closed
+    connection. Earliest first; at equal times (seconds), a rank that lost its peer is the
+    consequence, not the cause."""
+
+    def lost_peer(rank: int) -> bool:
+        return "by peer" in _message(failures[rank])
+
+    order = sorted(failures, key=lambda r: (failures[r].timestamp, lost_peer(r), r))
+    first = order[0]
+    others = (
+        f" (then rank(s) {', '.join(str(r) for r in order[1:])} failed too)" if order[1:] else ""
+    )
+    return f"rank {first} of {nprocs} failed: {_message(failures[first])}{others}"
 
 
 def launch(
@@ -72,10 +102,5 @@ def launch(
     try:
         results = elastic_launch(config, _on_rank)(fn, tuple(args), backend)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", message)
-        text = str(message).strip() or f"exit code {failure.exitcode}"
-        raise LaunchError(f"rank {rank} of {nprocs} failed: {text}") from None
+        raise LaunchError(_first_cause(e.failures, nprocs)) from None
     return [results[r] for r in sorted(results)]
