@@ -38,7 +38,7 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def resolve_plan(plan: Plan | str | Path | None, model: nn.Module, *, tp_size: int) -> Plan:
+def resolve_plan(plan: Plan | str | Path | None, model: nn.Module, *, tp_size: int | None) -> Plan:
     """A Plan from a Plan, a file path, or None (inferred from the model)."""
     if isinstance(plan, Plan):
         return plan

@@ -83,6 +83,19 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """The model with every parameter and buffer on the meta device, no storage copied (a
+    plain deepcopy would copy every weight first). Tied parameters stay tied."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(
+            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+        )
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 def plan_stats(
     model: nn.Module,
     plan: Plan,
@@ -93,11 +106,7 @@ def plan_stats(
     seq: int = 128,
 ) -> Stats:
     """Costs of `plan` on `model` at `tp_size`, measured on a meta copy of the model."""
-    meta = (
-        copy.deepcopy(model).to("meta")
-        if any(p.device.type != "meta" for p in model.parameters())
-        else copy.deepcopy(model)
-    )
+    meta = _meta_copy(model)
     total = sum(_bytes(p) for p in meta.parameters())
     inputs = example_inputs(meta, batch=batch, seq=seq, device="meta")
     tokens = batch * seq

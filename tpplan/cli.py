@@ -130,13 +130,9 @@ def _build(args: argparse.Namespace, spec: str | None = None, *, device: str = "
 
 def _plan_for(args: argparse.Namespace, model: Any, tp: int | None) -> Any:
     """The plan file given with --plan, else the plan inferred for the model."""
-    if getattr(args, "plan", None):
-        from .plan import load_plan
+    from ._apply import resolve_plan
 
-        return load_plan(args.plan)
-    from ._infer import infer_plan
-
-    return infer_plan(model, tp_size=tp)
+    return resolve_plan(getattr(args, "plan", None), model, tp_size=tp)
 
 
 def _progress(args: argparse.Namespace, text: str) -> None:
