@@ -123,7 +123,7 @@ def test_unknown_top_level_field_is_named() -> None:
 
 def test_wrong_schema_version_says_what_to_do() -> None:
     msg = _error("tpplan: 7\nrules: []\n")
-    assert "schema version 7" in msg and f"reads version {SCHEMA_VERSION}" in msg
+    assert "schema version 7" in msg and f"reads versions 1, {SCHEMA_VERSION}" in msg
     assert "pip install -U tpplan" in msg
 
 
@@ -200,3 +200,29 @@ def test_reading_a_plan_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_version_1_files_are_still_read() -> None:
+    plan = Plan.from_yaml(
+        "tpplan: 1\nrules:\n  - {match: fc1, style: colwise, why: opens the MLP}\n"
+    )
+    assert plan.tpplan == 1 and plan.rules[0].style == "colwise"
+
+
+def test_version_2_fields_in_a_version_1_file_say_to_bump_it() -> None:
+    msg = _error(
+        "tpplan: 1\nrules:\n  - {match: qkv, style: colwise, parts: [8, 4, 4], why: fused}\n"
+    )
+    assert "rules[0].parts need schema version 2" in msg and "'tpplan: 2'" in msg
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ("{match: qkv, style: colwise, parts: [8], why: x}", "at least 2 items"),
+        ("{match: qkv, style: colwise, parts: [8, 0], why: x}", "greater than 0"),
+        ("{match: o, style: rowwise, parts: [8, 8], why: x}", "style 'rowwise' takes no parts"),
+    ],
+)
+def test_bad_parts_are_refused(rule: str, message: str) -> None:
+    assert message in _error(f"tpplan: 2\nrules:\n  - {rule}\n")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -34,7 +34,9 @@ __all__ = [
     "plan_json_schema",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
+READABLE_VERSIONS = (1, 2)
 
 Style = Literal[
     "colwise",
@@ -49,8 +51,8 @@ STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 
 # Which optional fields each style accepts; anything else on a rule of that style is an error.
 _STYLE_FIELDS: dict[str, frozenset[str]] = {
-    "colwise": frozenset({"input", "output", "local_output", "head_dim"}),
-    "rowwise": frozenset({"input", "output", "local_output", "head_dim"}),
+    "colwise": frozenset({"input", "output", "local_output", "head_dim", "parts", "transposed"}),
+    "rowwise": frozenset({"input", "output", "local_output", "head_dim", "transposed"}),
     "vocab_parallel": frozenset({"input", "output", "local_output"}),
     "sequence_parallel": frozenset({"input", "local_output"}),
     "prepare": frozenset(
@@ -148,6 +150,14 @@ class Rule(_Strict):
     head_dim: int | None = Field(default=None, gt=0)
     """The sharded features are attention heads of this size; every rank must get whole
     heads, so the head count must divide by the tp size."""
+    parts: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=2)
+    """colwise: the output features are several tensors laid end to end (fused q|k|v, or
+    gate|up), of these sizes in order. Each part is split across the ranks on its own, and a
+    rank holds its slice of every part, in order, so it gets its own q, k and v heads (or its
+    gate slice and the matching up slice) rather than a contiguous slice that mixes them."""
+    transposed: bool | None = None
+    """The weight is stored (in_features, out_features), as in GPT-2's Conv1D, so colwise
+    splits its dim 1 and rowwise its dim 0."""
     inputs: list[Layout | None] | None = None
     """prepare: layouts of the positional inputs as they arrive (null: not a tensor, left alone)."""
     desired_inputs: list[Layout | None] | None = None
@@ -256,8 +266,9 @@ class AttributeRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1] = 1
-    """Schema version of this file."""
+    tpplan: Literal[1, 2] = SCHEMA_VERSION
+    """Schema version of this file (version 1 files are read as they are; writing gives the
+    current version)."""
     model: ModelInfo | None = None
     """The model the plan was written for."""
     options: Options = Field(default_factory=Options)
@@ -266,6 +277,21 @@ class Plan(_Strict):
     """Pattern -> style rules; a module may be matched by one rule only."""
     attributes: list[AttributeRule] = Field(default_factory=list)
     """Attribute fixes applied after sharding."""
+
+    @model_validator(mode="after")
+    def _fields_fit_version(self) -> Plan:
+        if self.tpplan < 2:
+            newer = [
+                f"rules[{i}].{f}"
+                for i, r in enumerate(self.rules)
+                for f in ("parts", "transposed")
+                if f in r.model_fields_set
+            ]
+            if newer:
+                raise ValueError(
+                    f"{', '.join(newer)} need schema version 2; change the first line to 'tpplan: 2'."
+                )
+        return self
 
     # ---- reading -----------------------------------------------------------------------
     @classmethod
@@ -286,12 +312,12 @@ class Plan(_Strict):
                 ],
             )
         version = data["tpplan"]
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PlanFileError(
                 source,
                 [
-                    f"schema version {version!r} is not one this tpplan reads (it reads version "
-                    f"{SCHEMA_VERSION}). Upgrade tpplan (pip install -U tpplan) if the file is newer, "
+                    f"schema version {version!r} is not one this tpplan reads (it reads versions "
+                    f"{', '.join(map(str, READABLE_VERSIONS))}). Upgrade tpplan (pip install -U tpplan) if the file is newer, "
                     "or regenerate it with `tpplan infer`."
                 ],
             )
