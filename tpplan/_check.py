@@ -44,6 +44,12 @@ def _legal_sizes(n: int) -> str:
 
 def _sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
     """(what is split, its size) for a rule that splits a parameter dim."""
+    if rule.transposed:
+        weight = getattr(module, "weight", None)
+        if rule.style == "colwise":
+            return "out features (weight dim 1)", weight.shape[1]
+        if rule.style == "rowwise":
+            return "in features (weight dim 0)", weight.shape[0]
     if isinstance(module, nn.Linear):
         if rule.style == "colwise":
             return "out_features", module.out_features
@@ -55,6 +61,17 @@ def _sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
         if rule.style in ("rowwise", "vocab_parallel"):
             return "num_embeddings (the vocab)", module.num_embeddings
     return None
+
+
+def _split_dims(rule: Rule, module: nn.Module) -> list[tuple[str, int]]:
+    """Each (what, size) the tp size must split: the whole dim, or each part of a fused one."""
+    split = _sharded_dim(rule, module)
+    if split is None:
+        return []
+    if not rule.parts:
+        return [split]
+    what, _ = split
+    return [(f"part {k} of the {what}", size) for k, size in enumerate(rule.parts)]
 
 
 def _opens_region(rule: Rule) -> bool:
@@ -137,7 +154,21 @@ def _no_match(i: int, rule: Rule, names: list[str]) -> Problem:
 def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
     out: list[Problem] = []
     types = _TYPES[rule.style]
-    if types is not None and not isinstance(module, types):
+    if rule.transposed:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            out.append(
+                Problem(
+                    "module_type",
+                    _where(i, rule),
+                    name,
+                    f"transposed: true needs a module with a 2-D weight stored (in, out); "
+                    f"{type(module).__name__} has none.",
+                    "remove transposed, or match the layer that holds the weight.",
+                )
+            )
+            return out
+    elif types is not None and not isinstance(module, types):
         ok = " or ".join(f"nn.{t.__name__}" for t in types)
         out.append(
             Problem(
@@ -159,10 +190,26 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
                 "match the module that holds the parameters.",
             )
         )
-    split = _sharded_dim(rule, module)
-    if split is None:
+    whole = _sharded_dim(rule, module)
+    if rule.parts and whole is not None and sum(rule.parts) != whole[1]:
+        out.append(
+            Problem(
+                "parts",
+                _where(i, rule),
+                name,
+                f"parts {rule.parts} add up to {sum(rule.parts)}, but the {whole[0]} is {whole[1]}.",
+                "list the sizes of the fused pieces (e.g. q, k, v) in order; they must add up "
+                "to the whole.",
+            )
+        )
         return out
-    what, size = split
+    for what, size in _split_dims(rule, module):
+        out.extend(_check_size(i, rule, name, what, size, tp))
+    return out
+
+
+def _check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> list[Problem]:
+    out: list[Problem] = []
     if rule.head_dim is not None:
         if size % rule.head_dim:
             out.append(

@@ -45,6 +45,8 @@ class _Decision:
     why: str
     head_dim: int | None = None
     output: str | None = None
+    parts: tuple[int, ...] | None = None
+    transposed: bool = False
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
@@ -52,6 +54,10 @@ class _Decision:
             extra["head_dim"] = self.head_dim
         if self.output is not None:
             extra["output"] = self.output
+        if self.parts is not None:
+            extra["parts"] = list(self.parts)
+        if self.transposed:
+            extra["transposed"] = True
         return Rule(match=match, style=self.style, why=self.why, **extra)
 
 
@@ -207,9 +213,9 @@ class _Decider:
             attrs = tuple(sorted({*self.attributes.get(module, ((), ""))[0], attr}))
             self.attributes[module] = (
                 attrs,
-                f"its forward views the split features of {_join(sorted(short[o] for o in openers))} "
-                f"with a stored head count ({', '.join(attrs)}) and -1 for another dim; each rank "
-                "must use its own share of the heads",
+                f"its forward reads {', '.join(attrs)} to view or cut the split features of "
+                f"{_join(sorted(short[o] for o in openers))} (with -1 or the rest for other "
+                "dims); each rank must use its own share, so it is divided by the tp size",
             )
         for h in helpers:
             self.decisions[h] = _Decision(
@@ -226,7 +232,7 @@ class _Decider:
         for owner in sorted(owners):
             module = self.modules.get(owner)
             label = owner.rpartition(".")[2] or type(module).__name__
-            if module is None or isinstance(module, (nn.Linear, nn.Embedding)):
+            if module is None or owner in t.linears or isinstance(module, nn.Embedding):
                 reasons.append(
                     f"the weight of {label} is used inside the region outside its own call"
                 )
@@ -248,6 +254,7 @@ class _Decider:
         to = _join(sorted(short[c] for c in closers))
         # `to` names the closers: the evidence a reviewer checks against the model's forward
         verb = "contracts" if len(closers) == 1 else "contract"
+        inners = {t.closers[c].inner for c in closers}
         for o in openers:
             out = t.openers[o]
             ops = sorted(t.ops.get(o, set()) - _PLAIN_OPS)
@@ -256,7 +263,19 @@ class _Decider:
             mates = f" (with the outputs of {_join(partners)})" if partners else ""
             heads = t.heads.get(o)
             head_dim = out // heads if heads and out % heads == 0 else None
-            if head_dim is not None:
+            parts = t.parts.get(o)
+            if parts is not None:
+                # the pieces are cut apart before any view, so their head size shows where
+                # they meet again: the closer's input, merged from (heads, head_dim)
+                (inner,) = inners if len(inners) == 1 else (1,)
+                head_dim = inner if inner > 1 and all(p % inner == 0 for p in parts) else None
+                what, it = (
+                    f"its {out} output features are {len(parts)} fused pieces "
+                    f"({' | '.join(map(str, parts))}), cut apart in forward; each rank holds its "
+                    "own slice of every piece, and they flow",
+                    "them",
+                )
+            elif head_dim is not None:
                 what, it = (
                     f"output split into {heads} heads of {head_dim} by a view; it flows",
                     "it",
@@ -272,6 +291,8 @@ class _Decider:
                 "colwise",
                 f"{what} {path}{mates}, which {verb} {it} on its input dim (rowwise){need}",
                 head_dim=head_dim,
+                parts=parts,
+                transposed=t.linears[o][2],
             )
 
     def close(self, openers: list[str], closers: list[str], short: dict[str, str]) -> None:
@@ -285,6 +306,7 @@ class _Decider:
                 f"contracts the features split by {by} ({what}) on its input dim; its output is a "
                 "partial sum, one all-reduce",
                 head_dim=head_dim,
+                transposed=self.trace.linears[c][2],
             )
 
     def embeddings(self) -> dict[int, str]:
@@ -324,25 +346,28 @@ class _Decider:
             module = self.modules.get(name)
             linked = any(name in group for group in t.links)
             if (
-                not isinstance(module, nn.Linear)
+                name not in t.linears
                 or linked
                 or name in t.misfits
                 or name in self.tied
             ):
                 continue
-            if module.out_features not in vocabs or self.used_outside(name):
+            _, out, transposed = t.linears[name]
+            if out not in vocabs or self.used_outside(name):
                 continue
             self.kept.pop(name, None)
             self.decisions[name] = _Decision(
                 "colwise",
-                f"its output ({module.out_features} features, the vocab of the token lookup) is the "
+                f"its output ({out} features, the vocab of the token lookup) is the "
                 "model output; split over the vocab and gathered, so callers see full rows",
                 output="replicate",
+                transposed=transposed,
             )
 
     def rest(self) -> None:
         for name, module in self.modules.items():
-            if not isinstance(module, (nn.Linear, nn.Embedding)) or name in self.decisions:
+            linear = name in self.trace.linears
+            if not (linear or isinstance(module, nn.Embedding)) or name in self.decisions:
                 continue
             if name not in self.trace.called:
                 why = "kept whole: it was not called in the traced forward"

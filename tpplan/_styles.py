@@ -1,17 +1,37 @@
-"""Plan rules -> torch ParallelStyle objects, plus the one style torch lacks.
+"""Plan rules -> torch ParallelStyle objects, plus what torch lacks.
 
 `plan_to_torch` is what `Plan.to_torch` calls. Every style maps onto torch's own
-(ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput/Output) except
-`replicate_grad_sum`, implemented here as `ReplicateGradSum`.
+(ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput/Output) except three
+cases built here on the same classes:
+- `replicate_grad_sum`: `ReplicateGradSum`;
+- fused colwise layers (`parts`): `Colwise` stores each part's rank-r slice next to the
+  others', so a rank's output is its own q, k and v (or gate and up) laid end to end;
+- weights stored (in, out) (`transposed`, GPT-2's Conv1D): `Colwise` / `Rowwise` shard the
+  other dim of the weight.
+
+A fused parameter is a DTensor `Shard(dim)` of the weight with its rows (columns, when
+transposed) reordered rank by rank; `fused_layout` says so, and `unfuse` turns a gathered
+tensor back into the original order (checkpoints use both).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
-from torch.distributed.tensor import DeviceMesh, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -28,7 +48,17 @@ from .plan import parse_layout
 if TYPE_CHECKING:
     from .plan import Plan, Rule
 
-__all__ = ["ReplicateGradSum", "placement", "plan_to_torch", "rule_to_style"]
+__all__ = [
+    "Colwise",
+    "ReplicateGradSum",
+    "Rowwise",
+    "fused_layout",
+    "fused_order",
+    "placement",
+    "plan_to_torch",
+    "rule_to_style",
+    "unfuse",
+]
 
 
 def placement(layout: str | None) -> Placement | None:
@@ -70,6 +100,137 @@ class ReplicateGradSum(ParallelStyle):
         return "ReplicateGradSum()"
 
 
+# ---- fused and transposed weights -----------------------------------------------------------
+_FUSED = "_tpplan_fused"  # attribute on a fused parameter: (dim, parts, tp)
+
+
+def fused_order(parts: list[int] | tuple[int, ...], tp: int) -> list[int]:
+    """Indices that put rank 0's slice of every part first, then rank 1's, and so on: a
+    contiguous Shard of the reordered dim gives each rank its own slice of each part."""
+    out: list[int] = []
+    for r in range(tp):
+        start = 0
+        for size in parts:
+            step = size // tp
+            out.extend(range(start + r * step, start + (r + 1) * step))
+            start += size
+    return out
+
+
+def fused_layout(t: Any) -> tuple[int, tuple[int, ...], int] | None:
+    """(dim, parts, tp) for a parameter a fused colwise style reordered, else None."""
+    return getattr(t, _FUSED, None)
+
+
+def unfuse(whole: torch.Tensor, layout: tuple[int, tuple[int, ...], int]) -> torch.Tensor:
+    """A gathered fused tensor back in the original order of its parts."""
+    dim, parts, tp = layout
+    order = torch.tensor(fused_order(parts, tp), device=whole.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=whole.device)
+    return whole.index_select(dim, inverse)
+
+
+def _distribute(
+    module: nn.Module,
+    name: str,
+    mesh: DeviceMesh,
+    dim: int,
+    parts: tuple[int, ...] | None,
+    src_data_rank: int | None,
+) -> None:
+    param = getattr(module, name)
+    tp = mesh.size()
+    data = param
+    if parts is not None:
+        index = torch.tensor(fused_order(parts, tp), device=param.device)
+        data = param.detach().index_select(dim, index)
+    new = nn.Parameter(
+        distribute_tensor(data, mesh, [Shard(dim)], src_data_rank=src_data_rank),
+        param.requires_grad,
+    )
+    if parts is not None:
+        setattr(new, _FUSED, (dim, parts, tp))
+    module.register_parameter(name, new)
+
+
+def _output(
+    layouts: tuple[Placement, ...],
+    local: bool,
+    parts: tuple[int, ...] | None,
+    mod: nn.Module,
+    out: DTensor,
+    mesh: DeviceMesh,
+) -> Any:
+    if out.placements != layouts:
+        out = out.redistribute(placements=layouts)
+    if parts is not None and isinstance(layouts[0], Replicate):
+        # gathered rank by rank: put the parts back in the order the model expects
+        dim = out.dim() - 1
+        whole = unfuse(out.to_local(), (dim, parts, mesh.size()))
+        return whole if local else DTensor.from_local(whole, mesh, layouts, run_check=False)
+    return out.to_local() if local else out
+
+
+class Colwise(ColwiseParallel):
+    """ColwiseParallel for fused layers (`parts`) and (in, out) weights (`transposed`).
+
+    The output is split over its last dim like torch's: with parts, rank r's output holds
+    rank r's slice of each part in order, which is what a model splitting the output into
+    parts by sizes divided per rank (or into equal chunks) expects.
+    """
+
+    def __init__(
+        self, *, parts: list[int] | None = None, transposed: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.parts = tuple(parts) if parts else None
+        self.transposed = transposed
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        src = self.src_data_rank
+        _distribute(module, "weight", mesh, 1 if self.transposed else 0, self.parts, src)
+        if getattr(module, "bias", None) is not None:
+            _distribute(module, "bias", mesh, 0, self.parts, src)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(_output, self.output_layouts, self.use_local_output, self.parts),
+        )
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"
+
+
+class Rowwise(RowwiseParallel):
+    """RowwiseParallel for weights stored (in, out): their dim 0 is contracted."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _distribute(module, "weight", mesh, 0, None, self.src_data_rank)
+        if getattr(module, "bias", None) is not None:
+            bias = module.bias
+            replicated = distribute_tensor(
+                bias, mesh, [Replicate()], src_data_rank=self.src_data_rank
+            )
+            module.register_parameter("bias", nn.Parameter(replicated, bias.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
 def rule_to_style(rule: Rule) -> ParallelStyle | None:
     """The style object for one rule; None for `replicate` (the module is left alone)."""
     kw: dict[str, Any] = {}
@@ -82,6 +243,10 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
             kw["input_layouts"] = Replicate()
         if rule.output is not None:
             kw["output_layouts"] = placement(rule.output)
+        if rule.style == "colwise" and (rule.parts or rule.transposed):
+            return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
+        if rule.style == "rowwise" and rule.transposed:
+            return Rowwise(**kw)
         return ColwiseParallel(**kw) if rule.style == "colwise" else RowwiseParallel(**kw)
     if rule.style == "sequence_parallel":
         _, dim = parse_layout(rule.input or "shard(1)")

@@ -75,7 +75,11 @@ class Trace:
     """Facts seen in one traced forward; names are full module / parameter names of the model."""
 
     called: set[str] = field(default_factory=set)
-    """Linear and Embedding modules that ran."""
+    """Linear and Embedding modules (and linear-like ones) that ran."""
+    linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+    """Linear or linear-like module -> (in features, out features, weight stored (in, out))."""
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Opener whose output features are cut into pieces (fused q|k|v, gate|up) -> their sizes."""
     openers: dict[str, int] = field(default_factory=dict)
     """Linear called on an unsplit input -> its out_features (its output got a Split)."""
     closers: dict[str, Split] = field(default_factory=dict)
@@ -252,6 +256,11 @@ class _Tracer(TorchDispatchMode):
         self.inputs: dict[int, torch.Tensor] = {}
         self.quiet = 0  # > 0 inside a hooked module or a whole-op rule: ops there are not ours
         self.stack: list[tuple[str, nn.Module]] = []  # the modules whose forward is running
+        # Integer attributes of modules read since the last op: (module, attribute, value).
+        # A count or size an op is given is read just before the op, so these say which
+        # attribute a number came from (see `_watch_reads`).
+        self.reads: list[tuple[str, str, int]] = []
+        self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
 
     # ---- bookkeeping ------------------------------------------------------------------
     def split_of(self, t: Any) -> Split | None:
@@ -262,7 +271,7 @@ class _Tracer(TorchDispatchMode):
         self.splits[id(t)] = (t, split)
         if len(split.sources) == 1:
             (src,) = split.sources
-            if split.n < self.trace.openers.get(src, 0):
+            if split.n < self.trace.openers.get(src, 0) and src not in self.trace.parts:
                 self.trace.heads.setdefault(src, split.n)  # the first view into (heads, head_dim)
         for s in split.sources:
             self.trace.units[s] = math.gcd(self.trace.units.get(s, split.n), split.n)
@@ -280,6 +289,7 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.quiet:
             self.on_op(func, args, kwargs, out)
+        self.reads.clear()
         return out
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -370,18 +380,23 @@ class _Tracer(TorchDispatchMode):
         the plan then divides by the tp size; anything else ends the split."""
         if not isinstance(sizes, (list, tuple)) or -1 not in sizes or sizes[s.dim] == -1:
             return
-        count = sizes[s.dim]
-        # The innermost running module holding the number is the one whose forward asked.
-        holders = [
-            (name, sorted(k for k, v in vars(m).items() if type(v) is int and v == count))
-            for name, m in reversed(self.stack)
-        ]
-        owner, attrs = next(((n, a) for n, a in holders if a), ("", []))
-        if len(attrs) != 1:
-            which = "several attributes hold it" if attrs else "no module attribute holds it"
-            raise _Break(f"it fixes the split dim at {count} with -1 elsewhere, and {which}")
+        held = self.attribute_holding(sizes[s.dim], "with -1 elsewhere, it fixes the split dim at")
         for src in s.sources:
-            self.trace.counts.setdefault(src, set()).add((owner, attrs[0], count))
+            self.trace.counts.setdefault(src, set()).add(held)
+
+    def attribute_holding(self, value: int, doing: str) -> tuple[str, str, int]:
+        """(module, attribute, value) of the one integer attribute read just before this op
+        with this value; the plan divides it by the tp size. Anything else ends the split."""
+        read = {(m, a) for m, a, v in self.reads if v == value}
+        if len(read) != 1:
+            which = (
+                "several attributes read just before hold it"
+                if read
+                else "no module attribute read just before holds it"
+            )
+            raise _Break(f"{doing} {value}, and {which}")
+        ((module, attr),) = read
+        return module, attr, value
 
     def only_split(self, t: torch.Tensor) -> Split:
         s = self.split_of(t)
@@ -432,12 +447,45 @@ class _Tracer(TorchDispatchMode):
         s = self.only_split(t)
         d = _norm_dim(a.get("dim", 0), t.dim())
         if d == s.dim:
-            raise _Break(
-                f"its split features are cut into {len(out)} parts (a fused layer); a contiguous "
-                "shard would mix the parts"
-            )
+            return self.cut(name, a, s, t, out)
         dim = s.dim - 1 if name == "unbind" and d < s.dim else s.dim  # unbind drops its dim
         return [(o, Split(dim, s.outer, s.n, s.inner, s.sources)) for o in out]
+
+    def cut(
+        self, name: str, a: dict[str, Any], s: Split, t: torch.Tensor, out: Any
+    ) -> list[tuple[torch.Tensor, Split]]:
+        """A fused layer's output cut into its pieces (q|k|v, gate|up) along the split dim.
+
+        Sharded, the layer stores each piece's rank-r slice next to the others' (`parts` in
+        the plan), so rank r's shard is [q_r, k_r, v_r]; the model's own cut finds those
+        pieces only when it cuts into equal pieces by count (`chunk`) or by sizes read from
+        module attributes, which the plan divides by the tp size.
+        """
+        if len(s.sources) != 1 or s.outer != 1 or name not in ("split", "split_with_sizes"):
+            raise _Break(
+                f"its split features are cut into {len(out)} parts in a way a fused split "
+                "cannot follow; a contiguous shard would mix the parts"
+            )
+        (src,) = s.sources
+        sizes = [o.shape[s.dim] for o in out]
+        if any(n % s.inner for n in sizes):
+            raise _Break("it cuts the split features inside a block that must stay whole")
+        held: list[tuple[str, str, int]] = []
+        if not self.chunking:
+            asked = a["split_size"] if name == "split" else a["split_sizes"]
+            for size in sorted(set([asked] if isinstance(asked, int) else asked)):
+                if size > 0:  # nothing to divide in an empty piece
+                    held.append(self.attribute_holding(size, "it cuts the fused features at"))
+        per_unit = self.trace.openers[src] // (s.n * s.inner)
+        parts = tuple(n * per_unit for n in sizes if n)
+        if self.trace.parts.setdefault(src, parts) != parts:
+            raise _Break("the fused features are cut two different ways")
+        self.trace.counts.setdefault(src, set()).update(held)
+        return [
+            (o, Split(s.dim, 1, n // s.inner, s.inner, s.sources))
+            for o, n in zip(out, sizes, strict=True)
+            if n
+        ]
 
     def reduced(
         self, a: dict[str, Any], t: torch.Tensor, out: Any
@@ -526,6 +574,11 @@ def _named(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
     return out
 
 
+# Cuts into a number of equal pieces: a rank's shard of a fused output cut so gives the
+# rank's slice of each piece, with no size to divide.
+_CHUNKS = (torch.Tensor.chunk, torch.chunk)
+
+
 class _Attention(TorchFunctionMode):
     """scaled_dot_product_attention as one op: heads (dim -3) of q, k and v go together.
 
@@ -540,6 +593,12 @@ class _Attention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _CHUNKS:
+            self.tracer.chunking += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.tracer.chunking -= 1
         if func is not torch.nn.functional.scaled_dot_product_attention or self.tracer.quiet:
             return func(*args, **kwargs)
         t = self.tracer
@@ -588,6 +647,78 @@ def _attention_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Spl
 
 
 # ---- running the model ---------------------------------------------------------------------
+# What a linear layer written by hand may do besides its one matrix product with the weight.
+_LINEAR_OPS = {
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "expand",
+    "clone", "contiguous", "_to_copy", "alias", "detach", "add", "sym_size", "sym_numel",
+    "sym_stride", "dim", "is_contiguous", "lift_fresh", "device",
+}  # fmt: skip
+_PRODUCTS = {"mm", "addmm", "bmm", "matmul", "linear"}
+
+
+class _OpLog(TorchDispatchMode):
+    """Which ops a probe forward ran, and how the weight met the matrix product."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.flipped = {id(weight): False}  # weight and its transposes -> transposed?
+        self.held: list[Any] = []  # keeps the transposes' ids unique while the probe runs
+        self.others: set[str] = set()
+        self.products: list[bool] = []  # per product with the weight: weight used as (in, out)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        ids = [id(a) for a in args if isinstance(a, torch.Tensor)]
+        if name in ("t", "transpose", "permute") and ids and ids[0] in self.flipped:
+            self.flipped[id(out)] = not self.flipped[ids[0]]
+            self.held.append(out)
+        elif name in _PRODUCTS:
+            # mm(x, W) computes x @ W: W is stored (in, out); linear(x, W) and mm(x, W.t()) not
+            second = args[2] if name == "addmm" else args[1]
+            if id(second) in self.flipped:
+                flipped = self.flipped[id(second)]
+                self.products.append(flipped if name == "linear" else not flipped)
+            else:
+                self.others.add(name)
+        elif name not in _LINEAR_OPS:
+            self.others.add(name)
+        return out
+
+
+def _linear_like(module: nn.Module, fake: FakeTensorMode) -> bool | None:
+    """Whether `module` (not an nn.Linear) computes a linear layer of its own 2-D weight:
+    None if not, else whether the weight is stored (in, out) as in GPT-2's Conv1D. Decided by
+    running it once on a fake input and watching its ops, not by its type or name."""
+    weight = module._parameters.get("weight")
+    bias = module._parameters.get("bias")
+    if weight is None or weight.dim() != 2 or next(module.children(), None) is not None:
+        return None
+    if bias is not None and bias.dim() != 1:
+        return None
+    rows, cols = weight.shape
+    for d_in, d_out in dict.fromkeys([(rows, cols), (cols, rows)]):
+        if bias is not None and bias.shape[0] != d_out:
+            continue
+        with fake:
+            x = torch.empty(2, 3, d_in)
+        log = _OpLog(weight)
+        try:
+            with torch.no_grad(), log:
+                out = module(x)
+        except Exception:
+            continue
+        if (
+            isinstance(out, torch.Tensor)
+            and tuple(out.shape) == (2, 3, d_out)
+            and not log.others
+            and len(log.products) == 1
+            and (rows == cols or (rows == d_in) == log.products[0])
+        ):
+            return log.products[0]
+    return None
+
+
 def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
     trace = tracer.trace
     arrived: list[Split | None] = []  # the split of each call's input, until the call returns
@@ -627,14 +758,47 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
     def after(mod: nn.Module, args: Any, out: Any) -> None:
         tracer.quiet -= 1
         unsplit = arrived.pop() is None
-        if isinstance(module, nn.Linear) and unsplit and isinstance(out, torch.Tensor):
-            trace.openers[name] = module.out_features
-            tracer.mark(
-                out, Split(out.dim() - 1, 1, module.out_features, 1, frozenset({name})), "linear"
-            )
+        if name in trace.linears and unsplit and isinstance(out, torch.Tensor):
+            features = trace.linears[name][1]
+            trace.openers[name] = features
+            tracer.mark(out, Split(out.dim() - 1, 1, features, 1, frozenset({name})), "linear")
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after)
+
+
+_READS = "_tpplan_reads"
+_WATCHING: dict[type, type] = {}
+
+
+def _watched(cls: type) -> type:
+    """A subclass of `cls` that logs reads of integer attributes (see `_watch_reads`)."""
+    sub = _WATCHING.get(cls)
+    if sub is None:
+
+        def __getattribute__(self: Any, attr: str) -> Any:
+            value = super(sub, self).__getattribute__(attr)  # type: ignore[arg-type]
+            if type(value) is int:
+                log = object.__getattribute__(self, "__dict__").get(_READS)
+                if log is not None:
+                    log[0].append((log[1], attr, value))
+            return value
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
+        sub.__qualname__ = cls.__qualname__
+        sub.__module__ = cls.__module__
+        _WATCHING[cls] = sub
+    return sub
+
+
+def _watch_reads(model: nn.Module, tracer: _Tracer) -> None:
+    """Make the modules of the traced copy log every integer attribute their forward reads
+    into `tracer.reads`, so that a number given to an op can be traced to the attribute it
+    came from (`view(B, T, self.n_head, hd)`, `split(self.split_size)`), and a number that
+    only happens to equal some attribute is not mistaken for it."""
+    for name, m in model.named_modules():
+        m.__dict__[_READS] = (tracer.reads, name)
+        m.__class__ = _watched(type(m))
 
 
 def _track(tracer: _Tracer, name: str, module: nn.Module) -> None:
@@ -745,9 +909,18 @@ def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool =
     copy_.eval()
     params = {id(p): n for n, p in copy_.named_parameters(remove_duplicate=False)}
     tracer = _Tracer(trace, params)
+    _watch_reads(copy_, tracer)
+    for name, m in copy_.named_modules():
+        if isinstance(m, nn.Linear):
+            trace.linears[name] = (m.in_features, m.out_features, False)
+        elif not isinstance(m, nn.Embedding):
+            stored_in_out = _linear_like(m, fake)
+            if stored_in_out is not None:
+                rows, cols = m.weight.shape
+                trace.linears[name] = (rows, cols, True) if stored_in_out else (cols, rows, False)
     for name, m in copy_.named_modules():
         _track(tracer, name, m)
-        if type(m) in (nn.Linear, nn.Embedding) or isinstance(m, (nn.Linear, nn.Embedding)):
+        if name in trace.linears or isinstance(m, nn.Embedding):
             _hook(tracer, name, m)
     args, kwargs = _example_inputs(model, example_inputs, device)
     with fake:
