@@ -7,10 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -70,6 +74,64 @@ def opt(seed: int = 0) -> nn.Module:
         eos_token_id=2,
     )
     return _build(OPTForCausalLM, cfg, seed)
+
+
+def gpt2(seed: int = 0, *, tied: bool = True) -> nn.Module:
+    """Conv1D layers (weights stored (in, out)); one c_attn producing q|k|v, cut apart by
+    `split(self.split_size)`; tied input embedding and head."""
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=64,
+        bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return _build(GPT2LMHeadModel, cfg, seed)
+
+
+def phi3(seed: int = 0) -> nn.Module:
+    """One gate_up_proj cut by `chunk(2)`; one qkv_proj cut by slices at positions computed
+    from the config in forward (GQA: 8 query heads, 4 key/value heads)."""
+    cfg = Phi3Config(
+        **_SMALL, num_key_value_heads=4, pad_token_id=0, bos_token_id=0, eos_token_id=0
+    )
+    return _build(Phi3ForCausalLM, cfg, seed)
+
+
+class FusedAttention(nn.Module):
+    """One Linear producing q|k|v of unequal sizes (8 query heads, 4 key/value heads of 8),
+    cut by `split([self.q_size, self.kv_size, self.kv_size])`; with `literal_sizes` the
+    sizes are written as numbers, which no rank-local fix can reach."""
+
+    def __init__(self, *, literal_sizes: bool) -> None:
+        super().__init__()
+        self.q_size, self.kv_size, self.head_dim = 64, 32, 8
+        self.literal_sizes = literal_sizes
+        self.qkv = nn.Linear(64, 128)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        sizes = [64, 32, 32] if self.literal_sizes else [self.q_size, self.kv_size, self.kv_size]
+        q, k, v = (
+            p.view(b, t, -1, self.head_dim).transpose(1, 2) for p in self.qkv(x).split(sizes, -1)
+        )
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class FusedGqa(nn.Module):
+    def __init__(self, *, literal_sizes: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.attn = FusedAttention(literal_sizes=literal_sizes)
+        self.head = nn.Linear(64, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.attn(x))
+
+
+def fused_gqa(seed: int = 0, *, literal_sizes: bool = False) -> FusedGqa:
+    torch.manual_seed(seed)
+    return FusedGqa(literal_sizes=literal_sizes).eval()
 
 
 class Mlp(nn.Module):

@@ -15,9 +15,12 @@ from infer_models import (
     Mlp,
     NormedMlp,
     block,
+    fused_gqa,
+    gpt2,
     llama_gqa,
     llama_mha,
     opt,
+    phi3,
     qwen2,
     qwen3,
 )
@@ -29,6 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import tpplan
 from tpplan._local import rank_values, simulated_ranks
 from tpplan._patterns import match_names
+from tpplan._styles import fused_layout, unfuse
 from tpplan.plan import Plan, load_plan
 
 # fp32 forward and backward of a two-layer model: a sharded run sums the same products in
@@ -125,8 +129,10 @@ def assert_parity(ref: nn.Module, plan: Plan, tp: int, x: torch.Tensor) -> None:
         got.float().pow(2).mean().backward()
         for name, p in model.named_parameters():
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            layout = fused_layout(p)
             for value in rank_values(grad):
-                assert (value - ref_grads[name]).abs().max().item() <= TOL, name
+                whole = unfuse(value, layout) if layout else value
+                assert (whole - ref_grads[name]).abs().max().item() <= TOL, name
 
 
 PARITY = [
@@ -153,13 +159,87 @@ def test_stored_head_count_is_divided(tp: int) -> None:
     assert_parity(model, plan, tp, _tokens())
 
 
-def test_tied_embeddings_stay_whole() -> None:
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tied_embeddings_are_split_alike_and_stay_tied(tp: int) -> None:
+    """OPT ties its token embedding to its head: both split the vocab rows of one weight."""
     model = opt()
     plan = tpplan.infer_plan(model)
-    for name in ("model.decoder.embed_tokens", "lm_head"):
-        rule = rule_for(plan, model, name)
-        assert rule.style == "replicate"
-        assert "tied" in rule.why
+    assert styles(plan, model)["model.decoder.embed_tokens"] == ("vocab_parallel", None)
+    assert styles(plan, model)["lm_head"] == ("colwise", "replicate")
+    assert "tied with lm_head" in rule_for(plan, model, "model.decoder.embed_tokens").why
+    assert_parity(model, plan, tp, _tokens())
+    with simulated_ranks(tp) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+        assert sharded.lm_head.weight is sharded.model.decoder.embed_tokens.weight
+
+
+def test_tied_weights_split_differently_are_refused() -> None:
+    model = opt()
+    plan = tpplan.infer_plan(model)
+    rules = [
+        r.model_copy(update={"style": "replicate", "output": None}) if r.match == "lm_head" else r
+        for r in plan.rules
+    ]
+    problems = tpplan.check_plan(plan.model_copy(update={"rules": rules}), model, tp_size=2)
+    (tied,) = [p for p in problems if p.kind == "tied"]
+    assert tied.module == "model.decoder.embed_tokens"
+    assert "lm_head.weight: whole" in tied.message and "embed_tokens.weight: dim 0" in tied.message
+    assert "splits it the same way" in tied.fix
+
+
+# ---- fused layers, Conv1D -------------------------------------------------------------------
+@pytest.mark.parametrize(("tp", "tied"), [(2, True), (4, True), (2, False)])
+def test_gpt2_conv1d_and_fused_qkv(tp: int, tied: bool) -> None:
+    """Conv1D stores its weight (in, out): found by its ops, split on the other dim; c_attn's
+    q|k|v are split piece by piece, and the split size the model reads is divided."""
+    model = gpt2(tied=tied)
+    plan = tpplan.infer_plan(model)
+    c_attn = rule_for(plan, model, "transformer.h.0.attn.c_attn")
+    assert (c_attn.style, c_attn.parts, c_attn.transposed, c_attn.head_dim) == (
+        "colwise", [64, 64, 64], True, 8,
+    )  # fmt: skip
+    for name, style in [("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise")]:
+        rule = rule_for(plan, model, f"transformer.h.0.{name}")
+        assert (rule.style, rule.transposed, rule.parts) == (style, True, None)
+    (attr,) = plan.attributes
+    assert (attr.match, attr.divide) == ("transformer.h.*.attn", ["split_size"])
+    assert_parity(model, plan, tp, _tokens())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_pieces_of_unequal_size(tp: int) -> None:
+    """q|k|v of 64|32|32 (grouped-query): each rank gets its own query and key/value heads."""
+    model = fused_gqa()
+    plan = tpplan.infer_plan(model, example_inputs=_tokens())
+    rule = rule_for(plan, model, "attn.qkv")
+    assert (rule.style, rule.parts, rule.head_dim) == ("colwise", [64, 32, 32], 8)
+    assert [a.divide for a in plan.attributes] == [["kv_size", "q_size"]]
+    assert tpplan.check_plan(plan, model, tp_size=8)  # 4 key/value heads do not split 8 ways
+    assert_parity(model, plan, tp, _tokens())
+
+
+def test_fused_cut_at_literal_sizes_is_gathered() -> None:
+    """Sizes written as numbers cannot become per-rank sizes: the output is gathered instead."""
+    model = fused_gqa(literal_sizes=True)
+    plan = tpplan.infer_plan(model, example_inputs=_tokens())
+    rule = rule_for(plan, model, "attn.qkv")
+    assert (rule.style, rule.output, rule.parts) == ("colwise", "replicate", None)
+    assert "no module attribute read in forward holds it" in rule.why
+    assert_parity(model, plan, 2, _tokens())
+
+
+def test_phi3_gate_up_by_chunk_and_sliced_qkv() -> None:
+    """gate_up_proj is cut by chunk(2): equal pieces, no size to divide. qkv_proj is cut by
+    slices at positions computed from the config: gathered, as transformers' own plan does."""
+    model = phi3()
+    plan = tpplan.infer_plan(model)
+    gate_up = rule_for(plan, model, "model.layers.0.mlp.gate_up_proj")
+    assert (gate_up.style, gate_up.parts) == ("colwise", [96, 96])
+    assert rule_for(plan, model, "model.layers.0.mlp.down_proj").style == "rowwise"
+    qkv = rule_for(plan, model, "model.layers.0.self_attn.qkv_proj")
+    assert (qkv.style, qkv.output) == ("colwise", "replicate")
+    assert "takes part of the split dim" in qkv.why
+    assert_parity(model, plan, 2, _tokens())
 
 
 def test_mlp() -> None:
@@ -171,13 +251,16 @@ def test_mlp() -> None:
     assert_parity(model, plan, 2, x)
 
 
-def test_norm_over_features_keeps_the_layer_whole() -> None:
+def test_norm_over_features_ends_the_split() -> None:
+    """A LayerNorm needs all of fc1's features, so fc1's output cannot stay split: each
+    layer only splits its weight, its output gathered at once."""
     model = NormedMlp()
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
     plan = tpplan.infer_plan(model, example_inputs=x)
-    assert styles(plan, model) == {}
+    assert styles(plan, model) == {"fc1": ("colwise", "replicate"), "fc2": ("colwise", "replicate")}
     why = rule_for(plan, model, "fc1").why
     assert "native_layer_norm" in why and "normalizes over the split features" in why
+    assert_parity(model, plan, 2, x)
 
 
 def test_names_do_not_matter() -> None:
@@ -200,13 +283,18 @@ def test_names_do_not_matter() -> None:
 
 
 # ---- tp sizes -------------------------------------------------------------------------------
-def test_tp_that_does_not_divide_kv_heads_keeps_attention_whole() -> None:
+def test_tp_that_does_not_divide_kv_heads_gathers_attention() -> None:
+    """4 key/value heads cannot split 8 ways: attention keeps whole heads per rank by
+    gathering each projection's output, so only the weights are split."""
     model = llama_gqa()
     plan = tpplan.infer_plan(model, tp_size=8)
     sharded = styles(plan, model)
-    assert not any("self_attn" in n for n in sharded)
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert sharded[f"model.layers.0.self_attn.{p}"] == ("colwise", "replicate")
     assert sharded["model.layers.0.mlp.down_proj"] == ("rowwise", None)
-    assert "tp 8 does not divide" in rule_for(plan, model, "model.layers.0.self_attn.k_proj").why
+    why = rule_for(plan, model, "model.layers.0.self_attn.k_proj").why
+    assert "tp 8 does not divide" in why and "gathered" in why
+    assert_parity(model, plan, 8, _tokens())
 
 
 def test_odd_tp_shards_what_it_can() -> None:

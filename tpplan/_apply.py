@@ -78,13 +78,36 @@ def apply_plan(
     if problems:
         raise PlanProblemsError(problems, tp_size=tp_size)
     styles = plan.to_torch(model)
+    tied = _tied(model)
     if styles:
         parallelize_module(model, mesh, styles)
+    _retie(model, tied)
     _divide_attributes(plan, model, tp_size)
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
     return model
+
+
+def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, parameter name) that share one parameter (tied weights)."""
+    groups: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                groups.setdefault(id(p), []).append((module, name))
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """parallelize_module distributes each module's parameters on its own, so a tied weight
+    comes out as one copy per holder; check_plan made sure they are split alike, so the
+    first copy serves them all again."""
+    for group in tied:
+        (first_module, first_name), *rest = group
+        shared = first_module._parameters[first_name]
+        for module, name in rest:
+            module.register_parameter(name, shared)
 
 
 def _divide_attributes(plan: Plan, model: nn.Module, tp_size: int) -> None:

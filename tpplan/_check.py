@@ -118,10 +118,60 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
                 continue
             owner[name] = i
             problems.extend(_check_module(i, rule, name, modules[name], tp_size))
+    problems.extend(_check_tied(plan, owner, model))
     problems.extend(_check_regions(plan, matched, model))
     problems.extend(_check_attributes(plan, names, modules, tp_size))
     problems.extend(_check_fingerprint(plan, model))
     return _merge_layers(problems, names)
+
+
+def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
+    """How a rule splits one parameter of its module, in words ("whole" when it does not)."""
+    if rule is None or rule.style not in ("colwise", "rowwise", "vocab_parallel"):
+        return "whole"
+    if param != "weight":
+        return "dim 0" if rule.style == "colwise" and not isinstance(module, nn.Embedding) else "whole"
+    if isinstance(module, nn.Embedding):
+        return "dim 1" if rule.style == "colwise" else "dim 0"
+    dim = int(rule.style == "rowwise") ^ int(bool(rule.transposed))
+    return f"dim {dim}" + (" as fused parts" if rule.parts else "")
+
+
+def _check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Problem]:
+    """Modules sharing one parameter (tied embeddings) must split it alike, or it would be
+    two different tensors after sharding: no longer tied, and wrong after one step."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        mod, _, name = full.rpartition(".")
+        holders.setdefault(id(p), []).append((mod, name))
+    modules = dict(model.named_modules())
+    out = []
+    for group in holders.values():
+        if len(group) < 2:
+            continue
+        splits = {
+            (mod, name): weight_split(
+                plan.rules[owner[mod]] if mod in owner else None, modules[mod], name
+            )
+            for mod, name in group
+        }
+        if len(set(splits.values())) > 1:
+            (mod, _), *_ = [k for k, v in splits.items() if v != "whole"] or list(splits)
+            i = owner[mod]
+            said = ", ".join(f"{m}.{n}: {v}" for (m, n), v in splits.items())
+            out.append(
+                Problem(
+                    "tied",
+                    _where(i, plan.rules[i]),
+                    mod,
+                    f"it shares a parameter with other modules (tied), which the plan splits "
+                    f"differently ({said}); sharded, they would stop being one tensor.",
+                    "give every module holding the tied parameter a style that splits it the "
+                    "same way (vocab_parallel input embedding with a colwise head), or keep them "
+                    "all replicated.",
+                )
+            )
+    return out
 
 
 def _merge_layers(problems: list[Problem], names: list[str]) -> list[Problem]:

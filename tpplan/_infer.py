@@ -18,11 +18,12 @@ Module names are used only to print patterns and to name partners in `why`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 
+from ._check import weight_split
 from ._fingerprint import fingerprint, parameter_shapes
 from ._patterns import collapse
 from ._trace import Trace, trace_model
@@ -163,6 +164,10 @@ class _Decider:
         self.decisions: dict[str, _Decision] = {}
         self.attributes: dict[str, tuple[tuple[str, ...], str]] = {}  # module -> (attrs, why)
         self.kept: dict[str, str] = {}  # module -> why it stays replicated
+        # modules that must stay whole even as gathered layers: tied or shared weights
+        self.blocked: set[str] = {n for n in self.tied if n in trace.linears}
+        self.blocked |= {n for n in trace.linears if self.used_outside(n)}
+        self.biggest = max((i * o for i, o, _ in trace.linears.values()), default=0)
 
     def used_outside(self, name: str) -> bool:
         params = _own_params(self.modules[name], name)
@@ -198,8 +203,13 @@ class _Decider:
             )
         helpers = self.helpers(set(openers), short, reasons)
         counts = {c for o in openers for c in t.counts.get(o, ())}
-        for _, attr, value in sorted(counts):
-            if value % self.tp:
+        for module, attr, value in sorted(counts):
+            if not module:
+                reasons.append(
+                    f"the model's own forward reads {attr} = {value} to size the split features, "
+                    "and a plan divides attributes of submodules only"
+                )
+            elif value % self.tp:
                 reasons.append(
                     f"a view reads the head count {attr} = {value}, which tp {self.tp} does not divide"
                 )
@@ -320,10 +330,6 @@ class _Decider:
                 self.kept[name] = (
                     "kept whole: its indices are computed inside forward (positions or types), not the input tokens"
                 )
-            elif name in self.tied:
-                self.kept[name] = (
-                    f"kept whole: its weight is shared with {_join(self.tied[name])} (tied); sharding would untie it"
-                )
             elif self.used_outside(name):
                 self.kept[name] = "kept whole: its weight is also used outside its own lookup"
             elif module.max_norm is not None:
@@ -349,7 +355,6 @@ class _Decider:
                 name not in t.linears
                 or linked
                 or name in t.misfits
-                or name in self.tied
             ):
                 continue
             _, out, transposed = t.linears[name]
@@ -364,6 +369,54 @@ class _Decider:
                 transposed=transposed,
             )
 
+    def tie(self) -> None:
+        """Modules sharing a weight (tied input and output embeddings) keep sharing it only
+        when their styles split it alike (rows of the vocab for both); otherwise all of them
+        stay whole."""
+        for name, partners in self.tied.items():
+            group = [name, *partners]
+            decided = {m: self.decisions.get(m) for m in group}
+            splits = {
+                m: weight_split(d.rule(m) if d else None, self.modules[m], "weight")
+                for m, d in decided.items()
+            }
+            if len(set(splits.values())) == 1:
+                if decided[name] is not None and splits[name] != "whole":
+                    d = decided[name]
+                    why = f"{d.why}; its weight is tied with {_join(partners)}, split the same way"
+                    self.decisions[name] = replace(d, why=why)
+                continue
+            self.decisions.pop(name, None)
+            self.kept[name] = (
+                f"kept whole: its weight is shared with {_join(partners)} (tied), which "
+                "cannot split it the same way"
+            )
+
+    def gathered(self, name: str, why: str) -> _Decision | None:
+        """A layer whose output cannot stay split may still split its weight: colwise with
+        the output gathered is exact whatever the model does next (the gathered output is the
+        unsplit one), for one all-gather per call. Worth it for big layers only, and only
+        when nothing but the data flow kept it whole."""
+        t = self.trace
+        in_f, out, transposed = t.linears[name]
+        if (
+            name in self.blocked
+            or name in t.misfits
+            or name not in t.called
+            or out % self.tp
+            or in_f * out * 8 < self.biggest
+        ):
+            return None
+        reason = why.removeprefix("kept whole: ")
+        return _Decision(
+            "colwise",
+            f"its output cannot stay split ({reason}); so its {out} output features are split "
+            "and gathered right after (one all-gather per call), which splits its weight and "
+            "leaves what follows unchanged",
+            output="replicate",
+            transposed=transposed,
+        )
+
     def rest(self) -> None:
         for name, module in self.modules.items():
             linear = name in self.trace.linears
@@ -375,7 +428,9 @@ class _Decider:
                 why = self.kept.get(
                     name, "kept whole: its output is not split anywhere the tracer could follow"
                 )
-            self.decisions[name] = _Decision("replicate", why)
+            self.decisions[name] = (linear and self.gathered(name, why)) or _Decision(
+                "replicate", why
+            )
 
 
 def _decide(
@@ -385,6 +440,7 @@ def _decide(
     for members in _regions(trace):
         d.region(members)
     d.head(d.embeddings())
+    d.tie()
     d.rest()
     return d.decisions, d.attributes
 

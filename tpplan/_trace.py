@@ -255,11 +255,11 @@ class _Tracer(TorchDispatchMode):
         self.params: dict[int, tuple[Any, str]] = {i: (None, n) for i, n in params.items()}
         self.inputs: dict[int, torch.Tensor] = {}
         self.quiet = 0  # > 0 inside a hooked module or a whole-op rule: ops there are not ours
-        self.stack: list[tuple[str, nn.Module]] = []  # the modules whose forward is running
-        # Integer attributes of modules read since the last op: (module, attribute, value).
-        # A count or size an op is given is read just before the op, so these say which
-        # attribute a number came from (see `_watch_reads`).
-        self.reads: list[tuple[str, str, int]] = []
+        # Integer attributes of modules read by each running forward, innermost last:
+        # (module, attribute, value). A count or size an op is given was read by the forward
+        # that calls the op (or one enclosing it), so these say which attribute a number came
+        # from (see `_watch_reads`); reads inside a finished child forward are dropped.
+        self.reads: list[list[tuple[str, str, int]]] = [[]]
         self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
 
     # ---- bookkeeping ------------------------------------------------------------------
@@ -289,7 +289,6 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.quiet:
             self.on_op(func, args, kwargs, out)
-        self.reads.clear()
         return out
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -387,12 +386,16 @@ class _Tracer(TorchDispatchMode):
     def attribute_holding(self, value: int, doing: str) -> tuple[str, str, int]:
         """(module, attribute, value) of the one integer attribute read just before this op
         with this value; the plan divides it by the tp size. Anything else ends the split."""
-        read = {(m, a) for m, a, v in self.reads if v == value}
+        read: set[tuple[str, str]] = set()
+        for frame in reversed(self.reads):
+            read = {(m, a) for m, a, v in frame if v == value}
+            if read:
+                break
         if len(read) != 1:
             which = (
-                "several attributes read just before hold it"
+                f"several attributes read in forward hold it ({', '.join(sorted(a for _, a in read))})"
                 if read
-                else "no module attribute read just before holds it"
+                else "no module attribute read in forward holds it"
             )
             raise _Break(f"{doing} {value}, and {which}")
         ((module, attr),) = read
@@ -781,7 +784,7 @@ def _watched(cls: type) -> type:
             if type(value) is int:
                 log = object.__getattribute__(self, "__dict__").get(_READS)
                 if log is not None:
-                    log[0].append((log[1], attr, value))
+                    log[0][-1].append((log[1], attr, value))
             return value
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
@@ -802,13 +805,13 @@ def _watch_reads(model: nn.Module, tracer: _Tracer) -> None:
 
 
 def _track(tracer: _Tracer, name: str, module: nn.Module) -> None:
-    """Keep `tracer.stack` as the chain of modules whose forward is running."""
+    """Give each running forward its own frame of attribute reads (`tracer.reads`)."""
 
     def enter(mod: nn.Module, args: Any) -> None:
-        tracer.stack.append((name, mod))
+        tracer.reads.append([])
 
     def leave(mod: nn.Module, args: Any, out: Any) -> None:
-        tracer.stack.pop()
+        tracer.reads.pop()
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
