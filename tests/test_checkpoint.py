@@ -467,3 +467,53 @@ def test_a_buffer_no_one_can_rebuild_is_named(tmp_path: Path) -> None:
     assert _untouched(model) and torch.equal(model.freqs, torch.arange(4.0))
     load_checkpoint(model, tmp_path / "ckpt", rebuild_buffers=False)
     assert torch.equal(model.lin.weight, saved.lin.weight)
+
+
+# --- fused layers (GPT-2's c_attn holds q|k|v; each rank holds a slice of each) --------------
+
+
+def _gpt2(device: str = "cpu") -> torch.nn.Module:
+    from infer_models import gpt2
+
+    with torch.device(device):
+        return gpt2()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_layers_gather_back_to_the_original_order(tp: int) -> None:
+    want = _gpt2().state_dict()
+    model = _gpt2()
+    with simulated_ranks(tp) as mesh:
+        tpplan.apply_plan(model, mesh)
+        got = full_state_dict(model)
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_a_fused_model_saved_at_tp2_loads_at_tp4_and_in_transformers(tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    folder = tmp_path / "ckpt"
+    x = token_batch()
+    want = _gpt2()(x).logits
+    model = _gpt2()
+    with simulated_ranks(2) as mesh:
+        save_checkpoint(tpplan.apply_plan(model, mesh), folder, sharded=False)
+    assert torch.equal(GPT2LMHeadModel.from_pretrained(folder)(x).logits, want)
+    meta = _gpt2("meta")
+    with simulated_ranks(4) as mesh:
+        model = tpplan.apply_plan(meta, mesh)
+        model.to_empty(device="cpu")
+        load_checkpoint(model, folder)
+        assert _worst(model(x).logits, want) <= TOL
+
+
+def test_a_sharded_save_of_fused_layers_is_refused_by_name(tmp_path: Path) -> None:
+    model = _gpt2()
+    with simulated_ranks(2) as mesh:
+        tpplan.apply_plan(model, mesh)
+        with pytest.raises(CheckpointError, match=r"fused layers \(transformer\.h\.0\.attn") as e:
+            save_checkpoint(model, tmp_path / "ckpt", sharded=True)
+    assert "sharded=False" in str(e.value)
+    assert list(tmp_path.iterdir()) == []

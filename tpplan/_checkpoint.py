@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._local import rank_values
+from ._local import outside_simulation, rank_values
+from ._styles import fused_layout, unfuse
 from ._safetensors_io import (
     INDEX_NAME,
     CheckpointError,
@@ -69,7 +70,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     """
     keep = not rank0_only or _rank() == 0
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in model.state_dict(keep_vars=True).items():
         whole = _gather(t)
         if keep:
             out[name] = whole
@@ -77,9 +78,12 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
 
 
 def _gather(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor as a plain tensor (a collective for a DTensor). Under simulated ranks
-    every rank's copy is equal after the gather; rank 0's stands for them."""
-    return rank_values(t)[0].detach()
+    """The whole tensor as a plain tensor (a collective for a DTensor), its fused parts back
+    in their original order. Under simulated ranks every rank's copy is equal after the
+    gather; rank 0's stands for them."""
+    whole = rank_values(t)[0].detach()
+    layout = fused_layout(t)
+    return whole if layout is None else unfuse(whole, layout)
 
 
 # --- saving ---------------------------------------------------------------------------------
@@ -104,6 +108,8 @@ def save_checkpoint(
     complete; an existing checkpoint at `path` is replaced only then.
     """
     path = Path(path)
+    if sharded:
+        _refuse_fused_dcp(model, "saving")  # the same on every rank: nobody waits
     if sharded and _simulated():
         raise CheckpointError(
             "sharded=True writes with torch.distributed.checkpoint, which needs real processes; "
@@ -164,7 +170,7 @@ def _save_safetensors(
     A failure on rank 0 must not leave the others waiting in a gather, so rank 0 records the
     first error, keeps taking part in the gathers without writing, and returns it.
     """
-    sd = model.state_dict()
+    sd = model.state_dict(keep_vars=True)
     files = _plan_files([(n, t.dtype, tuple(t.shape)) for n, t in sd.items()], max_file_bytes)
     writing = _rank() == 0
     failure: BaseException | None = None
@@ -341,6 +347,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, rebuild_buffers: bool
                 f"{path} is a torch.distributed.checkpoint folder; loading one needs real "
                 "processes (torchrun). Under simulated ranks load a safetensors folder."
             )
+        _refuse_fused_dcp(model, "loading")
         loader = _load_dcp(model, sd, path)
     else:
         loader = _load_safetensors(model, sd, path)
@@ -449,7 +456,10 @@ def _load_safetensors(model: nn.Module, sd: dict[str, torch.Tensor], path: Path)
 
 def _copy_from_file(key: str, target: torch.Tensor, fd: int, entry: Entry) -> None:
     """Each rank reads the region its placement gives it, straight into its local tensor."""
-    if isinstance(target, DTensor):
+    layout = fused_layout(target)
+    if layout is not None:
+        _copy_fused(key, target, fd, entry, layout)
+    elif isinstance(target, DTensor):
         shape, mesh, placements = tuple(target.shape), target.device_mesh, target.placements
 
         def fill(rank: int, local: torch.Tensor) -> None:
@@ -459,6 +469,44 @@ def _copy_from_file(key: str, target: torch.Tensor, fd: int, entry: Entry) -> No
     else:
         whole = tuple(slice(0, n) for n in entry.shape)
         _each_rank(target.data, lambda rank, local: read_region_into(fd, entry, whole, local))
+
+
+def _copy_fused(
+    key: str, target: Any, fd: int, entry: Entry, layout: tuple[int, tuple[int, ...], int]
+) -> None:
+    """A fused layer's rank holds its slice of every part, in order (see tpplan/_styles.py):
+    one region of the stored tensor per part."""
+    dim, parts, tp = layout
+    mesh = target.device_mesh
+    if mesh.ndim != 1:
+        raise CheckpointError(
+            f"{key} is a fused layer split on a {mesh.ndim}-D mesh; loading it from safetensors "
+            "supports a 1-D tp mesh only. Fix: load before sharding over more axes."
+        )
+    ranks = mesh.mesh.tolist()
+
+    def fill(rank: int, local: torch.Tensor) -> None:
+        r = ranks.index(rank)
+        start = offset = 0
+        for size in parts:
+            step = size // tp
+            region = [slice(0, n) for n in entry.shape]
+            region[dim] = slice(start + r * step, start + (r + 1) * step)
+            read_region_into(fd, entry, tuple(region), local.narrow(dim, offset, step))
+            start, offset = start + size, offset + step
+
+    _each_rank(target.to_local(), fill)
+
+
+def _refuse_fused_dcp(model: nn.Module, doing: str) -> None:
+    fused = [n for n, t in model.state_dict(keep_vars=True).items() if fused_layout(t) is not None]
+    if fused:
+        raise CheckpointError(
+            f"{doing} a torch.distributed.checkpoint of fused layers ({_names(fused)}) is not "
+            "supported yet: their shards hold a slice of each fused part, which DCP cannot "
+            "describe. Fix: use save_checkpoint(model, path, sharded=False) and load that "
+            "safetensors folder, which works at any tp size."
+        )
 
 
 def _region(
@@ -651,9 +699,7 @@ def _simulated() -> bool:
 
 def _outside_simulation() -> AbstractContextManager[None]:
     """File work runs as plain tensors, not once per simulated rank."""
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-
-    return maybe_disable_local_tensor_mode()
+    return outside_simulation()
 
 
 def _each_rank(local: torch.Tensor, fill: Callable[[int, torch.Tensor], None]) -> None:

@@ -8,14 +8,14 @@ spawning processes. `fake_ranks` is the same without numbers (shapes and collect
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["fake_ranks", "own_replicas", "rank_values", "simulated_ranks"]
+__all__ = ["fake_ranks", "outside_simulation", "own_replicas", "rank_values", "simulated_ranks"]
 
 
 @contextmanager
@@ -36,6 +36,14 @@ def _fake_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def outside_simulation() -> AbstractContextManager[Any]:
+    """Run plain tensor code once, not once per simulated rank (a no-op outside
+    `simulated_ranks`)."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    return maybe_disable_local_tensor_mode()
 
 
 @contextmanager

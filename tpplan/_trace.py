@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._inputs import example_inputs as _derived_inputs
+from ._local import outside_simulation
 from ._tree import tensor_leaves
 from .errors import TpplanError
 
@@ -904,6 +905,12 @@ def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool =
     `shorten` traces long stacks of identical blocks through a prefix (see the module
     docstring); pass False to trace every block.
     """
+    # once, on fake tensors: not once per rank when every rank is simulated in this process
+    with outside_simulation():
+        return _trace(model, example_inputs, shorten)
+
+
+def _trace(model: nn.Module, example_inputs: Any, shorten: bool) -> Trace:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
