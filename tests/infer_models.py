@@ -219,3 +219,15 @@ class Block(nn.Module):
 def block(names: dict[str, str] = PLAIN_NAMES, seed: int = 0) -> Block:
     torch.manual_seed(seed)
     return Block(names).eval()
+
+
+def bert(seed: int = 0) -> nn.Module:
+    """An encoder (bidirectional attention, post-norm, GELU MLP) with a masked-LM head whose
+    decoder is tied to the word embedding."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        intermediate_size=128, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    return _build(BertForMaskedLM, cfg, seed)

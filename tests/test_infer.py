@@ -198,7 +198,11 @@ def test_gpt2_conv1d_and_fused_qkv(tp: int, tied: bool) -> None:
     assert (c_attn.style, c_attn.parts, c_attn.transposed, c_attn.head_dim) == (
         "colwise", [64, 64, 64], True, 8,
     )  # fmt: skip
-    for name, style in [("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise")]:
+    for name, style in [
+        ("attn.c_proj", "rowwise"),
+        ("mlp.c_fc", "colwise"),
+        ("mlp.c_proj", "rowwise"),
+    ]:
         rule = rule_for(plan, model, f"transformer.h.0.{name}")
         assert (rule.style, rule.transposed, rule.parts) == (style, True, None)
     (attr,) = plan.attributes

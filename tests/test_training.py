@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from infer_models import bert, gpt2
 from models import tiny_llama, token_batch
 from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tpplan import InputMismatchError, Plan, apply_plan, load_plan
+from tpplan import InputMismatchError, Plan, apply_plan, infer_plan, load_plan
 from tpplan._local import own_replicas, rank_values, simulated_ranks
+from tpplan._styles import fused_layout, unfuse
 
 LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
 TOL = 1e-5  # the issue's bar for fp32; observed errors are ~1e-7
@@ -72,6 +74,36 @@ def test_a_training_step_matches_the_unsharded_model(tp: int) -> None:
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
             _assert_close(p.grad, q.grad, f"{name}.grad")
             _assert_close(p, q, f"{name} after the step")
+
+
+@pytest.mark.parametrize(("family", "tp"), [("gpt2", 2), ("gpt2", 4), ("bert", 2), ("bert", 4)])
+def test_a_training_step_with_the_inferred_plan(family: str, tp: int) -> None:
+    """GPT-2 (Conv1D, fused q|k|v, tied head) and BERT (encoder, tied decoder) with the plan
+    the tracer infers: one SGD step gives the unsharded model's loss, gradients and weights."""
+    ref = {"gpt2": gpt2, "bert": bert}[family]()
+    tokens = token_batch()
+    start = copy.deepcopy(ref)
+    want_loss = _train_step(ref, tokens)
+    plan = infer_plan(start, tp_size=tp)
+    with simulated_ranks(tp) as mesh:
+        model = apply_plan(copy.deepcopy(start), mesh, plan)
+        sharded = sum(p.numel() for p in model.parameters() if isinstance(p, DTensor))
+        assert sharded > sum(p.numel() for p in model.parameters()) // 2
+        own_replicas(model, tp)
+        loss = _train_step(model, tokens)
+        _assert_close(loss, want_loss, "loss")
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            layout = fused_layout(p)
+            grad, value = (p.grad, p) if layout is None else _unfused(p.grad, p, layout)
+            _assert_close(grad, q.grad, f"{name}.grad")
+            _assert_close(value, q, f"{name} after the step")
+
+
+def _unfused(
+    grad: torch.Tensor, p: torch.Tensor, layout: tuple
+) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[type-arg]
+    """A fused parameter's gradient and value back in the order of the unsharded layer."""
+    return unfuse(grad.full_tensor(), layout), unfuse(p.full_tensor(), layout)
 
 
 def test_loss_parallel_keeps_logits_sharded_and_matches() -> None:

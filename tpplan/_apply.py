@@ -11,6 +11,7 @@ from pathlib import Path
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ._check import check_plan
@@ -104,9 +105,10 @@ def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
     comes out as one copy per holder; check_plan made sure they are split alike, so the
     first copy serves them all again."""
     for group in tied:
-        (first_module, first_name), *rest = group
-        shared = first_module._parameters[first_name]
-        for module, name in rest:
+        now = [module._parameters[name] for module, name in group]
+        # a holder no style touched (a module keeping a reference) takes the split copy
+        shared = next((p for p in now if isinstance(p, DTensor)), now[0])
+        for module, name in group:
             module.register_parameter(name, shared)
 
 

@@ -130,30 +130,38 @@ def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
     if rule is None or rule.style not in ("colwise", "rowwise", "vocab_parallel"):
         return "whole"
     if param != "weight":
-        return "dim 0" if rule.style == "colwise" and not isinstance(module, nn.Embedding) else "whole"
+        return (
+            "dim 0" if rule.style == "colwise" and not isinstance(module, nn.Embedding) else "whole"
+        )
     if isinstance(module, nn.Embedding):
         return "dim 1" if rule.style == "colwise" else "dim 0"
     dim = int(rule.style == "rowwise") ^ int(bool(rule.transposed))
     return f"dim {dim}" + (" as fused parts" if rule.parts else "")
 
 
-def _check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Problem]:
-    """Modules sharing one parameter (tied embeddings) must split it alike, or it would be
-    two different tensors after sharding: no longer tied, and wrong after one step."""
+def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module, parameter name) of every holder of each parameter held more than once."""
     holders: dict[int, list[tuple[str, str]]] = {}
     for full, p in model.named_parameters(remove_duplicate=False):
         mod, _, name = full.rpartition(".")
         holders.setdefault(id(p), []).append((mod, name))
+    return [g for g in holders.values() if len(g) > 1]
+
+
+def _check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Problem]:
+    """Modules sharing one parameter (tied embeddings) must split it alike, or it would be
+    two different tensors after sharding: no longer tied, and wrong after one step. A
+    holder no rule matches and no style could split (BERT's prediction head keeps a
+    reference to its decoder's bias) follows the others when apply re-ties them."""
     modules = dict(model.named_modules())
     out = []
-    for group in holders.values():
-        if len(group) < 2:
-            continue
+    for group in tied_groups(model):
         splits = {
             (mod, name): weight_split(
                 plan.rules[owner[mod]] if mod in owner else None, modules[mod], name
             )
             for mod, name in group
+            if mod in owner or isinstance(modules[mod], (nn.Linear, nn.Embedding))
         }
         if len(set(splits.values())) > 1:
             (mod, _), *_ = [k for k, v in splits.items() if v != "whole"] or list(splits)

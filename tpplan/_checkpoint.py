@@ -38,7 +38,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._local import outside_simulation, rank_values
-from ._styles import fused_layout, unfuse
 from ._safetensors_io import (
     INDEX_NAME,
     CheckpointError,
@@ -49,6 +48,7 @@ from ._safetensors_io import (
     read_region_into,
     safetensors_files,
 )
+from ._styles import fused_layout, unfuse
 
 __all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]
 

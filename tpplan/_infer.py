@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from ._check import weight_split
+from ._check import tied_groups, weight_split
 from ._fingerprint import fingerprint, parameter_shapes
 from ._patterns import collapse
 from ._trace import Trace, trace_model
@@ -351,11 +351,7 @@ class _Decider:
         for name in t.at_output:
             module = self.modules.get(name)
             linked = any(name in group for group in t.links)
-            if (
-                name not in t.linears
-                or linked
-                or name in t.misfits
-            ):
+            if name not in t.linears or linked or name in t.misfits:
                 continue
             _, out, transposed = t.linears[name]
             if out not in vocabs or self.used_outside(name):
@@ -369,28 +365,49 @@ class _Decider:
                 transposed=transposed,
             )
 
-    def tie(self) -> None:
-        """Modules sharing a weight (tied input and output embeddings) keep sharing it only
-        when their styles split it alike (rows of the vocab for both); otherwise all of them
-        stay whole."""
-        for name, partners in self.tied.items():
-            group = [name, *partners]
-            decided = {m: self.decisions.get(m) for m in group}
-            splits = {
-                m: weight_split(d.rule(m) if d else None, self.modules[m], "weight")
-                for m, d in decided.items()
-            }
-            if len(set(splits.values())) == 1:
-                if decided[name] is not None and splits[name] != "whole":
-                    d = decided[name]
-                    why = f"{d.why}; its weight is tied with {_join(partners)}, split the same way"
-                    self.decisions[name] = replace(d, why=why)
-                continue
-            self.decisions.pop(name, None)
-            self.kept[name] = (
-                f"kept whole: its weight is shared with {_join(partners)} (tied), which "
-                "cannot split it the same way"
-            )
+    def tie(self, model: nn.Module) -> None:
+        """A parameter held by several modules (tied input and output embeddings) stays one
+        tensor only when every module that computes with it splits it alike (the vocab rows,
+        for a token lookup and a head); otherwise they all stay whole. Holders that only
+        keep a reference (BERT's prediction head holds its decoder's bias) do not count."""
+        groups = tied_groups(model)
+        changed = True
+        while changed:
+            changed = False
+            for group in groups:
+                users = [
+                    (m, p)
+                    for m, p in group
+                    if m in self.trace.linears
+                    or isinstance(self.modules[m], nn.Embedding)
+                    or f"{m}.{p}".lstrip(".") in self.trace.params_outside
+                ]
+                splits = {
+                    (m, p): weight_split(
+                        self.decisions[m].rule(m) if m in self.decisions else None,
+                        self.modules[m],
+                        p,
+                    )
+                    for m, p in users
+                }
+                if len(set(splits.values())) < 2:
+                    continue
+                changed = True
+                names = sorted({m for m, _ in group})
+                for m, _ in users:
+                    if self.decisions.pop(m, None) is not None:
+                        others = _join([n for n in names if n != m])
+                        self.kept[m] = (
+                            f"kept whole: its weight is shared with {others} (tied), which "
+                            "cannot split it the same way"
+                        )
+        for group in groups:
+            for m, p in group:
+                d = self.decisions.get(m)
+                if p == "weight" and d is not None and d.style != "replicate":
+                    others = _join(sorted({n for n, _ in group if n != m}))
+                    why = f"{d.why}; its weight is tied with {others}, split the same way"
+                    self.decisions[m] = replace(d, why=why)
 
     def gathered(self, name: str, why: str) -> _Decision | None:
         """A layer whose output cannot stay split may still split its weight: colwise with
@@ -440,7 +457,7 @@ def _decide(
     for members in _regions(trace):
         d.region(members)
     d.head(d.embeddings())
-    d.tie()
+    d.tie(model)
     d.rest()
     return d.decisions, d.attributes
 

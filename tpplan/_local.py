@@ -91,10 +91,35 @@ def own_replicas(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     from torch.distributed._local_tensor import LocalTensor
     from torch.distributed.tensor import DTensor
 
+    done: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one parameter
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is None or isinstance(p, (DTensor, LocalTensor)):
+            if p is None:
                 continue
-            copies = LocalTensor({r: p.data.clone() for r in range(world_size)})
-            module._parameters[name] = torch.nn.Parameter(copies, requires_grad=p.requires_grad)
+            if id(p) not in done:
+                done[id(p)] = _owned(p, world_size, LocalTensor, DTensor)
+            module._parameters[name] = done[id(p)]
     return model
+
+
+def _owned(p: torch.nn.Parameter, world_size: int, local_type: Any, dtensor_type: Any) -> Any:
+    """`p`, or a copy of it in which no two simulated ranks share storage."""
+    if isinstance(p, dtensor_type):
+        # distribute_tensor(..., [Replicate()]) may hand every rank the same tensor
+        local = p._local_tensor
+        shards = getattr(local, "_local_tensors", None)
+        if shards is None:  # one plain tensor stands for every rank
+            shards = dict.fromkeys(range(world_size), local.detach())
+        elif len({t.data_ptr() for t in shards.values()}) == len(shards):
+            return p
+        copies = local_type({r: t.clone() for r, t in shards.items()})
+        new = torch.nn.Parameter(
+            dtensor_type.from_local(copies, p.device_mesh, p.placements, run_check=False),
+            requires_grad=p.requires_grad,
+        )
+        new.__dict__.update({k: v for k, v in p.__dict__.items() if k != "_is_param"})
+        return new
+    if isinstance(p, local_type):
+        return p
+    copies = local_type({r: p.data.clone() for r in range(world_size)})
+    return torch.nn.Parameter(copies, requires_grad=p.requires_grad)
