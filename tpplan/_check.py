@@ -44,8 +44,8 @@ def _legal_sizes(n: int) -> str:
 
 def _sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
     """(what is split, its size) for a rule that splits a parameter dim."""
-    if rule.transposed:
-        weight = getattr(module, "weight", None)
+    weight = getattr(module, "weight", None)
+    if rule.transposed and isinstance(weight, nn.Parameter):
         if rule.style == "colwise":
             return "out features (weight dim 1)", weight.shape[1]
         if rule.style == "rowwise":

@@ -349,7 +349,6 @@ class _Decider:
         """A lone opener whose split output is the model output over the vocab: gathered colwise."""
         t = self.trace
         for name in t.at_output:
-            module = self.modules.get(name)
             linked = any(name in group for group in t.links)
             if name not in t.linears or linked or name in t.misfits:
                 continue

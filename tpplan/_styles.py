@@ -213,8 +213,8 @@ class Rowwise(RowwiseParallel):
 
     def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         _distribute(module, "weight", mesh, 0, None, self.src_data_rank)
-        if getattr(module, "bias", None) is not None:
-            bias = module.bias
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, nn.Parameter):
             replicated = distribute_tensor(
                 bias, mesh, [Replicate()], src_data_rank=self.src_data_rank
             )

@@ -52,6 +52,8 @@ ProblemKind = Literal[
     "unopened_region",
     "attribute",
     "fingerprint",
+    "parts",
+    "tied",
 ]
 
 
