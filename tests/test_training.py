@@ -130,6 +130,24 @@ def test_loss_parallel_keeps_logits_sharded_and_matches() -> None:
             _assert_close(p, q, f"{name} after the step")
 
 
+def test_inferred_loss_parallel_plan_trains_like_the_unsharded_model() -> None:
+    ref = tiny_llama()
+    tokens = token_batch()
+    start = copy.deepcopy(ref)
+    want_loss = _train_step(ref, tokens)
+    plan = infer_plan(start, loss_parallel=True)
+    assert plan.options.loss_parallel
+    head = next(r for r in plan.rules if r.match == "lm_head")
+    assert (head.style, head.output, head.local_output) == ("colwise", None, False)
+    with simulated_ranks(2) as mesh:
+        model = apply_plan(copy.deepcopy(start), mesh, plan)
+        own_replicas(model, 2)
+        loss = _train_step(model, tokens, parallel_loss=True)
+        _assert_close(loss, want_loss, "loss")
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            _assert_close(p, q, f"{name} after the step")
+
+
 @pytest.mark.filterwarnings(
     "ignore::UserWarning"
 )  # transformers: no attention mask given for a batch

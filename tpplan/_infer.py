@@ -27,7 +27,7 @@ from ._check import tied_groups, weight_split
 from ._fingerprint import fingerprint, parameter_shapes
 from ._patterns import collapse
 from ._trace import Trace, trace_model
-from .plan import AttributeRule, ModelInfo, Plan, Rule
+from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
 
 __all__ = ["infer_plan"]
 
@@ -48,6 +48,7 @@ class _Decision:
     output: str | None = None
     parts: tuple[int, ...] | None = None
     transposed: bool = False
+    local_output: bool | None = None
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
@@ -59,10 +60,18 @@ class _Decision:
             extra["parts"] = list(self.parts)
         if self.transposed:
             extra["transposed"] = True
+        if self.local_output is not None:
+            extra["local_output"] = self.local_output
         return Rule(match=match, style=self.style, why=self.why, **extra)
 
 
-def infer_plan(model: nn.Module, *, tp_size: int | None = None, example_inputs: Any = None) -> Plan:
+def infer_plan(
+    model: nn.Module,
+    *,
+    tp_size: int | None = None,
+    example_inputs: Any = None,
+    loss_parallel: bool = False,
+) -> Plan:
     """Infer a plan from the model's data flow.
 
     The model may be on the meta device; no weights are read. `example_inputs` (a tensor, a
@@ -70,6 +79,10 @@ def infer_plan(model: nn.Module, *, tp_size: int | None = None, example_inputs: 
     the forward signature (`input_ids` of shape (2, 16) for Hugging Face models). With
     `tp_size`, regions it cannot split stay replicated; without, the plan is valid for tp 2
     and records head sizes so that `check_plan` can judge any other tp size.
+
+    With `loss_parallel`, an output head split over the vocab hands back logits still split
+    (a DTensor) instead of gathering them; compute the loss inside
+    `torch.distributed.tensor.parallel.loss_parallel()`.
     """
     if tp_size is not None and (
         isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1
@@ -77,13 +90,13 @@ def infer_plan(model: nn.Module, *, tp_size: int | None = None, example_inputs: 
         raise ValueError(f"tp_size must be a positive integer or None, got {tp_size!r}.")
     tp = tp_size or 2
     trace = trace_model(model, example_inputs=example_inputs)
-    decisions, attributes = _decide(model, trace, tp)
+    decisions, attributes = _decide(model, trace, tp, loss_parallel)
     if trace.blocks:
         spread = _spread(trace, decisions), _spread(trace, attributes)
         if not _local(trace) or spread[0] is None or spread[1] is None:
             # a region crossed blocks, or twins disagreed: trace every block
             trace = trace_model(model, example_inputs=example_inputs, shorten=False)
-            decisions, attributes = _decide(model, trace, tp)
+            decisions, attributes = _decide(model, trace, tp, loss_parallel)
         else:
             decisions, attributes = spread  # type: ignore[assignment]
     return Plan(
@@ -92,6 +105,7 @@ def infer_plan(model: nn.Module, *, tp_size: int | None = None, example_inputs: 
             fingerprint=fingerprint(model),
             parameters=parameter_shapes(model),
         ),
+        options=Options(loss_parallel=loss_parallel),
         rules=_rules(model, decisions),
         attributes=_attribute_rules(model, attributes),
     )
@@ -156,7 +170,8 @@ def _own_params(module: nn.Module, name: str) -> list[str]:
 class _Decider:
     """The decisions for one traced model; see the module docstring for the rules."""
 
-    def __init__(self, model: nn.Module, trace: Trace, tp: int) -> None:
+    def __init__(self, model: nn.Module, trace: Trace, tp: int, loss_parallel: bool) -> None:
+        self.loss_parallel = loss_parallel
         self.modules = dict(model.named_modules())
         self.trace = trace
         self.tp = tp
@@ -356,6 +371,16 @@ class _Decider:
             if out not in vocabs or self.used_outside(name):
                 continue
             self.kept.pop(name, None)
+            if self.loss_parallel:
+                self.decisions[name] = _Decision(
+                    "colwise",
+                    f"its output ({out} features, the vocab of the token lookup) is the model "
+                    "output; split over the vocab and left split (a DTensor) for the loss, "
+                    "computed under loss_parallel()",
+                    local_output=False,
+                    transposed=transposed,
+                )
+                continue
             self.decisions[name] = _Decision(
                 "colwise",
                 f"its output ({out} features, the vocab of the token lookup) is the "
@@ -450,9 +475,9 @@ class _Decider:
 
 
 def _decide(
-    model: nn.Module, trace: Trace, tp: int
+    model: nn.Module, trace: Trace, tp: int, loss_parallel: bool
 ) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
-    d = _Decider(model, trace, tp)
+    d = _Decider(model, trace, tp, loss_parallel)
     for members in _regions(trace):
         d.region(members)
     d.head(d.embeddings())
