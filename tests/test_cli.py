@@ -93,7 +93,7 @@ def test_malformed_plan_is_one_line_exit_2(
         (
             "someone/some-model",
             [],
-            "is not in the local Hugging Face cache, and tpplan never downloads",
+            "'someone/some-model' is not in the local Hugging Face cache (",
         ),
     ],
 )
@@ -240,6 +240,30 @@ def test_infer_prints_a_plan_that_reads_back(capsys: pytest.CaptureFixture[str])
     assert all(r.why for r in plan.rules)
 
 
+def test_infer_gpt2_on_meta_shards_its_conv1d_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's walkthrough: GPT-2 at its default size, built on the meta device."""
+    from tpplan import Plan
+
+    code, out, _ = run(capsys, "infer", "gpt2", "--tp", "4")
+    plan = Plan.from_yaml(out)
+    rules = {r.match: r for r in plan.rules}
+    assert code == 0
+    c_attn = rules["transformer.h.*.attn.c_attn"]
+    assert (c_attn.style, c_attn.parts, c_attn.transposed) == ("colwise", [768] * 3, True)
+    assert rules["transformer.h.*.mlp.c_proj"].style == "rowwise"
+    assert "# its 2304 output features are 3 fused pieces" in out  # why, as a comment
+
+
+def test_infer_loss_parallel_leaves_the_logits_split(capsys: pytest.CaptureFixture[str]) -> None:
+    from tpplan import Plan
+
+    code, out, _ = run(capsys, "infer", "llama", "--loss-parallel", *SMALL)
+    plan = Plan.from_yaml(out)
+    head = next(r for r in plan.rules if r.match == "lm_head")
+    assert code == 0 and plan.options.loss_parallel
+    assert (head.style, head.output, head.local_output) == ("colwise", None, False)
+
+
 def test_infer_writes_json_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tpplan import load_plan
 
@@ -254,3 +278,107 @@ def test_infer_then_check_round_trip(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert run(capsys, "infer", "llama", "--tp", "4", "-o", str(target), *SMALL)[0] == 0
     code, out, _ = run(capsys, "check", str(target), "llama", "--tp", "4", *SMALL)
     assert code == 0 and "sound at tp 4" in out
+
+
+def _table(out: str) -> dict[tuple[str, str], float]:
+    """verify's table: (module, what) -> max abs error."""
+    rows = {}
+    for line in out.splitlines()[1:-1]:
+        name, what, err = line.split()[:3]
+        rows[(name, what)] = float(err)
+    return rows
+
+
+@pytest.mark.slow  # two spawned ranks each import torch and transformers: ~30 s on 2 cores
+def test_verify_on_real_gloo_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "2", "--backward", *SMALL]
+    code, simulated, _ = run(capsys, *argv)
+    assert code == 0
+    code, out, _ = run(capsys, *argv, "--processes")
+    assert code == 0
+    assert out.splitlines()[-1].startswith("tp 2: the sharded model matches the unsharded one")
+    # the same rows as the simulated ranks give; the weights are other random ones
+    assert _table(out).keys() == _table(simulated).keys()
+    assert ("model.layers.*.self_attn.q_proj.weight", "grad") in _table(out)
+    assert max(_table(out).values()) <= 1e-4
+
+
+def test_verify_on_processes_refuses_an_unsound_plan_before_starting_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """tp 8 does not divide the 4 key/value heads: the same exit 1 and message as without
+    --processes (checked before any rank starts, not a "rank 0 of 8 failed")."""
+    argv = ["verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "8", *SMALL]
+    expected = run(capsys, *argv)
+    code, out, err = run(capsys, *argv, "--processes")
+    assert (code, out, err) == expected
+    assert code == 1 and "the plan cannot be applied at tp size 8" in err
+
+
+# ---- MODEL as a model id in the local Hugging Face cache -------------------------------
+TINY_LLAMA_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "vocab_size": 128,
+}
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty hub cache of our own, offline; connecting anywhere fails the test."""
+    import socket
+
+    home = tmp_path / "hf_home"
+    cache = home / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("tpplan tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    return cache
+
+
+def _cache_model(cache: Path, model_id: str, config: dict[str, object]) -> None:
+    """The hub cache layout: refs/main names a commit, whose snapshot holds the files."""
+    repo = cache / ("models--" + model_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text(json.dumps(config))
+
+
+def test_infer_a_model_id_from_the_local_hub_cache(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tpplan import Plan
+
+    _cache_model(hub_cache, "some-org/tiny-llama", TINY_LLAMA_CONFIG)
+    code, out, err = run(capsys, "infer", "some-org/tiny-llama", "--tp", "2")
+    assert code == 0, err
+    plan = Plan.from_yaml(out)
+    assert plan.model is not None and plan.model.class_ == "LlamaForCausalLM"
+    # the sizes are the cached config's, not llama's defaults
+    assert "model.embed_tokens.weight: (128, 64)" in out and "head_dim: 8" in out
+
+
+def test_a_model_id_not_in_the_cache_says_how_to_get_it(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "infer", "some-org/missing", "--tp", "2")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(
+        f"tpplan: error: 'some-org/missing' is not in the local Hugging Face cache ({hub_cache})"
+    )
+    assert "hf download some-org/missing config.json" in err and "pass a local folder" in err

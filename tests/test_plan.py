@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tpplan import Plan, PlanFileError, load_plan
 from tpplan.plan import SCHEMA_VERSION, plan_json_schema
@@ -77,8 +79,8 @@ def test_yaml_keeps_field_order_and_one_line_layouts() -> None:
     out = Plan.from_yaml(FULL).to_yaml()
     assert out.index("tpplan:") < out.index("model:") < out.index("options:") < out.index("rules:")
     assert "inputs: [shard(1), null]" in out
-    rule = out[out.index("- match: layers.*.fc") :]
-    assert rule.index("style:") < rule.index("why:") < rule.index("input:")
+    # `why` is the comment above the rule, not a key between style and the layouts
+    assert "  # opens: the region\n  - match: layers.*.fc\n    style: colwise\n    input:" in out
 
 
 def test_json_round_trip_equals_yaml() -> None:
@@ -226,3 +228,98 @@ def test_version_2_fields_in_a_version_1_file_say_to_bump_it() -> None:
 )
 def test_bad_parts_are_refused(rule: str, message: str) -> None:
     assert message in _error(f"tpplan: 2\nrules:\n  - {rule}\n")
+
+
+# ---- `why` as a YAML comment ------------------------------------------------------------
+def _plan(*whys: str) -> Plan:
+    rules = [{"match": f"layers.*.fc{i}", "style": "colwise", "why": w} for i, w in enumerate(whys)]
+    return Plan.model_validate({"tpplan": SCHEMA_VERSION, "rules": rules})
+
+
+def test_why_is_a_comment_above_its_rule_wrapped_at_100_columns() -> None:
+    long = " ".join(f"word{i}" for i in range(60))  # ~400 characters
+    out = _plan("short reason", long).to_yaml()
+    assert "why:" not in out
+    assert "  # short reason\n  - match: layers.*.fc0\n" in out
+    comment = [line for line in out.splitlines() if line.startswith("  # word")]
+    assert len(comment) > 3 and all(len(line) <= 100 for line in comment)
+    assert out.index(comment[-1]) < out.index("  - match: layers.*.fc1\n")
+    assert Plan.from_yaml(out).rules[1].why == long
+
+
+def test_attribute_rules_get_their_why_as_a_comment_too() -> None:
+    plan = Plan.from_yaml(FULL)
+    out = plan.to_yaml()
+    assert "  # forward views with self.n_head\n  - match: layers.*.attn\n    divide:" in out
+    assert Plan.from_yaml(out).attributes == plan.attributes
+
+
+def test_json_keeps_why_as_a_key() -> None:
+    assert json.loads(Plan.from_yaml(FULL).to_json())["rules"][0]["why"] == "opens: the region"
+
+
+@pytest.mark.parametrize(
+    "why", ["two\nlines", "a  double space", " leading space", "tab\there", "#hash", "x"]
+)
+def test_every_why_round_trips_byte_stable(why: str) -> None:
+    """A why a comment cannot give back exactly (line breaks, tabs, runs of spaces) stays a
+    key; the rest are comments; either way the file reads back to the same plan."""
+    plan = _plan(why)
+    out = plan.to_yaml()
+    assert Plan.from_yaml(out) == plan and Plan.from_yaml(out).to_yaml() == out
+    assert ("why:" in out) != (f"  # {why}\n" in out)
+
+
+def test_comment_block_above_a_rule_is_its_why() -> None:
+    text = (
+        "tpplan: 2\nrules:\n"
+        "  # opens the region,\n  #\n  #   closed by fc2\n"
+        "  - match: fc1\n    style: colwise\n"
+        "  - {match: fc2, style: rowwise, why: closes it}\n"
+    )
+    assert [r.why for r in Plan.from_yaml(text).rules] == [
+        "opens the region, closed by fc2",
+        "closes it",
+    ]
+
+
+def test_a_why_key_wins_over_the_comment() -> None:
+    text = (
+        "tpplan: 2\nrules:\n  # the comment\n  - match: fc1\n    style: colwise\n    why: the key\n"
+    )
+    assert Plan.from_yaml(text).rules[0].why == "the key"
+
+
+def test_a_header_comment_does_not_break_loading() -> None:
+    text = "# Plan for my model, edited by hand.\n# Reviewed in PR 12.\n" + LLAMA_PLAN.read_text()
+    text = text.replace("rules:\n", "# the rules, in model order\nrules:\n")
+    assert Plan.from_yaml(text) == load_plan(LLAMA_PLAN)
+
+
+def test_a_comment_above_rules_is_not_the_first_rules_why() -> None:
+    msg = _error("tpplan: 2\n# header\nrules:\n  - match: fc1\n    style: colwise\n")
+    assert "line 4: rules[0] is missing the required field 'why'" in msg
+
+
+def test_a_comment_above_a_flow_list_is_not_its_first_items_why() -> None:
+    msg = _error("tpplan: 2\n# header\nrules: [{match: fc1, style: colwise}]\n")
+    assert "rules[0] is missing the required field 'why'" in msg
+
+
+def test_a_rule_with_neither_comment_nor_key_names_its_line() -> None:
+    text = (
+        "tpplan: 2\nrules:\n  # opens\n  - match: fc1\n    style: colwise\n\n"
+        "  - match: fc2\n    style: rowwise\n"
+    )
+    msg = _error(text)  # the blank line ends fc1's comment: it is not fc2's why
+    assert "line 7: rules[1] is missing the required field 'why'" in msg
+    assert "rules[0]" not in msg
+
+
+@settings(max_examples=300, deadline=None)
+@given(whys=st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=3))
+def test_any_why_round_trips_byte_stable(whys: list[str]) -> None:
+    plan = _plan(*whys)
+    out = plan.to_yaml()
+    assert Plan.from_yaml(out) == plan
+    assert Plan.from_yaml(out).to_yaml() == out

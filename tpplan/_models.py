@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,24 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _hub_cache() -> Path:
+    """The Hugging Face hub cache folder, read from the environment now: huggingface_hub reads
+    it once at import, so HF_HUB_CACHE or HF_HOME set later (by a test, a notebook) would
+    otherwise be missed. Same precedence as huggingface_hub."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.path.expandvars(os.environ[var])).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
+
+
+def _cache_folder(model_id: str) -> str:
+    """The hub cache's folder name for a model id: org/name -> models--org--name."""
+    return "models--" + model_id.replace("/", "--")
+
+
 def _config(spec: str) -> Any:
     from transformers import CONFIG_MAPPING, AutoConfig
 
@@ -56,13 +75,21 @@ def _config(spec: str) -> Any:
         return AutoConfig.from_pretrained(str(path))
     if spec in CONFIG_MAPPING:
         return AutoConfig.for_model(spec)
-    if "/" in spec:
+    cache = _hub_cache()
+    # An id without an owner ("bert-base-uncased") is tried only when it is cached, so that a
+    # misspelt model type still gets its "did you mean".
+    if "/" in spec or (cache / _cache_folder(spec)).is_dir():
         try:
-            return AutoConfig.from_pretrained(spec, local_files_only=True)
+            return AutoConfig.from_pretrained(spec, cache_dir=str(cache), local_files_only=True)
         except OSError:
+            where = (
+                f"in the local Hugging Face cache ({cache}) without its config.json"
+                if (cache / _cache_folder(spec)).is_dir()
+                else f"not in the local Hugging Face cache ({cache})"
+            )
             raise ModelSpecError(
-                f"'{spec}' is not in the local Hugging Face cache, and tpplan never downloads. "
-                "Download it first (hf download " + spec + " config.json), or pass a local folder."
+                f"'{spec}' is {where}, and tpplan never downloads. Download it first "
+                f"(hf download {spec} config.json), or pass a local folder."
             ) from None
     raise ModelSpecError(
         f"'{spec}' is not a model tpplan can build.{did_you_mean(spec, list(CONFIG_MAPPING))} MODEL is a "

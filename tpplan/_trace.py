@@ -705,7 +705,7 @@ def _linear_like(module: nn.Module, fake: FakeTensorMode) -> bool | None:
         if bias is not None and bias.shape[0] != d_out:
             continue
         with fake:
-            x = torch.empty(2, 3, d_in)
+            x = torch.empty(2, 3, d_in, device=weight.device)
         log = _OpLog(weight)
         try:
             with torch.no_grad(), log:

@@ -18,10 +18,11 @@ from ._apply import apply_plan
 from ._inputs import example_inputs
 from ._local import rank_values, simulated_ranks
 from ._patterns import wildcard
+from ._styles import fused_layout, unfuse
 from ._tree import first_tensor
 from .plan import Plan
 
-__all__ = ["Verification", "verify_plan"]
+__all__ = ["Verification", "verify_in_processes", "verify_plan"]
 
 
 @dataclass
@@ -46,14 +47,24 @@ class Verification:
         self.rows[key] = max(self.rows.get(key, 0.0), err)
 
 
-def _error(got: torch.Tensor, want: torch.Tensor, rank: int, tp: int) -> float:
+def _error(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    rank: int,
+    tp: int,
+    parts: tuple[int, ...] | None = None,
+) -> float:
     """Max abs difference; a rank's piece of an output split over one dim is compared with
-    that rank's chunk of the whole."""
+    that rank's chunk of the whole (of each of the whole's `parts`, for a fused layer)."""
     if got.shape != want.shape:
         dims = [d for d in range(want.dim()) if got.shape[d] * tp == want.shape[d]]
         if got.dim() != want.dim() or len(dims) != 1:
             return float("inf")
-        want = want.chunk(tp, dim=dims[0])[rank]
+        if parts is not None and dims[0] == want.dim() - 1 and sum(parts) == want.shape[-1]:
+            pieces = want.split(list(parts), dim=-1)
+            want = torch.cat([p.chunk(tp, dim=-1)[rank] for p in pieces], dim=-1)
+        else:
+            want = want.chunk(tp, dim=dims[0])[rank]
     if got.numel() == 0:
         return 0.0
     return (got.detach().double() - want.detach().double()).abs().max().item()
@@ -116,20 +127,127 @@ def verify_plan(
             ref = want.get(name)
             if value is None or ref is None:
                 continue
+            layout = fused_layout(getattr(sharded.get_submodule(name), "weight", None))
+            parts = layout[1] if layout is not None else None
             for rank, v in enumerate(rank_values(value)):
-                report.add(name, "output", _error(v, ref, rank, tp_size))
+                report.add(name, "output", _error(v, ref, rank, tp_size, parts))
         if backward:
             _loss(out).backward()
             for name, p in sharded.named_parameters():
                 if name in want_grads:
-                    g = p.grad
+                    g, layout = p.grad, fused_layout(p)
                     errs = (
                         [float("inf")]
                         if g is None
                         else [
-                            _error(v, want_grads[name], r, tp_size)
+                            _error(
+                                v if layout is None else unfuse(v, layout),
+                                want_grads[name],
+                                r,
+                                tp_size,
+                            )
                             for r, v in enumerate(rank_values(g))
                         ]
                     )
                     report.add(name, "grad", max(errs))
     return report
+
+
+# ---- the same comparison on real gloo processes (`tpplan verify --processes`) -----------
+# Each rank rebuilds the model from its spec rather than receiving it pickled: a model built
+# on every rank is what a training script does, and it keeps big models out of the pipes.
+
+
+def verify_in_processes(
+    spec: str,
+    overrides: dict[str, Any],
+    plan: Plan,
+    *,
+    tp_size: int,
+    backward: bool = False,
+    tol: float = 1e-4,
+    seed: int = 0,
+) -> Verification:
+    """verify_plan on `tp_size` real gloo processes (tpplan.launch, torch's elastic launcher).
+
+    Every rank builds the model named by `spec` (a MODEL of the command line) with `overrides`
+    on the CPU, takes rank 0's weights, applies `plan` on a mesh of all ranks and compares
+    its module outputs (and gradients) with its own unsharded copy; the result is the worst
+    error of every row over all ranks.
+    """
+    from ._launch import launch
+
+    per_rank = launch(
+        _verify_rank,
+        nprocs=tp_size,
+        args=(spec, overrides, plan.to_json(), backward, tol, seed),
+        backend="gloo",
+    )
+    report = Verification(tp_size=tp_size, tol=tol)
+    for rows in per_rank:
+        for key, err in rows.items():
+            report.rows[key] = max(report.rows.get(key, 0.0), err)
+    return report
+
+
+def _verify_rank(
+    spec: str, overrides: dict[str, Any], plan_json: str, backward: bool, tol: float, seed: int
+) -> dict[tuple[str, str], float]:
+    """One rank of verify_in_processes: its own rows, errors of its local values."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from ._models import build_model
+
+    rank, tp_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model = build_model(spec, overrides, device="cpu")
+    # Seeding makes the ranks' random weights equal only if the model's init is
+    # deterministic; rank 0's weights everywhere makes it so whatever the init does.
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            dist.broadcast(t, src=0)
+    inputs = example_inputs(model)
+    report = Verification(tp_size=tp_size, tol=tol)
+
+    want: dict[str, Any] = {}
+    handles = _record(model, want)
+    out = model(**inputs)
+    if backward:
+        _loss(out).backward()
+    for h in handles:
+        h.remove()
+    want_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)  # the sharded copy starts without them
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        # A DTensor is made whole (a collective: every rank reaches it in the same order);
+        # a plain tensor is this rank's own value, whole or its piece of a split output.
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    mesh = init_device_mesh("cpu", (tp_size,))
+    sharded = apply_plan(copy.deepcopy(model), mesh, Plan.from_json(plan_json))
+    got: dict[str, Any] = {}
+    handles = _record(sharded, got)
+    out = sharded(**inputs)
+    for h in handles:
+        h.remove()
+    for name, value in got.items():
+        ref = want.get(name)
+        if value is not None and ref is not None:
+            # a fused layer's piece is this rank's slice of each of its parts, as in verify_plan
+            layout = fused_layout(getattr(sharded.get_submodule(name), "weight", None))
+            parts = layout[1] if layout is not None else None
+            report.add(name, "output", _error(local(value), ref, rank, tp_size, parts))
+    if backward:
+        _loss(out).backward()
+        for name, p in sharded.named_parameters():
+            if name in want_grads:
+                g, layout = p.grad, fused_layout(p)
+                if g is None:
+                    report.add(name, "grad", float("inf"))
+                    continue
+                whole = local(g) if layout is None else unfuse(local(g), layout)
+                report.add(name, "grad", _error(whole, want_grads[name], rank, tp_size))
+    return report.rows

@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size the plan must suit")
     p.add_argument("--format", choices=("yaml", "json"), default="yaml")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan here instead of stdout")
+    p.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="leave the logits of a vocab head split, for a loss under loss_parallel()",
+    )
     p.set_defaults(func=_cmd_infer)
 
     p = command("check", "Check a plan against a model and a tp size; exit 1 on problems.")
@@ -106,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     measured(p, "compare gradients too")
     p.add_argument(
         "--tol", type=float, default=1e-4, help="max abs error allowed (default 1e-4, fp32)"
+    )
+    p.add_argument(
+        "--processes",
+        action="store_true",
+        help="run the ranks as real gloo processes (as torchrun would) instead of simulating "
+        "them in this one",
     )
     p.set_defaults(func=_cmd_verify)
 
@@ -144,7 +155,7 @@ def _progress(args: argparse.Namespace, text: str) -> None:
 def _cmd_infer(args: argparse.Namespace) -> int:
     from ._infer import infer_plan
 
-    plan = infer_plan(_build(args), tp_size=args.tp)
+    plan = infer_plan(_build(args), tp_size=args.tp, loss_parallel=args.loss_parallel)
     text = plan.to_json() if args.format == "json" else plan.to_yaml()
     if args.output:
         with open(args.output, "w") as f:
@@ -195,13 +206,34 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ._verify import verify_plan
+    from ._verify import verify_in_processes, verify_plan
 
-    _progress(args, f"building {args.model} with random weights ...")
-    model = _build(args, device="cpu")
-    plan = _plan_for(args, model, args.tp)
-    _progress(args, f"running the unsharded model and {args.tp} simulated ranks ...")
-    report = verify_plan(model, plan, tp_size=args.tp, backward=args.backward, tol=args.tol)
+    if args.processes:
+        from ._check import check_plan
+        from ._models import parse_overrides
+
+        # The plan is resolved and checked here, on the meta device, so that a bad plan is
+        # the same one message (and exit 1) as without --processes, not a failed rank.
+        model = _build(args)
+        plan = _plan_for(args, model, args.tp)
+        problems = check_plan(plan, model, tp_size=args.tp)
+        if problems:
+            raise PlanProblemsError(problems, tp_size=args.tp)
+        _progress(args, f"starting {args.tp} gloo processes, each building {args.model} ...")
+        report = verify_in_processes(
+            args.model,
+            parse_overrides(args.overrides),
+            plan,
+            tp_size=args.tp,
+            backward=args.backward,
+            tol=args.tol,
+        )
+    else:
+        _progress(args, f"building {args.model} with random weights ...")
+        model = _build(args, device="cpu")
+        plan = _plan_for(args, model, args.tp)
+        _progress(args, f"running the unsharded model and {args.tp} simulated ranks ...")
+        report = verify_plan(model, plan, tp_size=args.tp, backward=args.backward, tol=args.tol)
     width = max((len(name) for name, _ in report.rows), default=10)
     print(f"{'module':<{width}}  {'what':<6}  {'max abs error':>13}")
     for (name, what), err in report.rows.items():
