@@ -231,3 +231,45 @@ def bert(seed: int = 0) -> nn.Module:
         intermediate_size=128, max_position_embeddings=64, pad_token_id=0,
     )  # fmt: skip
     return _build(BertForMaskedLM, cfg, seed)
+
+
+def t5(seed: int = 0) -> nn.Module:
+    """Encoder-decoder; a per-head relative position bias (an Embedding looked up at computed
+    positions, one column per head) added to every self-attention's scores; tied embeddings."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=8, d_ff=128, num_layers=2, num_decoder_layers=2,
+        num_heads=8, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return _build(T5ForConditionalGeneration, cfg, seed)
+
+
+def bart(seed: int = 0) -> nn.Module:
+    """Encoder-decoder with learned positions (an Embedding subclass given the token ids,
+    looking up positions it computes) and a final logits bias."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )  # fmt: skip
+    return _build(BartForConditionalGeneration, cfg, seed)
+
+
+def whisper(seed: int = 0) -> nn.Module:
+    """Audio encoder (conv front end on mel features) and text decoder with cross-attention;
+    views by a stored head count, so 4 heads of 16 (a count equal to the head size could be
+    either attribute, and the tracer would keep the layers whole)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=32, max_target_positions=32,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
+        suppress_tokens=None, begin_suppress_tokens=None,
+    )  # fmt: skip
+    return _build(WhisperForConditionalGeneration, cfg, seed)

@@ -14,6 +14,7 @@ from infer_models import (
     ROLES,
     Mlp,
     NormedMlp,
+    bart,
     block,
     fused_gqa,
     gpt2,
@@ -23,6 +24,8 @@ from infer_models import (
     phi3,
     qwen2,
     qwen3,
+    t5,
+    whisper,
 )
 from models import tiny_llama, token_batch
 from torch import nn
@@ -30,9 +33,11 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tpplan
+import tpplan._inputs
 from tpplan._local import rank_values, simulated_ranks
 from tpplan._patterns import match_names
-from tpplan._styles import fused_layout, unfuse
+from tpplan._styles import fused_layouts, unfuse
+from tpplan._verify import verify_plan
 from tpplan.plan import Plan, load_plan
 
 # fp32 forward and backward of a two-layer model: a sharded run sums the same products in
@@ -129,7 +134,7 @@ def assert_parity(ref: nn.Module, plan: Plan, tp: int, x: torch.Tensor) -> None:
         got.float().pow(2).mean().backward()
         for name, p in model.named_parameters():
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            layout = fused_layout(p)
+            layout = fused_layouts(model).get(name)
             for value in rank_values(grad):
                 whole = unfuse(value, layout) if layout else value
                 assert (whole - ref_grads[name]).abs().max().item() <= TOL, name
@@ -284,6 +289,66 @@ def test_names_do_not_matter() -> None:
         "head": ("colwise", "replicate"),
     }  # fmt: skip
     assert_parity(odd, p2, 2, ids)
+
+
+# ---- encoder-decoders -----------------------------------------------------------------------
+ENCODER_DECODERS = {"t5": t5, "bart": bart, "whisper": whisper}
+
+
+def _layers(plan: Plan, model: nn.Module, part: str) -> set[tuple[str, str | None]]:
+    """The styles of every module whose name contains `part`."""
+    return {s for n, s in styles(plan, model).items() if part in n}
+
+
+@pytest.mark.parametrize("family", sorted(ENCODER_DECODERS))
+def test_encoder_decoder_self_and_cross_attention(family: str) -> None:
+    """Self-attention of encoder and decoder is split by heads; cross-attention (queries
+    from the decoder, keys and values from the encoder) is split or, where it cannot stay
+    split, gathered; forward and backward match the unsharded model at tp 2 and 4."""
+    model = ENCODER_DECODERS[family]()
+    plan = tpplan.infer_plan(model)
+    self_attn, cross = {
+        "t5": ("SelfAttention", "EncDecAttention"),
+        "bart": ("self_attn", "encoder_attn"),
+        "whisper": ("self_attn", "encoder_attn"),
+    }[family]
+    assert ("colwise", None) in _layers(plan, model, f"encoder.block.0.layer.0.{self_attn}.q") | (
+        _layers(plan, model, f"encoder.layers.0.{self_attn}.q_proj")
+    ), plan.to_yaml()
+    assert ("rowwise", None) in _layers(plan, model, f"decoder.block.1.layer.0.{self_attn}.o") | (
+        _layers(plan, model, f"decoder.layers.1.{self_attn}.out_proj")
+    )
+    assert _layers(plan, model, cross) <= {
+        ("colwise", None),
+        ("rowwise", None),
+        ("colwise", "replicate"),
+    }
+    assert _layers(plan, model, cross)
+    inputs = tpplan._inputs.example_inputs(model, batch=2, seq=8)
+    for tp in (2, 4):
+        result = verify_plan(
+            model, tpplan.infer_plan(model, tp_size=tp), tp_size=tp, backward=True, inputs=inputs
+        )
+        assert result.ok, result.worst
+
+
+def test_t5_relative_position_bias_is_split_by_heads() -> None:
+    """T5's bias table has one column per head: split by columns, it joins the heads' region."""
+    model = t5()
+    plan = tpplan.infer_plan(model)
+    rule = rule_for(plan, model, "encoder.block.0.layer.0.SelfAttention.relative_attention_bias")
+    assert rule.style == "colwise"
+    for name in ("encoder.embed_tokens", "decoder.embed_tokens"):
+        assert rule_for(plan, model, name).style == "vocab_parallel"  # tied, split alike
+    assert not [r for r in plan.rules if r.match == "shared"]  # never called: follows the tie
+
+
+def test_positional_embeddings_given_the_ids_are_not_token_lookups() -> None:
+    """BART's and Whisper's positional embeddings take the token ids but look up positions."""
+    for model in (bart(), whisper()):
+        plan = tpplan.infer_plan(model)
+        rule = rule_for(plan, model, "model.decoder.embed_positions")
+        assert rule.style == "replicate" and "computed inside forward" in rule.why
 
 
 # ---- tp sizes -------------------------------------------------------------------------------

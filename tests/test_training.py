@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from tpplan import InputMismatchError, Plan, apply_plan, infer_plan, load_plan
 from tpplan._local import own_replicas, rank_values, simulated_ranks
-from tpplan._styles import fused_layout, unfuse
+from tpplan._styles import fused_layouts, unfuse
 
 LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
 TOL = 1e-5  # the bar for fp32; observed errors are ~1e-7
@@ -93,7 +93,7 @@ def test_a_training_step_with_the_inferred_plan(family: str, tp: int) -> None:
         loss = _train_step(model, tokens)
         _assert_close(loss, want_loss, "loss")
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-            layout = fused_layout(p)
+            layout = fused_layouts(model).get(name)
             grad, value = (p.grad, p) if layout is None else _unfused(p.grad, p, layout)
             _assert_close(grad, q.grad, f"{name}.grad")
             _assert_close(value, q, f"{name} after the step")

@@ -151,8 +151,10 @@ def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
 def _check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Problem]:
     """Modules sharing one parameter (tied embeddings) must split it alike, or it would be
     two different tensors after sharding: no longer tied, and wrong after one step. A
-    holder no rule matches and no style could split (BERT's prediction head keeps a
-    reference to its decoder's bias) follows the others when apply re-ties them."""
+    holder no rule matches (T5's `shared` embedding, which forward never calls; BERT's
+    prediction head, which keeps a reference to its decoder's bias) follows the split copy
+    when apply re-ties them; were it to compute with it, DTensor would refuse the mix of a
+    plain input and a split weight loudly."""
     modules = dict(model.named_modules())
     out = []
     for group in tied_groups(model):
@@ -161,7 +163,7 @@ def _check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Pro
                 plan.rules[owner[mod]] if mod in owner else None, modules[mod], name
             )
             for mod, name in group
-            if mod in owner or isinstance(modules[mod], (nn.Linear, nn.Embedding))
+            if mod in owner
         }
         if len(set(splits.values())) > 1:
             (mod, _), *_ = [k for k, v in splits.items() if v != "whole"] or list(splits)

@@ -48,7 +48,7 @@ from ._safetensors_io import (
     read_region_into,
     safetensors_files,
 )
-from ._styles import fused_layout, unfuse
+from ._styles import fused_layouts, unfuse
 
 __all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -70,19 +70,21 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     """
     keep = not rank0_only or _rank() == 0
     out: dict[str, torch.Tensor] = {}
+    fused = fused_layouts(model)
     for name, t in model.state_dict(keep_vars=True).items():
-        whole = _gather(t)
+        whole = _gather(t, fused.get(name))
         if keep:
             out[name] = whole
     return out
 
 
-def _gather(t: torch.Tensor) -> torch.Tensor:
+def _gather(
+    t: torch.Tensor, layout: tuple[int, tuple[int, ...], int] | None = None
+) -> torch.Tensor:
     """The whole tensor as a plain tensor (a collective for a DTensor), its fused parts back
     in their original order. Under simulated ranks every rank's copy is equal after the
     gather; rank 0's stands for them."""
     whole = rank_values(t)[0].detach()
-    layout = fused_layout(t)
     return whole if layout is None else unfuse(whole, layout)
 
 
@@ -171,6 +173,7 @@ def _save_safetensors(
     first error, keeps taking part in the gathers without writing, and returns it.
     """
     sd = model.state_dict(keep_vars=True)
+    fused = fused_layouts(model)
     files = _plan_files([(n, t.dtype, tuple(t.shape)) for n, t in sd.items()], max_file_bytes)
     writing = _rank() == 0
     failure: BaseException | None = None
@@ -184,7 +187,7 @@ def _save_safetensors(
             except Exception as e:
                 failure = e
         for name, _, _ in entries:
-            whole = _gather(sd[name])
+            whole = _gather(sd[name], fused.get(name))
             if writer is None:
                 continue
             try:
@@ -446,17 +449,23 @@ def _load_safetensors(model: nn.Module, sd: dict[str, torch.Tensor], path: Path)
         source = _match_keys(model, sd, {k: e.shape for k, e in index.items()}, path)
         yield
         total = sum(t.dtype.itemsize * t.numel() for t in sd.values())
+        fused = fused_layouts(model)
         with _Progress(total, f"loading {path.name}") as progress:
             for key, target in sd.items():
                 entry = index[source[key]]
-                _copy_from_file(key, target, fds[entry.file], entry)
+                _copy_from_file(key, target, fds[entry.file], entry, fused.get(key))
                 progress.advance(target.dtype.itemsize * target.numel())
                 yield
 
 
-def _copy_from_file(key: str, target: torch.Tensor, fd: int, entry: Entry) -> None:
+def _copy_from_file(
+    key: str,
+    target: torch.Tensor,
+    fd: int,
+    entry: Entry,
+    layout: tuple[int, tuple[int, ...], int] | None,
+) -> None:
     """Each rank reads the region its placement gives it, straight into its local tensor."""
-    layout = fused_layout(target)
     if layout is not None:
         _copy_fused(key, target, fd, entry, layout)
     elif isinstance(target, DTensor):
@@ -499,7 +508,7 @@ def _copy_fused(
 
 
 def _refuse_fused_dcp(model: nn.Module, doing: str) -> None:
-    fused = [n for n, t in model.state_dict(keep_vars=True).items() if fused_layout(t) is not None]
+    fused = sorted(fused_layouts(model))
     if fused:
         raise CheckpointError(
             f"{doing} a torch.distributed.checkpoint of fused layers ({_names(fused)}) is not "

@@ -317,7 +317,7 @@ class _Decider:
                 f"{what} {path}{mates}, which {verb} {it} on its input dim (rowwise){need}",
                 head_dim=head_dim,
                 parts=parts,
-                transposed=t.linears[o][2],
+                transposed=o in t.linears and t.linears[o][2],
             )
 
     def close(self, openers: list[str], closers: list[str], short: dict[str, str]) -> None:
@@ -340,6 +340,8 @@ class _Decider:
         for name, module in self.modules.items():
             if not isinstance(module, nn.Embedding) or name not in self.trace.called:
                 continue
+            if name in self.decisions:
+                continue  # split by its columns inside a region
             n = module.num_embeddings
             if not self.trace.lookups.get(name):
                 self.kept[name] = (
@@ -402,8 +404,10 @@ class _Decider:
                 users = [
                     (m, p)
                     for m, p in group
-                    if m in self.trace.linears
-                    or isinstance(self.modules[m], nn.Embedding)
+                    if (
+                        m in self.trace.called
+                        and (m in self.trace.linears or isinstance(self.modules[m], nn.Embedding))
+                    )
                     or f"{m}.{p}".lstrip(".") in self.trace.params_outside
                 ]
                 splits = {
@@ -463,6 +467,8 @@ class _Decider:
             linear = name in self.trace.linears
             if not (linear or isinstance(module, nn.Embedding)) or name in self.decisions:
                 continue
+            if name in self.tied and name not in self.trace.called:
+                continue  # holds a tied weight it never uses: no rule; apply re-ties it
             if name not in self.trace.called:
                 why = "kept whole: it was not called in the traced forward"
             else:

@@ -10,7 +10,7 @@ cases built here on the same classes:
   other dim of the weight.
 
 A fused parameter is a DTensor `Shard(dim)` of the weight with its rows (columns, when
-transposed) reordered rank by rank; `fused_layout` says so, and `unfuse` turns a gathered
+transposed) reordered rank by rank; `fused_layouts` says which, and `unfuse` turns a gathered
 tensor back into the original order (checkpoints use both).
 """
 
@@ -52,7 +52,7 @@ __all__ = [
     "Colwise",
     "ReplicateGradSum",
     "Rowwise",
-    "fused_layout",
+    "fused_layouts",
     "fused_order",
     "placement",
     "plan_to_torch",
@@ -101,7 +101,9 @@ class ReplicateGradSum(ParallelStyle):
 
 
 # ---- fused and transposed weights -----------------------------------------------------------
-_FUSED = "_tpplan_fused"  # attribute on a fused parameter: (dim, parts, tp)
+# On a module with fused parameters: {parameter name: (dim, parts, tp)}. Kept on the module,
+# not the parameter, because module.to_empty() and friends replace parameters.
+_FUSED = "_tpplan_fused"
 
 
 def fused_order(parts: list[int] | tuple[int, ...], tp: int) -> list[int]:
@@ -117,9 +119,14 @@ def fused_order(parts: list[int] | tuple[int, ...], tp: int) -> list[int]:
     return out
 
 
-def fused_layout(t: Any) -> tuple[int, tuple[int, ...], int] | None:
-    """(dim, parts, tp) for a parameter a fused colwise style reordered, else None."""
-    return getattr(t, _FUSED, None)
+def fused_layouts(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...], int]]:
+    """{parameter name: (dim, parts, tp)} for every parameter a fused colwise style reordered
+    (names as in model.named_parameters() and state_dict())."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, layout in module.__dict__.get(_FUSED, {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = layout
+    return out
 
 
 def unfuse(whole: torch.Tensor, layout: tuple[int, tuple[int, ...], int]) -> torch.Tensor:
@@ -150,7 +157,7 @@ def _distribute(
         param.requires_grad,
     )
     if parts is not None:
-        setattr(new, _FUSED, (dim, parts, tp))
+        module.__dict__.setdefault(_FUSED, {})[name] = (dim, parts, tp)
     module.register_parameter(name, new)
 
 

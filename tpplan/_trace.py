@@ -106,7 +106,8 @@ class Trace:
     counts: dict[str, set[tuple[str, str, int]]] = field(default_factory=dict)
     """Opener -> (module, attribute, value) of head counts its views read from attributes."""
     lookups: dict[str, bool] = field(default_factory=dict)
-    """Embedding -> whether its indices are the model's input (token ids) rather than computed."""
+    """Embedding -> whether every lookup it made read the model's input (token ids); absent
+    when it made no plain lookup."""
     stand_ins: dict[str, str] = field(default_factory=dict)
     """Untraced block prefix -> traced block prefix of identical structure."""
     twins: dict[str, str] = field(default_factory=dict)
@@ -262,6 +263,7 @@ class _Tracer(TorchDispatchMode):
         # from (see `_watch_reads`); reads inside a finished child forward are dropped.
         self.reads: list[list[tuple[str, str, int]]] = [[]]
         self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
+        self.embedding_calls: list[str] = []  # the Embedding modules whose forward is running
 
     # ---- bookkeeping ------------------------------------------------------------------
     def split_of(self, t: Any) -> Split | None:
@@ -288,9 +290,22 @@ class _Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is torch.ops.aten.embedding.default:
+            self.note_lookup(args[1])
         if not self.quiet:
             self.on_op(func, args, kwargs, out)
         return out
+
+    def note_lookup(self, indices: torch.Tensor) -> None:
+        """An embedding's rows are token rows when its lookups read the model's input ids:
+        seen at the lookup itself, since an Embedding subclass may look up positions it
+        computes from the ids it is given (BART's, Whisper's positional embeddings)."""
+        if not self.embedding_calls:
+            return
+        module = self.embedding_calls[-1]
+        tokens = id(indices) in self.inputs and self.inputs[id(indices)] is indices
+        seen = self.trace.lookups.get(module)
+        self.trace.lookups[module] = tokens if seen is None else seen and tokens
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         name = func.overloadpacket.__name__
@@ -631,6 +646,9 @@ class _Attention(TorchFunctionMode):
         except _Break as e:
             t.trace.break_(sources, f"scaled_dot_product_attention: {e}")
             return out
+        mask_split = t.split_of(mask) if isinstance(mask, torch.Tensor) else None
+        if mask_split is not None:
+            sources |= mask_split.sources  # a per-head bias joins the heads' region
         for s in sources:
             t.trace.units[s] = math.gcd(t.trace.units.get(s, q.n), *(x.n for x in splits if x))
         t.mark(out, Split(q.dim, 1, q.n, q.inner, sources), "scaled_dot_product_attention")
@@ -731,11 +749,7 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
         trace.called.add(name)
         x = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(module, nn.Embedding):
-            trace.lookups[name] = (
-                trace.lookups.get(name, True)
-                and id(x) in tracer.inputs
-                and tracer.inputs[id(x)] is x
-            )
+            tracer.embedding_calls.append(name)  # its lookups are judged as they happen
             s = tracer.split_of(x)
             if s is not None:
                 trace.break_(s.sources, "it is used as indices of an embedding lookup")
@@ -761,11 +775,25 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
 
     def after(mod: nn.Module, args: Any, out: Any) -> None:
         tracer.quiet -= 1
+        if isinstance(module, nn.Embedding):
+            tracer.embedding_calls.pop()
         unsplit = arrived.pop() is None
         if name in trace.linears and unsplit and isinstance(out, torch.Tensor):
             features = trace.linears[name][1]
             trace.openers[name] = features
             tracer.mark(out, Split(out.dim() - 1, 1, features, 1, frozenset({name})), "linear")
+        elif (
+            isinstance(module, nn.Embedding)
+            and trace.lookups.get(name) is False
+            and isinstance(out, torch.Tensor)
+            and out.shape[-1] == module.embedding_dim
+        ):
+            # A table looked up at computed positions (T5's relative position bias, one
+            # column per head) may be split by its columns like a Linear's outputs.
+            trace.openers[name] = module.embedding_dim
+            tracer.mark(
+                out, Split(out.dim() - 1, 1, module.embedding_dim, 1, frozenset({name})), "embedding"
+            )
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after)

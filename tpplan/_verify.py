@@ -18,7 +18,7 @@ from ._apply import apply_plan
 from ._inputs import example_inputs
 from ._local import rank_values, simulated_ranks
 from ._patterns import wildcard
-from ._styles import fused_layout, unfuse
+from ._styles import fused_layouts, unfuse
 from ._tree import first_tensor
 from .plan import Plan
 
@@ -118,6 +118,7 @@ def verify_plan(
 
     with simulated_ranks(tp_size) as mesh:
         sharded = apply_plan(copy.deepcopy(model), mesh, plan)
+        fused = fused_layouts(sharded)
         got: dict[str, Any] = {}
         handles = _record(sharded, got)
         out = sharded(**inputs)
@@ -127,7 +128,7 @@ def verify_plan(
             ref = want.get(name)
             if value is None or ref is None:
                 continue
-            layout = fused_layout(getattr(sharded.get_submodule(name), "weight", None))
+            layout = fused.get(f"{name}.weight")
             parts = layout[1] if layout is not None else None
             for rank, v in enumerate(rank_values(value)):
                 report.add(name, "output", _error(v, ref, rank, tp_size, parts))
@@ -135,7 +136,7 @@ def verify_plan(
             _loss(out).backward()
             for name, p in sharded.named_parameters():
                 if name in want_grads:
-                    g, layout = p.grad, fused_layout(p)
+                    g, layout = p.grad, fused.get(name)
                     errs = (
                         [float("inf")]
                         if g is None
@@ -228,6 +229,7 @@ def _verify_rank(
 
     mesh = init_device_mesh("cpu", (tp_size,))
     sharded = apply_plan(copy.deepcopy(model), mesh, Plan.from_json(plan_json))
+    fused = fused_layouts(sharded)
     got: dict[str, Any] = {}
     handles = _record(sharded, got)
     out = sharded(**inputs)
@@ -237,14 +239,14 @@ def _verify_rank(
         ref = want.get(name)
         if value is not None and ref is not None:
             # a fused layer's piece is this rank's slice of each of its parts, as in verify_plan
-            layout = fused_layout(getattr(sharded.get_submodule(name), "weight", None))
+            layout = fused.get(f"{name}.weight")
             parts = layout[1] if layout is not None else None
             report.add(name, "output", _error(local(value), ref, rank, tp_size, parts))
     if backward:
         _loss(out).backward()
         for name, p in sharded.named_parameters():
             if name in want_grads:
-                g, layout = p.grad, fused_layout(p)
+                g, layout = p.grad, fused.get(name)
                 if g is None:
                     report.add(name, "grad", float("inf"))
                     continue
