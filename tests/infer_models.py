@@ -273,3 +273,16 @@ def whisper(seed: int = 0) -> nn.Module:
         suppress_tokens=None, begin_suppress_tokens=None,
     )  # fmt: skip
     return _build(WhisperForConditionalGeneration, cfg, seed)
+
+
+def falcon(seed: int = 0) -> nn.Module:
+    """Parallel residual (attention and MLP read the same normed input), one fused
+    query_key_value viewed per head, and an in-place residual add on the MLP's output."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        new_decoder_architecture=False, multi_query=False, parallel_attn=True, bias=True,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return _build(FalconForCausalLM, cfg, seed)

@@ -16,6 +16,7 @@ from infer_models import (
     NormedMlp,
     bart,
     block,
+    falcon,
     fused_gqa,
     gpt2,
     llama_gqa,
@@ -289,6 +290,18 @@ def test_names_do_not_matter() -> None:
         "head": ("colwise", "replicate"),
     }  # fmt: skip
     assert_parity(odd, p2, 2, ids)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_falcon_parallel_residual_with_per_head_fused_qkv(tp: int) -> None:
+    """Attention and MLP read one normed input and are summed in place (`+=` on the MLP's
+    output): both regions split, whole heads of q|k|v per rank, and it trains."""
+    model = falcon()
+    plan = tpplan.infer_plan(model)
+    qkv = rule_for(plan, model, "transformer.h.0.self_attention.query_key_value")
+    assert (qkv.style, qkv.parts, qkv.head_dim) == ("colwise", None, 24)  # 8 heads of q|k|v
+    assert rule_for(plan, model, "transformer.h.0.mlp.dense_4h_to_h").style == "rowwise"
+    assert_parity(model, plan, tp, _tokens())
 
 
 # ---- encoder-decoders -----------------------------------------------------------------------

@@ -219,7 +219,12 @@ class _Decider:
         helpers = self.helpers(set(openers), short, reasons)
         counts = {c for o in openers for c in t.counts.get(o, ())}
         for module, attr, value in sorted(counts):
-            if not module:
+            if (module, attr) in t.unsplit_sizes:
+                reasons.append(
+                    f"{attr} = {value} sizes the split features and also tensors that are not "
+                    "split, so it cannot be divided"
+                )
+            elif not module:
                 reasons.append(
                     f"the model's own forward reads {attr} = {value} to size the split features, "
                     "and a plan divides attributes of submodules only"

@@ -216,10 +216,22 @@ class Colwise(ColwiseParallel):
 
 
 class Rowwise(RowwiseParallel):
-    """RowwiseParallel for weights stored (in, out): their dim 0 is contracted."""
+    """RowwiseParallel for Linear-like layers, also with weights stored (in, out) (their dim
+    0 is contracted), whose local output may be changed in place.
+
+    torch hands back the local output of a DTensor through an autograd Function that returns
+    it as a view, and autograd forbids changing such a view in place: a model that adds a
+    residual in place (Falcon's `mlp_output += attention_output`) cannot train. While grad
+    is recorded the output is handed back as its own tensor (one copy, beside the all-reduce
+    that made it).
+    """
+
+    def __init__(self, *, transposed: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.transposed = transposed
 
     def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        _distribute(module, "weight", mesh, 0, None, self.src_data_rank)
+        _distribute(module, "weight", mesh, 0 if self.transposed else 1, None, self.src_data_rank)
         bias = getattr(module, "bias", None)
         if isinstance(bias, nn.Parameter):
             replicated = distribute_tensor(
@@ -227,14 +239,21 @@ class Rowwise(RowwiseParallel):
             )
             module.register_parameter("bias", nn.Parameter(replicated, bias.requires_grad))
 
+    @staticmethod
+    def _own_output(layouts: Any, local: bool, mod: nn.Module, out: DTensor, mesh: Any) -> Any:
+        out = RowwiseParallel._prepare_output_fn(layouts, local, mod, out, mesh)
+        return out.clone() if local and torch.is_grad_enabled() else out
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module,
             device_mesh,
             self._partition_linear_fn,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            partial(self._own_output, self.output_layouts, self.use_local_output),
         )
 
 
@@ -252,8 +271,8 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
             kw["output_layouts"] = placement(rule.output)
         if rule.style == "colwise" and (rule.parts or rule.transposed):
             return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
-        if rule.style == "rowwise" and rule.transposed:
-            return Rowwise(**kw)
+        if rule.style == "rowwise":
+            return Rowwise(transposed=bool(rule.transposed), **kw)
         return ColwiseParallel(**kw) if rule.style == "colwise" else RowwiseParallel(**kw)
     if rule.style == "sequence_parallel":
         _, dim = parse_layout(rule.input or "shard(1)")

@@ -103,6 +103,8 @@ class Trace:
     """Parameter -> openers whose split tensors it was combined with (outside any Linear)."""
     params_outside: set[str] = field(default_factory=set)
     """Parameters used by ops on unsplit tensors only (outside any Linear/Embedding call)."""
+    unsplit_sizes: set[tuple[str, str]] = field(default_factory=set)
+    """(module, attribute) read to size an op on unsplit tensors: never to be divided."""
     counts: dict[str, set[tuple[str, str, int]]] = field(default_factory=dict)
     """Opener -> (module, attribute, value) of head counts its views read from attributes."""
     lookups: dict[str, bool] = field(default_factory=dict)
@@ -190,6 +192,13 @@ _PASS_THROUGH = _RESHAPES | {
 }
 
 
+# Ops whose integer arguments size a tensor (views, expansions, new tensors).
+_SIZED = _RESHAPES | {
+    "expand", "new_zeros", "new_ones", "new_empty", "new_full", "zeros", "ones", "empty", "full",
+    "arange", "repeat", "split", "split_with_sizes", "narrow", "slice",
+}  # fmt: skip
+
+
 class _Break(Exception):
     """An op ends the splits it received; the message says why."""
 
@@ -264,6 +273,7 @@ class _Tracer(TorchDispatchMode):
         self.reads: list[list[tuple[str, str, int]]] = [[]]
         self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
         self.embedding_calls: list[str] = []  # the Embedding modules whose forward is running
+        self.fresh: list[tuple[str, str, int]] = []  # attribute reads since the last op
 
     # ---- bookkeeping ------------------------------------------------------------------
     def split_of(self, t: Any) -> Split | None:
@@ -294,6 +304,7 @@ class _Tracer(TorchDispatchMode):
             self.note_lookup(args[1])
         if not self.quiet:
             self.on_op(func, args, kwargs, out)
+        self.fresh.clear()
         return out
 
     def note_lookup(self, indices: torch.Tensor) -> None:
@@ -315,6 +326,7 @@ class _Tracer(TorchDispatchMode):
         sources = frozenset().union(*(s.sources for s in splits))
         self.note_params(name, ins, outs, sources)
         if not splits:
+            self.note_unsplit_sizes(name, args, kwargs)
             return
         if not outs:
             if func.namespace != "prim" and name not in _METADATA:
@@ -327,6 +339,17 @@ class _Tracer(TorchDispatchMode):
             return
         for t, s in results:
             self.mark(t, s, name)
+
+    def note_unsplit_sizes(self, name: str, args: Any, kwargs: Any) -> None:
+        """Attributes read to size an op on tensors that are not split: dividing them for a
+        split tensor would resize these too, so they must not be divided."""
+        if name not in _SIZED:
+            return
+        for v in pytree.tree_leaves((args, kwargs)):
+            if type(v) is int and v > 1:
+                for module, attr, value in self.fresh:
+                    if value == v:
+                        self.trace.unsplit_sizes.add((module, attr))
 
     def note_params(
         self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor], sources: frozenset[str]
@@ -389,15 +412,39 @@ class _Tracer(TorchDispatchMode):
         raise _Break("the tracer does not know how this op treats a split dim")
 
     def check_count(self, sizes: Any, s: Split) -> None:
-        """A view that asks for a fixed size at the split dim and -1 elsewhere is wrong on a
-        rank's shard without a word: `view(B, -1, n_heads, hd)` would fold half the heads into
-        the sequence. Such a count must be an integer attribute of an enclosing module, which
-        the plan then divides by the tp size; anything else ends the split."""
-        if not isinstance(sizes, (list, tuple)) or -1 not in sizes or sizes[s.dim] == -1:
+        """A view that asks for a fixed size at the split dim is wrong on a rank's shard: with
+        -1 elsewhere without a word (`view(B, -1, n_heads, hd)` would fold half the heads into
+        the sequence), without -1 with an error. Such a count must be an integer attribute of
+        an enclosing module, which the plan then divides by the tp size; anything else ends
+        the split."""
+        if not isinstance(sizes, (list, tuple)) or sizes[s.dim] == -1:
             return
-        held = self.attribute_holding(sizes[s.dim], "with -1 elsewhere, it fixes the split dim at")
+        count = sizes[s.dim]
+        if -1 not in sizes and not any(v == count for _, _, v in self.fresh):
+            # Sizes read off a tensor (`x.view(x.shape)`) are the shard's own; any other
+            # wrong count makes the view fail on the shard, loudly.
+            return
+        doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
+        held = self.aligned(list(sizes), s.dim) or self.attribute_holding(
+            count, f"{doing} the split dim at"
+        )
         for src in s.sources:
             self.trace.counts.setdefault(src, set()).add(held)
+
+    def aligned(self, sizes: list[Any], dim: int) -> tuple[str, str, int] | None:
+        """The attribute read for `sizes[dim]`, when the attributes read since the last op
+        line up with the sizes in order (arguments are read left to right): tells
+        `view(B, T, self.num_heads, 3, self.head_dim)` apart when both hold 8."""
+        at = 0
+        for module, attr, value in self.fresh:
+            while at < len(sizes) and sizes[at] != value:
+                at += 1
+            if at == len(sizes):
+                return None
+            if at == dim:
+                return module, attr, value
+            at += 1
+        return None
 
     def attribute_holding(self, value: int, doing: str) -> tuple[str, str, int]:
         """(module, attribute, value) of the one integer attribute read just before this op
@@ -792,7 +839,9 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
             # column per head) may be split by its columns like a Linear's outputs.
             trace.openers[name] = module.embedding_dim
             tracer.mark(
-                out, Split(out.dim() - 1, 1, module.embedding_dim, 1, frozenset({name})), "embedding"
+                out,
+                Split(out.dim() - 1, 1, module.embedding_dim, 1, frozenset({name})),
+                "embedding",
             )
 
     module.register_forward_pre_hook(before, with_kwargs=True)
@@ -813,7 +862,8 @@ def _watched(cls: type) -> type:
             if type(value) is int:
                 log = object.__getattribute__(self, "__dict__").get(_READS)
                 if log is not None:
-                    log[0][-1].append((log[1], attr, value))
+                    log[0].reads[-1].append((log[1], attr, value))
+                    log[0].fresh.append((log[1], attr, value))
             return value
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
@@ -829,7 +879,7 @@ def _watch_reads(model: nn.Module, tracer: _Tracer) -> None:
     came from (`view(B, T, self.n_head, hd)`, `split(self.split_size)`), and a number that
     only happens to equal some attribute is not mistaken for it."""
     for name, m in model.named_modules():
-        m.__dict__[_READS] = (tracer.reads, name)
+        m.__dict__[_READS] = (tracer, name)
         m.__class__ = _watched(type(m))
 
 
