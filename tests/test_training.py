@@ -130,6 +130,26 @@ def test_loss_parallel_keeps_logits_sharded_and_matches() -> None:
             _assert_close(p, q, f"{name} after the step")
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_on_a_hugging_face_llama_trains_like_the_unsharded_model(tp: int) -> None:
+    """Norms run on sequence shards, blocks all-gather and reduce-scatter; the residual
+    stream stays a DTensor, so the model's positions span the whole sequence."""
+    ref = tiny_llama()
+    tokens = token_batch()
+    start = copy.deepcopy(ref)
+    want_loss = _train_step(ref, tokens)
+    with simulated_ranks(tp) as mesh:
+        model = apply_plan(
+            copy.deepcopy(start), mesh, Path(__file__).parent / "plans" / "llama_sp.yaml"
+        )
+        own_replicas(model, tp)
+        loss = _train_step(model, tokens)
+        _assert_close(loss, want_loss, "loss")
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            _assert_close(p.grad, q.grad, f"{name}.grad")
+            _assert_close(p, q, f"{name} after the step")
+
+
 def test_inferred_loss_parallel_plan_trains_like_the_unsharded_model() -> None:
     ref = tiny_llama()
     tokens = token_batch()
