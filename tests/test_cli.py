@@ -264,6 +264,27 @@ def test_infer_loss_parallel_leaves_the_logits_split(capsys: pytest.CaptureFixtu
     assert (head.style, head.output, head.local_output) == ("colwise", None, False)
 
 
+def test_infer_sequence_parallel(capsys: pytest.CaptureFixture[str]) -> None:
+    from tpplan import Plan
+
+    code, out, _ = run(capsys, "infer", "llama", "--sequence-parallel", *SMALL)
+    plan = Plan.from_yaml(out)
+    styles = {r.match: r.style for r in plan.rules}
+    assert code == 0 and plan.options.sequence_parallel
+    assert styles["model.layers.*.input_layernorm"] == "sequence_parallel"
+    assert styles["model.layers.*.self_attn"] == "prepare"
+
+
+def test_infer_sequence_parallel_refuses_a_model_it_does_not_fit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """GPT-2 adds whole position embeddings to the token embeddings: said, not emitted."""
+    code, out, err = run(capsys, "infer", "gpt2", "--sequence-parallel", "--set", "n_layer=2")
+    assert code == 2 and out == ""
+    assert "sequence parallel does not fit GPT2LMHeadModel" in err
+    assert "Infer without sequence parallel" in err and "Traceback" not in err
+
+
 def test_infer_writes_json_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tpplan import load_plan
 

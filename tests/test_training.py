@@ -150,6 +150,24 @@ def test_sequence_parallel_on_a_hugging_face_llama_trains_like_the_unsharded_mod
             _assert_close(p, q, f"{name} after the step")
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_inferred_sequence_parallel_plan_trains_like_the_unsharded_model(tp: int) -> None:
+    ref = tiny_llama()
+    tokens = token_batch()
+    start = copy.deepcopy(ref)
+    want_loss = _train_step(ref, tokens)
+    plan = infer_plan(start, tp_size=tp, sequence_parallel=True)
+    assert plan.options.sequence_parallel
+    with simulated_ranks(tp) as mesh:
+        model = apply_plan(copy.deepcopy(start), mesh, plan)
+        own_replicas(model, tp)
+        loss = _train_step(model, tokens)
+        _assert_close(loss, want_loss, "loss")
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            _assert_close(p.grad, q.grad, f"{name}.grad")
+            _assert_close(p, q, f"{name} after the step")
+
+
 def test_inferred_loss_parallel_plan_trains_like_the_unsharded_model() -> None:
     ref = tiny_llama()
     tokens = token_batch()

@@ -27,6 +27,7 @@ from ._check import tied_groups, weight_split
 from ._fingerprint import fingerprint, parameter_shapes
 from ._patterns import collapse
 from ._trace import Trace, trace_model
+from .errors import TpplanError
 from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
 
 __all__ = ["infer_plan"]
@@ -49,9 +50,22 @@ class _Decision:
     parts: tuple[int, ...] | None = None
     transposed: bool = False
     local_output: bool | None = None
+    input: str | None = None
+    prepared: tuple[int | str, ...] | None = None  # prepare: the input gathered (index or key)
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
+        if self.input is not None:
+            extra["input"] = self.input
+        if self.prepared is not None:
+            (where,) = self.prepared
+            if isinstance(where, str):
+                extra["input_kwargs"] = {where: "shard(1)"}
+                extra["desired_input_kwargs"] = {where: "replicate"}
+            else:
+                extra["inputs"] = [None] * where + ["shard(1)"]
+                extra["desired_inputs"] = [None] * where + ["replicate"]
+            extra["local_input"] = True
         if self.head_dim is not None:
             extra["head_dim"] = self.head_dim
         if self.output is not None:
@@ -71,6 +85,7 @@ def infer_plan(
     tp_size: int | None = None,
     example_inputs: Any = None,
     loss_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Infer a plan from the model's data flow.
 
@@ -83,6 +98,13 @@ def infer_plan(
     With `loss_parallel`, an output head split over the vocab hands back logits still split
     (a DTensor) instead of gathering them; compute the loss inside
     `torch.distributed.tensor.parallel.loss_parallel()`.
+
+    With `sequence_parallel`, the activations between split regions (the residual stream)
+    stay a DTensor split over the sequence (dim 1): each region all-gathers its input and
+    reduce-scatters its output instead of one all-reduce, and the modules with parameters
+    between regions (norms) run on sequence shards. DTensor computes every op on that
+    stream, so a model this does not fit fails loudly rather than computing wrong numbers;
+    `tpplan verify` checks the numbers.
     """
     if tp_size is not None and (
         isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1
@@ -90,25 +112,51 @@ def infer_plan(
         raise ValueError(f"tp_size must be a positive integer or None, got {tp_size!r}.")
     tp = tp_size or 2
     trace = trace_model(model, example_inputs=example_inputs)
-    decisions, attributes = _decide(model, trace, tp, loss_parallel)
+    decisions, attributes = _decide(model, trace, tp, loss_parallel, sequence_parallel)
     if trace.blocks:
         spread = _spread(trace, decisions), _spread(trace, attributes)
         if not _local(trace) or spread[0] is None or spread[1] is None:
             # a region crossed blocks, or twins disagreed: trace every block
             trace = trace_model(model, example_inputs=example_inputs, shorten=False)
-            decisions, attributes = _decide(model, trace, tp, loss_parallel)
+            decisions, attributes = _decide(model, trace, tp, loss_parallel, sequence_parallel)
         else:
             decisions, attributes = spread  # type: ignore[assignment]
-    return Plan(
+    plan = Plan(
         model=ModelInfo(
             class_=type(model).__name__,
             fingerprint=fingerprint(model),
             parameters=parameter_shapes(model),
         ),
-        options=Options(loss_parallel=loss_parallel),
+        options=Options(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel),
         rules=_rules(model, decisions),
         attributes=_attribute_rules(model, attributes),
     )
+    if sequence_parallel:
+        _try_sequence_parallel(model, plan, tp, example_inputs)
+    return plan
+
+
+def _try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs: Any) -> None:
+    """Run the plan once on a meta copy over a fake process group: a stream the model mixes
+    with plain tensors (positions added to it, a gathered layer's output) fails here, with a
+    message, rather than in the user's first forward."""
+    import torch.distributed as dist
+
+    from ._stats import plan_stats
+
+    if dist.is_initialized() or example_inputs is not None:
+        return  # a real group is up (or the inputs are the caller's): their first forward tells
+    try:
+        plan_stats(model, plan, tp_size=tp, seq=16)
+    except TpplanError:
+        raise
+    except Exception as e:
+        raise TpplanError(
+            f"sequence parallel does not fit {type(model).__name__}: its forward mixes the "
+            f"sequence-split stream with whole tensors ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}). Infer without sequence parallel, or write those "
+            "rules by hand."
+        ) from None
 
 
 # ---- regions -----------------------------------------------------------------------------
@@ -179,6 +227,7 @@ class _Decider:
         self.decisions: dict[str, _Decision] = {}
         self.attributes: dict[str, tuple[tuple[str, ...], str]] = {}  # module -> (attrs, why)
         self.kept: dict[str, str] = {}  # module -> why it stays replicated
+        self.split_regions: list[tuple[list[str], list[str]]] = []  # (openers, closers)
         # modules that must stay whole even as gathered layers: tied or shared weights
         self.blocked: set[str] = {n for n in self.tied if n in trace.linears}
         self.blocked |= {n for n in trace.linears if self.used_outside(n)}
@@ -237,6 +286,7 @@ class _Decider:
             for m in members:
                 self.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
             return
+        self.split_regions.append((openers, closers))
         self.open(openers, closers, short, units)
         self.close(openers, closers, short)
         for module, attr, _ in sorted(counts):
@@ -467,6 +517,58 @@ class _Decider:
             transposed=transposed,
         )
 
+    def sequence_parallel(self) -> None:
+        """Keep the stream between split regions split over the sequence (dim 1)."""
+        t = self.trace
+        scatter = "; sequence parallel: reduce-scattered onto sequence shards, left a DTensor"
+        for name, d in list(self.decisions.items()):
+            if d.style == "vocab_parallel" or (d.style == "rowwise" and d.output is None):
+                self.decisions[name] = replace(
+                    d, output="shard(1)", local_output=False, why=d.why + scatter
+                )
+            elif d.style == "colwise" and d.output == "replicate" and name in t.at_output:
+                self.decisions[name] = replace(
+                    d,
+                    input="shard(1)",
+                    why=d.why
+                    + "; sequence parallel: its input is gathered over the sequence first",
+                )
+        gather = "sequence parallel: all-gathers its input over the sequence, since {} need whole sequences"
+        for openers, _ in self.split_regions:
+            parent = _common_parent(openers)
+            entry = t.entries.get(parent)
+            if (
+                entry is not None
+                and all(t.entries.get(o, (0, -1))[1] == entry[1] for o in openers)
+                and parent
+                and parent not in openers
+                and parent not in self.decisions
+            ):
+                self.decisions[parent] = _Decision(
+                    "prepare",
+                    gather.format(
+                        _join(sorted(_relative([*openers, parent]).get(o, o) for o in openers))
+                    ),
+                    prepared=(entry[0],),
+                )
+                continue
+            for o in openers:  # each opener gathers its own input
+                d = self.decisions[o]
+                self.decisions[o] = replace(
+                    d, input="shard(1)", why=d.why + "; " + gather.format("it")
+                )
+        for name, module in self.modules.items():
+            if name in self.decisions or name in t.linears or isinstance(module, nn.Embedding):
+                continue
+            own = _own_params(module, name)
+            if own and name in t.entries and any(p in t.params_outside for p in own):
+                self.decisions[name] = _Decision(
+                    "sequence_parallel",
+                    "its parameters act on the stream between split regions, which sequence "
+                    "parallel keeps split over the sequence; they are replicated and it runs on "
+                    "each rank's shard of the sequence",
+                )
+
     def rest(self) -> None:
         for name, module in self.modules.items():
             linear = name in self.trace.linears
@@ -485,8 +587,16 @@ class _Decider:
             )
 
 
+def _common_parent(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    k = 0
+    while all(len(p) > k for p in parts) and len({p[k] for p in parts}) == 1:
+        k += 1
+    return ".".join(parts[0][:k])
+
+
 def _decide(
-    model: nn.Module, trace: Trace, tp: int, loss_parallel: bool
+    model: nn.Module, trace: Trace, tp: int, loss_parallel: bool, sequence_parallel: bool = False
 ) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
     d = _Decider(model, trace, tp, loss_parallel)
     for members in _regions(trace):
@@ -494,6 +604,8 @@ def _decide(
     d.head(d.embeddings())
     d.tie(model)
     d.rest()
+    if sequence_parallel:
+        d.sequence_parallel()
     return d.decisions, d.attributes
 
 

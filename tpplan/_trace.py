@@ -116,6 +116,8 @@ class Trace:
     """Traced block prefix -> an earlier traced block of identical structure (must agree)."""
     blocks: list[str] = field(default_factory=list)
     """Prefixes of the traced blocks of shortened stacks."""
+    entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
+    """Module -> (positional index or keyword, id) of the first tensor its first call got."""
 
     def break_(self, sources: frozenset[str], reason: str) -> None:
         for s in sources:
@@ -274,6 +276,7 @@ class _Tracer(TorchDispatchMode):
         self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
         self.embedding_calls: list[str] = []  # the Embedding modules whose forward is running
         self.fresh: list[tuple[str, str, int]] = []  # attribute reads since the last op
+        self.held: list[torch.Tensor] = []  # tensors whose ids the trace records
 
     # ---- bookkeeping ------------------------------------------------------------------
     def split_of(self, t: Any) -> Split | None:
@@ -886,13 +889,22 @@ def _watch_reads(model: nn.Module, tracer: _Tracer) -> None:
 def _track(tracer: _Tracer, name: str, module: nn.Module) -> None:
     """Give each running forward its own frame of attribute reads (`tracer.reads`)."""
 
-    def enter(mod: nn.Module, args: Any) -> None:
+    def enter(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         tracer.reads.append([])
+        if name not in tracer.trace.entries:
+            # where its first tensor input came in, and which tensor it was
+            found: list[tuple[int | str, torch.Tensor]]
+            found = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            found += [(k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+            if found:
+                where, tensor = found[0]
+                tracer.trace.entries[name] = (where, id(tensor))
+                tracer.held.append(tensor)
 
     def leave(mod: nn.Module, args: Any, out: Any) -> None:
         tracer.reads.pop()
 
-    module.register_forward_pre_hook(enter)
+    module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave, always_call=True)
 
 

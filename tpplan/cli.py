@@ -85,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave the logits of a vocab head split, for a loss under loss_parallel()",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="keep activations between split regions split over the sequence (dim 1)",
+    )
     p.set_defaults(func=_cmd_infer)
 
     p = command("check", "Check a plan against a model and a tp size; exit 1 on problems.")
@@ -155,7 +160,12 @@ def _progress(args: argparse.Namespace, text: str) -> None:
 def _cmd_infer(args: argparse.Namespace) -> int:
     from ._infer import infer_plan
 
-    plan = infer_plan(_build(args), tp_size=args.tp, loss_parallel=args.loss_parallel)
+    plan = infer_plan(
+        _build(args),
+        tp_size=args.tp,
+        loss_parallel=args.loss_parallel,
+        sequence_parallel=args.sequence_parallel,
+    )
     text = plan.to_json() if args.format == "json" else plan.to_yaml()
     if args.output:
         with open(args.output, "w") as f:
