@@ -281,7 +281,7 @@ def falcon(seed: int = 0) -> nn.Module:
     from transformers import FalconConfig, FalconForCausalLM
 
     cfg = FalconConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         new_decoder_architecture=False, multi_query=False, parallel_attn=True, bias=True,
         pad_token_id=0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip

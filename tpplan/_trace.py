@@ -236,6 +236,18 @@ def _reshape(split: Split, before: tuple[int, ...], after: tuple[int, ...]) -> S
     return Split(k, size // (n * inner), n, inner, split.sources)
 
 
+def _carved(shape: list[int], k: int, whole: int) -> list[int]:
+    """The sizes of the dims from `k` on that a row-major reshape carved out of one input dim
+    of size `whole` (just [shape[k]] when dim k merges it with others)."""
+    out, product = [], 1
+    for size in shape[k:]:
+        if product >= whole:
+            break
+        out.append(size)
+        product *= size
+    return out if product == whole else out[:1]
+
+
 def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
@@ -377,8 +389,9 @@ class _Tracer(TorchDispatchMode):
     ) -> list[tuple[torch.Tensor, Split]]:
         a = _named(func, args, kwargs)
         if name in _RESHAPES:
-            s = _reshape(self.only_split(args[0]), tuple(args[0].shape), tuple(out.shape))
-            self.check_count(a.get("size", a.get("shape")), s)
+            before = self.only_split(args[0])
+            s = _reshape(before, tuple(args[0].shape), tuple(out.shape))
+            self.check_count(a.get("size", a.get("shape")), s, before, args[0], out.shape)
             return [(out, s)]
         if name in ("transpose", "t", "permute"):
             return [(out, self.permuted(name, a, args[0]))]
@@ -414,40 +427,52 @@ class _Tracer(TorchDispatchMode):
             return self.elementwise(func, args, kwargs, out)
         raise _Break("the tracer does not know how this op treats a split dim")
 
-    def check_count(self, sizes: Any, s: Split) -> None:
-        """A view that asks for a fixed size at the split dim is wrong on a rank's shard: with
-        -1 elsewhere without a word (`view(B, -1, n_heads, hd)` would fold half the heads into
-        the sequence), without -1 with an error. Such a count must be an integer attribute of
-        an enclosing module, which the plan then divides by the tp size; anything else ends
-        the split."""
-        if not isinstance(sizes, (list, tuple)) or sizes[s.dim] == -1:
-            return
-        count = sizes[s.dim]
-        if -1 not in sizes and not any(v == count for _, _, v in self.fresh):
-            # Sizes read off a tensor (`x.view(x.shape)`) are the shard's own; any other
-            # wrong count makes the view fail on the shard, loudly.
-            return
-        doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
-        held = self.aligned(list(sizes), s.dim) or self.attribute_holding(
-            count, f"{doing} the split dim at"
-        )
-        for src in s.sources:
-            self.trace.counts.setdefault(src, set()).add(held)
+    def check_count(
+        self, sizes: Any, s: Split, before: Split, x: torch.Tensor, out_shape: Any
+    ) -> None:
+        """A view of split features must size the split dim so that each rank's shard gets
+        its share, and the dims beside it so that they do not change.
 
-    def aligned(self, sizes: list[Any], dim: int) -> tuple[str, str, int] | None:
-        """The attribute read for `sizes[dim]`, when the attributes read since the last op
-        line up with the sizes in order (arguments are read left to right): tells
-        `view(B, T, self.num_heads, 3, self.head_dim)` apart when both hold 8."""
-        at = 0
-        for module, attr, value in self.fresh:
-            while at < len(sizes) and sizes[at] != value:
-                at += 1
-            if at == len(sizes):
-                return None
-            if at == dim:
-                return module, attr, value
-            at += 1
-        return None
+        - A fixed count at the split dim must be an integer attribute of a running module,
+          which the plan divides by the tp size (`view(B, T, self.n_head, hd)`).
+        - Where the view reshapes the split features, every size beside the split dim must be
+          an integer attribute read in forward (`self.head_dim`): one computed from the
+          width (`t.size(-1) // cfg.n_head`) would shrink on a shard, without a word when the
+          split dim is -1. Numbers the tracer cannot trace to an attribute end the split.
+        - A view that keeps the split dim as it was (`x.reshape(*x.shape[:-1], -1, 2)` on
+          heads) only needs its count at the split dim, when -1 is elsewhere, to be an
+          attribute: read off the tensor it would be the shard's own, but from elsewhere not.
+        """
+        if not isinstance(sizes, (list, tuple)):
+            return  # squeeze, unsqueeze, flatten: dims, not sizes
+        k = s.dim
+        if list(sizes) == list(x.shape):
+            return  # the same shape again: on a shard, the shard's own
+        read = {v for frame in self.reads for _, _, v in frame}
+        kept = before.n == s.n and before.inner == s.inner and x.shape[before.dim] == sizes[k]
+        carved = _carved(list(out_shape), k, x.shape[before.dim])
+        if kept:
+            if sizes[k] == -1 or (-1 not in sizes and sizes[k] not in read):
+                return
+        elif len(carved) > 1:  # the split dim is cut into (count, ..., size) dims
+            *middle, last = carved[1:]
+            if last not in read or any(m not in read and m > 4 for m in middle):
+                raise _Break(
+                    f"it sizes the features beside the split dim at {carved[1:]}, which no "
+                    "module attribute read in forward holds; computed from a shard's width "
+                    "they would be wrong on every rank"
+                )
+        elif sizes[k] != -1 and -1 in sizes:
+            raise _Break(
+                f"it merges the split dim into one of fixed size {sizes[k]} with -1 elsewhere"
+            )
+        else:
+            return  # a merge sized by -1 or by the tensor's own sizes: the shard's own
+        if sizes[k] != -1:
+            doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
+            held = self.attribute_holding(sizes[k], f"{doing} the split dim at")
+            for src in s.sources:
+                self.trace.counts.setdefault(src, set()).add(held)
 
     def attribute_holding(self, value: int, doing: str) -> tuple[str, str, int]:
         """(module, attribute, value) of the one integer attribute read just before this op

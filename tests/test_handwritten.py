@@ -1,0 +1,427 @@
+"""infer_plan on models written by hand outside any library, the way people write them.
+
+Three families, each in its own idiom rather than Hugging Face's:
+
+- `NanoGpt` (nanoGPT): one fused c_attn Linear cut by `.split(self.n_embd, dim=2)`, heads
+  viewed as `view(B, T, self.n_head, C // self.n_head)`, a GELU MLP, a learned position
+  embedding, and the token embedding tied to lm_head;
+- `TitanLlama` (torchtitan / Meta's reference Llama): wq/wk/wv/wo and w1/w2/w3, a hand-written
+  RMSNorm, rotary embeddings in complex arithmetic, in real arithmetic on interleaved pairs, or
+  on halves (rotate_half), grouped-query attention, and views by the stored counts
+  `view(bs, seqlen, self.n_heads, self.head_dim)` (head_dim 16, so no count equals it);
+- `Vit` (a ViT encoder): patches embedded by a Conv2d or a Linear, a class token, learned
+  positions, LayerNorm, non-causal attention (timm's fused qkv or separate q/k/v) and a
+  GELU MLP, classified from the class token.
+
+For each: infer a plan, check forward and backward parity with the unsharded model on
+simulated ranks at tp 2 (and 4 where the sizes allow), and assert what is sharded today.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from blocks import assert_parity, expand_rules
+from torch import nn
+
+import tpplan
+from tpplan.plan import Plan
+
+VOCAB = 64
+
+
+def _tokens(batch: int = 2, seq: int = 8, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, seq), generator=g)
+
+
+def _styles(plan: Plan, model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """{module name: (style, output layout)} of every module with a rule."""
+    return {n: (r.style, r.output) for n, r in expand_rules(plan, model).items()}
+
+
+def _sharded(plan: Plan, model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    return {n: s for n, s in _styles(plan, model).items() if s[0] != "replicate"}
+
+
+def _every_kept_one_says_why(plan: Plan, model: nn.Module) -> None:
+    rules = expand_rules(plan, model)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            assert name in rules, f"{name} has no rule"
+            if rules[name].style == "replicate":
+                assert rules[name].why.strip(), f"{name} is replicated without a reason"
+
+
+def _build(cls: type[nn.Module], seed: int = 0, **kwargs: object) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return cls(**kwargs).eval()
+
+
+# ---- nanoGPT --------------------------------------------------------------------------------
+class _GptAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head = n_head
+        self.n_embd = n_embd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class _GptMlp(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class _GptBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = _GptAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = _GptMlp(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGpt(nn.Module):
+    def __init__(self, n_layer: int = 2, n_head: int = 4, n_embd: int = 32, block_size: int = 16):
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(VOCAB, n_embd),
+                wpe=nn.Embedding(block_size, n_embd),
+                drop=nn.Dropout(0.0),
+                h=nn.ModuleList([_GptBlock(n_embd, n_head) for _ in range(n_layer)]),
+                ln_f=nn.LayerNorm(n_embd),
+            )
+        )
+        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # nanoGPT's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+# ---- torchtitan-style Llama -----------------------------------------------------------------
+def _rotary_tables(head_dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    """(end, head_dim // 2) complex rotations e^{i t f}, Meta's precompute_freqs_cis."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(end).float(), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def _rotate_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """x (B, T, heads, hd) rotated pairwise as complex numbers (Meta's apply_rotary_emb)."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rot = freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, xc.shape[-1])
+    return torch.view_as_real(xc * rot).flatten(3).type_as(x)
+
+
+def _rotate_real(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """The same rotation in real arithmetic on interleaved pairs (even, odd)."""
+    cos = freqs_cis.real[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    sin = freqs_cis.imag[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    out = torch.cat(
+        [(even * cos - odd * sin).unsqueeze(-1), (even * sin + odd * cos).unsqueeze(-1)], dim=-1
+    )
+    return out.flatten(3)
+
+
+def _rotate_half(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """The rotation on (first half, second half) pairs, as Hugging Face's rotate_half does."""
+    cos = freqs_cis.real[: x.shape[1]].view(1, x.shape[1], 1, -1).repeat(1, 1, 1, 2)
+    sin = freqs_cis.imag[: x.shape[1]].view(1, x.shape[1], 1, -1).repeat(1, 1, 1, 2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+_ROTATE = {"complex": _rotate_complex, "real": _rotate_real, "half": _rotate_half}
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim).uniform_(0.5, 1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, T, kv heads, hd) -> (B, T, kv heads * n_rep, hd), each kv head repeated in place."""
+    bs, slen, n_kv, hd = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, :, None, :].expand(bs, slen, n_kv, n_rep, hd).reshape(bs, slen, n_kv * n_rep, hd)
+
+
+class _TitanAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, rotary: str) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.n_rep = n_heads // n_kv_heads
+        self.head_dim = dim // n_heads
+        self.rotary = rotary
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq = xq.view(bs, seqlen, self.n_heads, self.head_dim)
+        xk = xk.view(bs, seqlen, self.n_kv_heads, self.head_dim)
+        xv = xv.view(bs, seqlen, self.n_kv_heads, self.head_dim)
+        xq, xk = _ROTATE[self.rotary](xq, freqs_cis), _ROTATE[self.rotary](xk, freqs_cis)
+        keys, values = _repeat_kv(xk, self.n_rep), _repeat_kv(xv, self.n_rep)
+        xq, xk, xv = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class _TitanFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, multiple_of: int = 32) -> None:
+        super().__init__()
+        hidden_dim = int(2 * hidden_dim / 3)
+        hidden_dim = multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, rotary: str) -> None:
+        super().__init__()
+        self.attention = _TitanAttention(dim, n_heads, n_kv_heads, rotary)
+        self.feed_forward = _TitanFeedForward(dim, 4 * dim)
+        self.attention_norm = _RMSNorm(dim)
+        self.ffn_norm = _RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(nn.Module):
+    def __init__(
+        self,
+        dim: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 8,
+        n_kv_heads: int = 4,
+        max_seq_len: int = 32,
+        rotary: str = "complex",
+    ) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.register_buffer(
+            "freqs_cis", _rotary_tables(dim // n_heads, max_seq_len), persistent=False
+        )
+        # torchtitan keeps its layers in a ModuleDict keyed by str(layer_id)
+        self.layers = nn.ModuleDict(
+            {str(i): _TitanBlock(dim, n_heads, n_kv_heads, rotary) for i in range(n_layers)}
+        )
+        self.norm = _RMSNorm(dim)
+        self.output = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+# ---- ViT ------------------------------------------------------------------------------------
+class _VitAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, fused: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.fused = fused
+        if fused:
+            self.qkv = nn.Linear(dim, dim * 3)
+        else:
+            self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        if self.fused:  # timm: (B, N, 3, heads, hd) -> (3, B, heads, N, hd)
+            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+        else:
+            q, k, v = (
+                lin(x).reshape(B, N, -1, self.head_dim).transpose(1, 2)
+                for lin in (self.q, self.k, self.v)
+            )
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(B, N, -1))
+
+
+class _VitBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, fused: bool) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = _VitAttention(dim, num_heads, fused)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Vit(nn.Module):
+    def __init__(
+        self,
+        image: int = 16,
+        patch: int = 4,
+        dim: int = 32,
+        depth: int = 2,
+        num_heads: int = 4,
+        classes: int = 10,
+        patch_embed: str = "conv",
+        fused: bool = True,
+    ) -> None:
+        super().__init__()
+        self.patch = patch
+        if patch_embed == "conv":
+            self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        else:
+            self.patch_embed = nn.Linear(3 * patch * patch, dim)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*[_VitBlock(dim, num_heads, fused) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, classes)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.patch_embed, nn.Conv2d):
+            return self.patch_embed(images).flatten(2).transpose(1, 2)
+        b, c, _, _ = images.shape
+        p = self.patch
+        patches = images.unfold(2, p, p).unfold(3, p, p)  # (B, C, H/p, W/p, p, p)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * p * p)
+        return self.patch_embed(patches)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.embed(images)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        x = self.norm(self.blocks(x))
+        return self.head(x[:, 0])
+
+
+def _images() -> torch.Tensor:
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+
+# ---- tests ----------------------------------------------------------------------------------
+def _infer_and_check(model: nn.Module, x: torch.Tensor, tp: int) -> Plan:
+    """Infer at `tp`, require a reason for every module kept whole, and hold the plan to
+    forward and backward parity with the unsharded model."""
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    _every_kept_one_says_why(plan, model)
+    assert_parity(model, plan, tp, x)
+    return plan
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_nanogpt(tp: int) -> None:
+    """n_embd 32 and 4 heads of 8: tp 2 and 4 divide the heads, the MLP (128) and the vocab.
+    The fused c_attn and the tied wte/lm_head are held to parity only. The head size is
+    `C // self.n_head` with C read off the block's (whole) input, and the heads are merged
+    back by `view(B, T, C)`: a plan that divides n_head must account for both."""
+    model = _build(NanoGpt)
+    plan = _infer_and_check(model, _tokens(), tp)
+    sharded = _sharded(plan, model)
+    for i in range(2):
+        assert sharded[f"transformer.h.{i}.mlp.c_fc"] == ("colwise", None)
+        assert sharded[f"transformer.h.{i}.mlp.c_proj"] == ("rowwise", None)
+
+
+@pytest.mark.parametrize("rotary", ["complex", "real", "half"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_titan_llama(rotary: str, tp: int) -> None:
+    """8 query heads and 4 kv heads of 16; SwiGLU width 352; tp 2 and 4 divide them all.
+    Views by stored counts need the plan to divide n_heads / n_kv_heads; rotary in complex
+    arithmetic is held to parity only."""
+    model = _build(TitanLlama, rotary=rotary)
+    plan = _infer_and_check(model, _tokens(), tp)
+    sharded = _sharded(plan, model)
+    for i in range(2):
+        ff = f"layers.{i}.feed_forward"
+        assert sharded[f"{ff}.w1"] == ("colwise", None)
+        assert sharded[f"{ff}.w3"] == ("colwise", None)
+        assert sharded[f"{ff}.w2"] == ("rowwise", None)
+        if rotary != "complex":  # view_as_complex is an op the tracer does not follow
+            attn = f"layers.{i}.attention"
+            for p in ("wq", "wk", "wv"):
+                assert sharded[f"{attn}.{p}"] == ("colwise", None)
+            assert sharded[f"{attn}.wo"] == ("rowwise", None)
+    assert sharded["tok_embeddings"] == ("vocab_parallel", None)
+    assert sharded["output"] == ("colwise", "replicate")
+
+
+# Patch embedding and attention layout vary independently; two models cover both of each.
+VITS = [("conv", True), ("linear", False)]
+
+
+@pytest.mark.parametrize(
+    ("patch_embed", "fused"), VITS, ids=[f"{p}-{'fused' if f else 'qkv'}" for p, f in VITS]
+)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vit(patch_embed: str, fused: bool, tp: int) -> None:
+    """dim 32, 4 heads of 8, MLP 128: tp 2 and 4 divide them. timm's fused qkv, cut by
+    reshape(B, N, 3, heads, hd) and unbind, is held to parity only."""
+    model = _build(Vit, patch_embed=patch_embed, fused=fused)
+    plan = _infer_and_check(model, _images(), tp)
+    sharded = _sharded(plan, model)
+    for i in range(2):
+        assert sharded[f"blocks.{i}.mlp.0"] == ("colwise", None)
+        assert sharded[f"blocks.{i}.mlp.2"] == ("rowwise", None)
+        if not fused:  # separate q/k/v viewed with -1 heads: a head-parallel region
+            for p in ("q", "k", "v"):
+                assert sharded[f"blocks.{i}.attn.{p}"] == ("colwise", None)
+            assert sharded[f"blocks.{i}.attn.proj"] == ("rowwise", None)
