@@ -434,3 +434,20 @@ def test_llama_405b_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
 def test_untraceable_model_says_what_to_pass() -> None:
     with pytest.raises(tpplan.TpplanError, match="example_inputs"):
         tpplan.infer_plan(Mlp())
+
+
+def test_mixture_of_experts_traces_and_keeps_the_numbers() -> None:
+    """The experts' grouped matmul has a bf16-only fake kernel; the trace still runs in fp32
+    and the attention is split. The experts themselves stay whole until the tracer knows them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_experts=4,
+        num_experts_per_tok=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    plan = tpplan.infer_plan(model)
+    assert styles(plan, model)["model.layers.0.self_attn.o_proj"] == ("rowwise", None)
+    assert_parity(model, plan, 2, _tokens())
