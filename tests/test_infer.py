@@ -451,3 +451,18 @@ def test_mixture_of_experts_traces_and_keeps_the_numbers() -> None:
     plan = tpplan.infer_plan(model)
     assert styles(plan, model)["model.layers.0.self_attn.o_proj"] == ("rowwise", None)
     assert_parity(model, plan, 2, _tokens())
+
+
+def test_per_head_norms_scaled_by_one_plus_weight_keep_their_gradients() -> None:
+    """Gemma 3 scales its per-head q/k norms by `1 + weight` (found by the benchmark): the
+    weight's gradient must come out whole on every rank."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=64, pad_token_id=0, sliding_window=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    assert_parity(model, tpplan.infer_plan(model), 2, _tokens())

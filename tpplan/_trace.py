@@ -390,6 +390,11 @@ class _Tracer(TorchDispatchMode):
                 return
             if id(ins[0]) in self.inputs and self.inputs[id(ins[0])] is ins[0]:
                 self.inputs[id(outs[0])] = outs[0]
+        if len(set(used)) == 1 and len(used) == len(ins) and len(outs) == 1 and not sources:
+            # computed from one parameter alone (`1 + weight`, `softplus(alpha)`): still that
+            # parameter where it meets other tensors, so its gradient is judged there
+            self.params[id(outs[0])] = (outs[0], used[0])
+            return
         for p in used:
             if sources:
                 self.trace.params_in_region.setdefault(p, set()).update(sources)
@@ -480,7 +485,10 @@ class _Tracer(TorchDispatchMode):
                 f"it merges the split dim into one of fixed size {sizes[k]} with -1 elsewhere"
             )
         else:
-            return  # a merge sized by -1 or by the tensor's own sizes: the shard's own
+            # A merge sized by -1 or by the tensor's own sizes is the shard's own. One sized by
+            # an attribute (`reshape(B, T, self.embed_dim)`) fails on a shard, loudly: which
+            # attribute it read cannot be told from a number that a head size may equal too.
+            return
         if sizes[k] != -1:
             doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
             held = self.attribute_holding(sizes[k], f"{doing} the split dim at")
