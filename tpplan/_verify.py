@@ -8,6 +8,7 @@ Start at `verify_plan`; the comparison of one sharded output with its unsharded 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,20 @@ def verify_plan(
     """
     inputs = inputs if inputs is not None else example_inputs(model)
     report = Verification(tp_size=tp_size, tol=tol)
+    want, want_grads = _reference(model, inputs, backward)
+    with simulated_ranks(tp_size) as mesh:
+        sharded = apply_plan(copy.deepcopy(model), mesh, plan)
+        _compare(
+            report, sharded, inputs, want, want_grads, backward, lambda t: enumerate(rank_values(t))
+        )
+    return report
+
+
+def _reference(
+    model: nn.Module, inputs: dict[str, Any], backward: bool
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The unsharded model's module outputs (and parameter gradients); its grads are cleared
+    after, so the sharded copy starts without them."""
     want: dict[str, Any] = {}
     handles = _record(model, want)
     try:
@@ -115,43 +130,50 @@ def verify_plan(
             h.remove()
     want_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
+    return want, want_grads
 
-    with simulated_ranks(tp_size) as mesh:
-        sharded = apply_plan(copy.deepcopy(model), mesh, plan)
-        fused = fused_layouts(sharded)
-        got: dict[str, Any] = {}
-        handles = _record(sharded, got)
-        out = sharded(**inputs)
-        for h in handles:
-            h.remove()
-        for name, value in got.items():
-            ref = want.get(name)
-            if value is None or ref is None:
-                continue
-            layout = fused.get(f"{name}.weight")
-            parts = layout[1] if layout is not None else None
-            for rank, v in enumerate(rank_values(value)):
-                report.add(name, "output", _error(v, ref, rank, tp_size, parts))
-        if backward:
-            _loss(out).backward()
-            for name, p in sharded.named_parameters():
-                if name in want_grads:
-                    g, layout = p.grad, fused.get(name)
-                    errs = (
-                        [float("inf")]
-                        if g is None
-                        else [
-                            _error(
-                                v if layout is None else unfuse(v, layout),
-                                want_grads[name],
-                                r,
-                                tp_size,
-                            )
-                            for r, v in enumerate(rank_values(g))
-                        ]
-                    )
-                    report.add(name, "grad", max(errs))
-    return report
+
+def _compare(
+    report: Verification,
+    sharded: nn.Module,
+    inputs: dict[str, Any],
+    want: dict[str, Any],
+    want_grads: dict[str, torch.Tensor],
+    backward: bool,
+    values: Callable[[torch.Tensor], Iterable[tuple[int, torch.Tensor]]],
+) -> None:
+    """Run the sharded model and add every module output's (and gradient's) error to the
+    report; `values` gives each (rank, value) of a tensor this process can see. A fused
+    layer's piece is a rank's slice of each of its parts, and a fused gradient is put back in
+    the unsharded layer's order."""
+    fused = fused_layouts(sharded)
+    got: dict[str, Any] = {}
+    handles = _record(sharded, got)
+    out = sharded(**inputs)
+    for h in handles:
+        h.remove()
+    tp = report.tp_size
+    for name, value in got.items():
+        ref = want.get(name)
+        if value is None or ref is None:
+            continue
+        layout = fused.get(f"{name}.weight")
+        parts = layout[1] if layout is not None else None
+        for rank, v in values(value):
+            report.add(name, "output", _error(v, ref, rank, tp, parts))
+    if not backward:
+        return
+    _loss(out).backward()
+    for name, p in sharded.named_parameters():
+        if name not in want_grads:
+            continue
+        if p.grad is None:
+            report.add(name, "grad", float("inf"))
+            continue
+        layout = fused.get(name)
+        for rank, g in values(p.grad):
+            whole = g if layout is None else unfuse(g, layout)
+            report.add(name, "grad", _error(whole, want_grads[name], rank, tp))
 
 
 # ---- the same comparison on real gloo processes (`tpplan verify --processes`) -----------
@@ -211,45 +233,14 @@ def _verify_rank(
             dist.broadcast(t, src=0)
     inputs = example_inputs(model)
     report = Verification(tp_size=tp_size, tol=tol)
+    want, want_grads = _reference(model, inputs, backward)
 
-    want: dict[str, Any] = {}
-    handles = _record(model, want)
-    out = model(**inputs)
-    if backward:
-        _loss(out).backward()
-    for h in handles:
-        h.remove()
-    want_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)  # the sharded copy starts without them
-
-    def local(t: torch.Tensor) -> torch.Tensor:
+    def local(t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         # A DTensor is made whole (a collective: every rank reaches it in the same order);
         # a plain tensor is this rank's own value, whole or its piece of a split output.
-        return t.full_tensor() if isinstance(t, DTensor) else t
+        return [(rank, t.full_tensor() if isinstance(t, DTensor) else t)]
 
     mesh = init_device_mesh("cpu", (tp_size,))
     sharded = apply_plan(copy.deepcopy(model), mesh, Plan.from_json(plan_json))
-    fused = fused_layouts(sharded)
-    got: dict[str, Any] = {}
-    handles = _record(sharded, got)
-    out = sharded(**inputs)
-    for h in handles:
-        h.remove()
-    for name, value in got.items():
-        ref = want.get(name)
-        if value is not None and ref is not None:
-            # a fused layer's piece is this rank's slice of each of its parts, as in verify_plan
-            layout = fused.get(f"{name}.weight")
-            parts = layout[1] if layout is not None else None
-            report.add(name, "output", _error(local(value), ref, rank, tp_size, parts))
-    if backward:
-        _loss(out).backward()
-        for name, p in sharded.named_parameters():
-            if name in want_grads:
-                g, layout = p.grad, fused.get(name)
-                if g is None:
-                    report.add(name, "grad", float("inf"))
-                    continue
-                whole = local(g) if layout is None else unfuse(local(g), layout)
-                report.add(name, "grad", _error(whole, want_grads[name], rank, tp_size))
+    _compare(report, sharded, inputs, want, want_grads, backward, local)
     return report.rows
