@@ -507,46 +507,17 @@ def _bytes_per_rank(model: Any) -> int:
     return total
 
 
-def _fused(model: Any, plan: Any) -> dict[str, tuple[int, list[int]]]:
-    """{parameter: (dim, parts)} for the parameters of fused colwise layers (`parts`). Such a
-    layer stores rank r's slice of every part next to each other, so its gathered weight (and
-    gradient) lists rank 0's slices of all parts first: not the model's own order."""
-    from tpplan._patterns import match_names
-
-    modules = [n for n, _ in model.named_modules() if n]
-    out: dict[str, tuple[int, list[int]]] = {}
-    for rule in plan.rules:
-        if rule.style == "colwise" and rule.parts:
-            for m in match_names(rule.match, modules):
-                out[f"{m}.weight"] = (1 if rule.transposed else 0, list(rule.parts))
-                out[f"{m}.bias"] = (0, list(rule.parts))
-    return out
-
-
-def _unfuse(t: Any, dim: int, parts: list[int]) -> Any:
-    """A gathered fused tensor back in the order of its parts (see `_fused`)."""
-    import torch
-
-    stored: list[int] = []  # stored position -> original index
-    for r in range(TP):
-        start = 0
-        for size in parts:
-            step = size // TP
-            stored.extend(range(start + r * step, start + (r + 1) * step))
-            start += size
-    out = torch.empty_like(t)
-    out.index_copy_(dim, torch.tensor(stored), t)
-    return out
-
-
-def _max_diff(got: Any, want: Any, fused: tuple[int, list[int]] | None = None) -> float:
-    """Max abs difference over the simulated ranks; `fused`: see `_fused`."""
+def _max_diff(got: Any, want: Any, fused: tuple[int, tuple[int, ...], int] | None = None) -> float:
+    """Max abs difference over the simulated ranks. A fused colwise parameter (`parts`) is
+    stored rank by rank, so its gathered value is first put back in the model's own order
+    (`fused`: its layout from tpplan._styles.fused_layouts)."""
     from tpplan._local import rank_values
+    from tpplan._styles import unfuse
 
     worst = 0.0
     for value in rank_values(got):
         if fused is not None:
-            value = _unfuse(value, *fused)
+            value = unfuse(value, fused)
         if value.shape != want.shape:
             return math.inf
         worst = max(worst, (value.detach().double() - want.detach().double()).abs().max().item())
@@ -576,6 +547,7 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
     import tpplan
     from tpplan._inputs import example_inputs
     from tpplan._local import simulated_ranks
+    from tpplan._styles import fused_layouts
     from tpplan._tree import first_tensor
 
     hf_logging.set_verbosity_error()
@@ -649,7 +621,7 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
         try:
             got.float().pow(2).mean().backward()
             worst, rel, where = 0.0, 0.0, ""
-            fused = _fused(sharded, plan)
+            fused = fused_layouts(sharded)
             for name, p in sharded.named_parameters():
                 if name not in ref_grads:
                     continue
