@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ._check import check_plan
+from ._check import check_plan, tied_groups
 from ._guard import guard_inputs, wants_guard
 from ._patterns import match_names
 from .errors import MeshError, PlanProblemsError
@@ -92,12 +92,7 @@ def apply_plan(
 
 def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """Groups of (module, parameter name) that share one parameter (tied weights)."""
-    groups: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                groups.setdefault(id(p), []).append((module, name))
-    return [g for g in groups.values() if len(g) > 1]
+    return [[(model.get_submodule(m), p) for m, p in group] for group in tied_groups(model)]
 
 
 def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:

@@ -28,7 +28,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +191,7 @@ def _save_safetensors(
             if writer is None:
                 continue
             try:
-                with _outside_simulation():
+                with outside_simulation():  # file work once, not once per simulated rank
                     writer.write(name, whole)
                 weight_map[name] = file_name
             except Exception as e:
@@ -660,7 +660,7 @@ def _rebuild_buffers(model: nn.Module) -> None:
             "off the meta device)."
         )
     not_rebuilt: list[str] = []
-    with _outside_simulation():
+    with outside_simulation():
         for name, module, owned, owner in owners:
             old = {b: module.get_buffer(b) for b in owned}
             for b, t in old.items():
@@ -706,11 +706,6 @@ def _simulated() -> bool:
     return local_tensor_mode() is not None
 
 
-def _outside_simulation() -> AbstractContextManager[None]:
-    """File work runs as plain tensors, not once per simulated rank."""
-    return outside_simulation()
-
-
 def _each_rank(local: torch.Tensor, fill: Callable[[int, torch.Tensor], None]) -> None:
     """fill(rank, that rank's local tensor) for this process's rank, or for every simulated
     rank when `local` holds one value per rank."""
@@ -722,7 +717,7 @@ def _each_rank(local: torch.Tensor, fill: Callable[[int, torch.Tensor], None]) -
             for rank, value in sorted(local._local_tensors.items()):
                 fill(rank, value)
         return
-    with _outside_simulation():
+    with outside_simulation():
         fill(_rank(), local)
 
 

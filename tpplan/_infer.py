@@ -198,13 +198,11 @@ def _join(items: list[str]) -> str:
 
 def _shared_params(model: nn.Module) -> dict[str, list[str]]:
     """Module -> other modules holding one of its parameters (tied weights)."""
-    holders: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(p), []).append(name.rpartition(".")[0])
     out: dict[str, list[str]] = {}
-    for mods in holders.values():
+    for group in tied_groups(model):
+        mods = {m for m, _ in group}
         for m in mods:
-            others = sorted(set(mods) - {m})
+            others = sorted(mods - {m})
             if others:
                 out.setdefault(m, []).extend(others)
     return out
