@@ -51,14 +51,14 @@ class _Decision:
     transposed: bool = False
     local_output: bool | None = None
     input: str | None = None
-    prepared: tuple[int | str, ...] | None = None  # prepare: the input gathered (index or key)
+    prepared: int | str | None = None  # prepare: the input gathered (index or keyword)
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
         if self.input is not None:
             extra["input"] = self.input
         if self.prepared is not None:
-            (where,) = self.prepared
+            where = self.prepared
             if isinstance(where, str):
                 extra["input_kwargs"] = {where: "shard(1)"}
                 extra["desired_input_kwargs"] = {where: "replicate"}
@@ -547,7 +547,7 @@ class _Decider:
                     gather.format(
                         _join(sorted(_relative([*openers, parent]).get(o, o) for o in openers))
                     ),
-                    prepared=(entry[0],),
+                    prepared=entry[0],
                 )
                 continue
             for o in openers:  # each opener gathers its own input
