@@ -125,7 +125,7 @@ def test_unknown_top_level_field_is_named() -> None:
 
 def test_wrong_schema_version_says_what_to_do() -> None:
     msg = _error("tpplan: 7\nrules: []\n")
-    assert "schema version 7" in msg and f"reads versions 1, {SCHEMA_VERSION}" in msg
+    assert "schema version 7" in msg and "reads versions 1, 2, 3" in msg
     assert "pip install -U tpplan" in msg
 
 

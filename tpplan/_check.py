@@ -30,6 +30,7 @@ _TYPES: dict[str, tuple[type[nn.Module], ...] | None] = {
     "prepare": None,
     "replicate": None,
     "replicate_grad_sum": None,
+    "experts": None,
 }
 
 
@@ -211,7 +212,59 @@ def _no_match(i: int, rule: Rule, names: list[str]) -> Problem:
     )
 
 
+def _check_experts(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    """Every parameter an experts rule names exists, and each split dim divides by tp."""
+    out: list[Problem] = []
+    own = dict(module.named_parameters(recurse=False))
+    named = [*(rule.shard or {}), *(rule.after_sum or ())]
+    missing = [p for p in named if p not in own]
+    if missing:
+        have = ", ".join(f"{n} {tuple(p.shape)}" for n, p in own.items()) or "none"
+        return [
+            Problem(
+                "module_type",
+                _where(i, rule),
+                name,
+                f"experts names {', '.join(missing)}, which {type(module).__name__} does not "
+                f"hold (its parameters: {have}).",
+                "name the module's own expert weights in shard and after_sum.",
+            )
+        ]
+    for pname, dim in (rule.shard or {}).items():
+        shape = tuple(own[pname].shape)
+        if dim >= len(shape):
+            out.append(
+                Problem(
+                    "module_type",
+                    _where(i, rule),
+                    name,
+                    f"shard: {pname}: {dim}, but {pname} has {len(shape)} dims {shape}.",
+                    "give a dim of the parameter (0 is the experts).",
+                )
+            )
+            continue
+        pieces = (rule.fused or {}).get(pname)
+        what = f"{pname} dim {dim}" + (" (the number of experts)" if dim == 0 else "")
+        if pieces is not None and sum(pieces) != shape[dim]:
+            out.append(
+                Problem(
+                    "parts",
+                    _where(i, rule),
+                    name,
+                    f"fused {pname} {pieces} add up to {sum(pieces)}, but {what} is {shape[dim]}.",
+                    "list the sizes of the fused pieces (gate, up) in order; they must add up "
+                    "to the whole.",
+                )
+            )
+            continue
+        for size in pieces or [shape[dim]]:
+            out.extend(_check_size(i, rule, name, what, size, tp))
+    return out
+
+
 def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    if rule.style == "experts":
+        return _check_experts(i, rule, name, module, tp)
     out: list[Problem] = []
     types = _TYPES[rule.style]
     if rule.transposed:

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ._patterns import match_names
+from .errors import TpplanError
 from .plan import parse_layout
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Colwise",
+    "Experts",
     "ReplicateGradSum",
     "Rowwise",
     "fused_layouts",
@@ -257,6 +259,156 @@ class Rowwise(RowwiseParallel):
         )
 
 
+# ---- mixture-of-experts ---------------------------------------------------------------------
+class Experts(ParallelStyle):
+    """A module holding every expert's weights as 3-D parameters (experts first), whose
+    forward takes the tokens, the routing (expert ids per token, an integer tensor) and the
+    routing weights, and returns the weighted sum of the chosen experts' outputs.
+
+    torch has no style for it, so this one runs the module's own forward on each rank's local
+    weights (put in the module's `__dict__` for the call, where attribute lookup finds them
+    before the DTensor parameters) and makes the result exact with DTensor:
+
+    - the floating-point inputs enter as Replicate and leave as local tensors whose gradient
+      is a partial sum (so backward all-reduces it, Megatron's `f`);
+    - the output is each rank's partial sum, all-reduced into the whole (Megatron's `g`);
+    - mode `tensor`: the `shard` weights are split by features (gate|up `fused` pieces rank
+      by rank), so each rank's experts compute a slice of every expert's hidden layer; a
+      parameter added after the down projection (`after_sum`) is added as 1/tp per rank;
+    - mode `expert`: the weights are split by experts; each rank renumbers the routing to its
+      own experts and zeroes the routing weight of tokens sent to other ranks' experts.
+
+    Replicated parameters of the module (and of its children) are used on each rank's share
+    of the work, so their gradients are declared partial and summed as well.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str = "tensor",
+        shard: dict[str, int],
+        fused: dict[str, list[int]] | None = None,
+        after_sum: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.mode = mode
+        self.shard = dict(shard)
+        self.fused = {k: tuple(v) for k, v in (fused or {}).items()}
+        self.after_sum = tuple(after_sum or ())
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        mesh = device_mesh
+        tp = mesh.size()
+        for name, dim in self.shard.items():
+            _distribute(module, name, mesh, dim, self.fused.get(name), 0)
+        held: list[tuple[nn.Module, str, str]] = []  # (owner, parameter, how it is used)
+        for owner in module.modules():
+            for pname, p in list(owner._parameters.items()):
+                if p is None:
+                    continue
+                if owner is module and pname in self.shard:
+                    held.append((owner, pname, "split"))
+                    continue
+                if not isinstance(p, DTensor):
+                    whole = distribute_tensor(p.detach(), mesh, [Replicate()], src_data_rank=0)
+                    owner.register_parameter(pname, nn.Parameter(whole, p.requires_grad))
+                added = owner is module and pname in self.after_sum
+                held.append((owner, pname, "after_sum" if added else "replicated"))
+        count = next(iter(self.shard.items()))
+        n_experts = getattr(module, count[0]).shape[0]
+
+        def before(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+            for owner, pname, how in held:
+                p = owner._parameters[pname]
+                assert isinstance(p, DTensor)  # made one at apply
+                if how == "split":
+                    local = p.to_local()
+                else:
+                    local = p.to_local(grad_placements=[Partial()])
+                    if how == "after_sum":
+                        local = local / tp
+                owner.__dict__[pname] = local
+            args, kwargs = _tree_map_tensors(lambda x: _enter(x, mesh), (args, kwargs))
+            if self.mode == "expert":
+                args, kwargs = _own_experts(args, kwargs, n_experts, mesh)
+            return args, kwargs
+
+        def after(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+            return _tree_map_tensors(lambda x: _sum_partial(x, mesh), out)
+
+        def clean(mod: nn.Module, args: Any, out: Any) -> None:
+            for owner, pname, _ in held:
+                owner.__dict__.pop(pname, None)
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after, with_kwargs=True)
+        module.register_forward_hook(clean, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"Experts(mode={self.mode}, shard={self.shard}, fused={self.fused}, "
+            f"after_sum={self.after_sum})"
+        )
+
+
+def _tree_map_tensors(fn: Any, tree: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(
+        lambda x: fn(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+    )
+
+
+def _enter(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The same values on every rank; backward sums the ranks' partial gradients."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    elif x.placements != (Replicate(),):
+        x = x.redistribute(placements=[Replicate()])
+    return x.to_local(grad_placements=[Partial()])
+
+
+def _sum_partial(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    partial_sum = DTensor.from_local(x, mesh, [Partial()], run_check=False)
+    return partial_sum.redistribute(placements=[Replicate()]).to_local()
+
+
+def _own_experts(args: Any, kwargs: Any, n_experts: int, mesh: DeviceMesh) -> tuple[Any, Any]:
+    """Routing renumbered to this rank's experts; tokens routed elsewhere get weight 0."""
+    leaves = [(k, v) for k, v in enumerate(args)] + list(kwargs.items())
+    ids = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor) and not v.is_floating_point()]
+    if len(ids) != 1:
+        raise TpplanError(
+            "experts with mode expert needs exactly one integer tensor input (the expert chosen "
+            f"for each token); this module got {len(ids)}. Use mode tensor for it."
+        )
+    where, index = ids[0]
+    weights = [
+        (k, v)
+        for k, v in leaves
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == index.shape
+    ]
+    if len(weights) != 1:
+        raise TpplanError(
+            "experts with mode expert needs exactly one floating-point input shaped like the "
+            f"routing {tuple(index.shape)} (the routing weights); this module got "
+            f"{len(weights)}. Use mode tensor for it."
+        )
+    w_where, w = weights[0]
+    every = torch.arange(n_experts, device=index.device)
+    first = distribute_tensor(every, mesh, [Shard(0)], src_data_rank=None).to_local()[:1]
+    local = index - first
+    mine = (local >= 0) & (local < n_experts // mesh.size())
+    found = {
+        where: torch.where(mine, local, torch.zeros_like(local)),
+        w_where: w * mine.to(w.dtype),
+    }
+    new_args = tuple(found.get(i, a) for i, a in enumerate(args))
+    new_kwargs = {k: found.get(k, v) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
 def rule_to_style(rule: Rule) -> ParallelStyle | None:
     """The style object for one rule; None for `replicate` (the module is left alone)."""
     kw: dict[str, Any] = {}
@@ -281,6 +433,14 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
         return _prepare(rule)
     if rule.style == "replicate_grad_sum":
         return ReplicateGradSum()
+    if rule.style == "experts":
+        assert rule.shard is not None  # the rule's validator requires it
+        return Experts(
+            mode=rule.mode or "tensor",
+            shard=rule.shard,
+            fused=rule.fused,
+            after_sum=rule.after_sum,
+        )
     return None  # replicate
 
 

@@ -34,9 +34,12 @@ __all__ = [
     "plan_json_schema",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
+# What each version added: a file naming any of these needs at least that version.
+_ADDED_FIELDS = {2: ("parts", "transposed"), 3: ("mode", "shard", "fused", "after_sum")}
+_ADDED_STYLES = {3: ("experts",)}
 
 Style = Literal[
     "colwise",
@@ -46,6 +49,7 @@ Style = Literal[
     "prepare",
     "replicate",
     "replicate_grad_sum",
+    "experts",
 ]
 STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 
@@ -69,6 +73,7 @@ _STYLE_FIELDS: dict[str, frozenset[str]] = {
     ),
     "replicate": frozenset(),
     "replicate_grad_sum": frozenset(),
+    "experts": frozenset({"mode", "shard", "fused", "after_sum"}),
 }
 
 _LAYOUT_RE = re.compile(r"^(replicate|partial|shard\((-?\d+)\))$")
@@ -172,6 +177,21 @@ class Rule(_Strict):
     """prepare: layouts the outputs are redistributed to."""
     local_input: bool | None = None
     """prepare: hand the module plain local tensors instead of DTensors (default false)."""
+    mode: Literal["tensor", "expert"] | None = None
+    """experts: `tensor` (default) splits every expert's own weights like a dense MLP
+    (gate/up by output features, down by input features) and sums the experts' partial
+    outputs with one all-reduce; `expert` gives each rank num_experts/tp whole experts, each
+    rank computes the tokens routed to its own experts, and one all-reduce sums them."""
+    shard: dict[str, Annotated[int, Field(ge=0)]] | None = None
+    """experts: parameter (named relative to the matched module) -> the dim it is split on;
+    the other parameters of the module are replicated."""
+    fused: dict[str, list[Annotated[int, Field(gt=0)]]] | None = None
+    """experts: parameter -> sizes of the pieces laid end to end along its split dim (gate|up);
+    each rank holds its slice of every piece, as `parts` does for colwise."""
+    after_sum: list[str] | None = None
+    """experts, mode tensor: parameters added to the experts' output after the down
+    projection's partial sum (its bias): each rank adds its 1/tp share, so the all-reduce
+    adds it once."""
 
     @field_validator("style", mode="before")
     @classmethod
@@ -219,11 +239,41 @@ class Rule(_Strict):
                 )
         if self.style == "prepare":
             _check_prepare(self)
+        if self.style == "experts":
+            _check_experts(self)
         if self.style == "colwise" and "partial" in (self.input, self.output):
             raise ValueError(
                 "style 'colwise' cannot take or give layout 'partial'; use replicate or shard(DIM)."
             )
         return self
+
+
+def _check_experts(rule: Rule) -> None:
+    if not rule.shard:
+        raise ValueError(
+            "experts needs shard: {parameter: dim} naming the expert weights it splits "
+            "(e.g. {gate_up_proj: 1, down_proj: 2} for mode tensor, dim 0 for mode expert)."
+        )
+    for field in ("fused", "after_sum"):
+        named = getattr(rule, field) or ()
+        stray = sorted(
+            set(named) - set(rule.shard) if field == "fused" else set(named) & set(rule.shard)
+        )
+        if stray:
+            what = "is not in shard" if field == "fused" else "is also in shard"
+            raise ValueError(
+                f"experts: {field} names {', '.join(stray)}, which {what}; "
+                + (
+                    "fused pieces are cut along a split dim."
+                    if field == "fused"
+                    else "a parameter added after the sum is whole on every rank."
+                )
+            )
+    if rule.mode == "expert" and (rule.fused or rule.after_sum or set(rule.shard.values()) != {0}):
+        raise ValueError(
+            "experts with mode expert splits every expert weight on dim 0 (the experts) and "
+            "takes no fused or after_sum; use shard: {name: 0} for each."
+        )
 
 
 def _check_prepare(rule: Rule) -> None:
@@ -266,7 +316,7 @@ class AttributeRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2] = 2  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3] = 3  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None
@@ -280,16 +330,24 @@ class Plan(_Strict):
 
     @model_validator(mode="after")
     def _fields_fit_version(self) -> Plan:
-        if self.tpplan < 2:
+        for version in sorted(_ADDED_FIELDS, reverse=True):
+            if self.tpplan >= version:
+                break
             newer = [
                 f"rules[{i}].{f}"
                 for i, r in enumerate(self.rules)
-                for f in ("parts", "transposed")
+                for f in _ADDED_FIELDS[version]
                 if f in r.model_fields_set
+            ]
+            newer += [
+                f"rules[{i}].style {r.style}"
+                for i, r in enumerate(self.rules)
+                if r.style in _ADDED_STYLES.get(version, ())
             ]
             if newer:
                 raise ValueError(
-                    f"{', '.join(newer)} need schema version 2; change the first line to 'tpplan: 2'."
+                    f"{', '.join(newer)} need schema version {version}; change the first line "
+                    f"to 'tpplan: {version}'."
                 )
         return self
 
