@@ -52,6 +52,10 @@ class _Decision:
     local_output: bool | None = None
     input: str | None = None
     prepared: int | str | None = None  # prepare: the input gathered (index or keyword)
+    mode: str | None = None  # experts
+    shard: tuple[tuple[str, int], ...] = ()  # experts: (parameter, dim)
+    fused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # experts: (parameter, pieces)
+    after_sum: tuple[str, ...] = ()  # experts
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
@@ -76,6 +80,13 @@ class _Decision:
             extra["transposed"] = True
         if self.local_output is not None:
             extra["local_output"] = self.local_output
+        if self.mode is not None:
+            extra["mode"] = self.mode
+            extra["shard"] = dict(self.shard)
+            if self.fused:
+                extra["fused"] = {k: list(v) for k, v in self.fused}
+            if self.after_sum:
+                extra["after_sum"] = list(self.after_sum)
         return Rule(match=match, style=self.style, why=self.why, **extra)
 
 
@@ -86,6 +97,7 @@ def infer_plan(
     example_inputs: Any = None,
     loss_parallel: bool = False,
     sequence_parallel: bool = False,
+    experts: str = "tensor",
 ) -> Plan:
     """Infer a plan from the model's data flow.
 
@@ -105,20 +117,29 @@ def infer_plan(
     between regions (norms) run on sequence shards. DTensor computes every op on that
     stream, so a model this does not fit fails loudly rather than computing wrong numbers;
     `tpplan verify` checks the numbers.
+
+    Mixture-of-experts layers (3-D expert weights used by batched per-expert matmuls) are
+    split per expert like a dense MLP with `experts="tensor"`; with `experts="expert"` each
+    rank holds num_experts/tp whole experts, where the trace shows the module takes the
+    routing as inputs and reads its number of experts from an attribute (else tensor).
     """
+    if experts not in ("tensor", "expert"):
+        raise ValueError(f"experts must be 'tensor' or 'expert', got {experts!r}.")
     if tp_size is not None and (
         isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1
     ):
         raise ValueError(f"tp_size must be a positive integer or None, got {tp_size!r}.")
     tp = tp_size or 2
     trace = trace_model(model, example_inputs=example_inputs)
-    decisions, attributes = _decide(model, trace, tp, loss_parallel, sequence_parallel)
+    decisions, attributes = _decide(model, trace, tp, loss_parallel, sequence_parallel, experts)
     if trace.blocks:
         spread = _spread(trace, decisions), _spread(trace, attributes)
         if not _local(trace) or spread[0] is None or spread[1] is None:
             # a region crossed blocks, or twins disagreed: trace every block
             trace = trace_model(model, example_inputs=example_inputs, shorten=False)
-            decisions, attributes = _decide(model, trace, tp, loss_parallel, sequence_parallel)
+            decisions, attributes = _decide(
+                model, trace, tp, loss_parallel, sequence_parallel, experts
+            )
         else:
             decisions, attributes = spread  # type: ignore[assignment]
     plan = Plan(
@@ -225,6 +246,7 @@ class _Decider:
         self.decisions: dict[str, _Decision] = {}
         self.attributes: dict[str, tuple[tuple[str, ...], str]] = {}  # module -> (attrs, why)
         self.kept: dict[str, str] = {}  # module -> why it stays replicated
+        self.kept_experts: dict[str, str] = {}  # expert-holding module -> why it stays whole
         self.split_regions: list[tuple[list[str], list[str]]] = []  # (openers, closers)
         # modules that must stay whole even as gathered layers: tied or shared weights
         self.blocked: set[str] = {n for n in self.tied if n in trace.linears}
@@ -385,6 +407,134 @@ class _Decider:
                 "partial sum, one all-reduce",
                 head_dim=head_dim,
                 transposed=self.trace.linears[c][2],
+            )
+
+    def experts(self, members: list[str], mode: str) -> None:
+        """A module's 3-D expert weights that open and close one region: split per expert
+        like a dense MLP (mode tensor), or by experts (mode expert) where that is proven."""
+        t = self.trace
+        owners = {m.rpartition(".")[0] for m in members}
+        owner = min(owners)
+        module = self.modules.get(owner)
+        short = {m: m.rpartition(".")[2] for m in members}
+        openers = [m for m in members if t.expert_roles.get(m, ("",))[0] == "open"]
+        closers = [m for m in members if t.expert_roles.get(m, ("",))[0] == "close"]
+        reasons: list[str] = []
+        if len(owners) > 1 or module is None or any(m not in t.expert_roles for m in members):
+            reasons.append("its split features reach weights of other modules")
+        for m in members:
+            for r in t.broken.get(m, []):
+                reasons.append(f"{short[m]}'s split ends at {r}")
+            if m in t.misfits:
+                reasons.append(f"{short[m]}: {t.misfits[m]}")
+        if not openers or not closers:
+            reasons.append("no expert matmul contracts the split features")
+        exit_ = t.expert_exits.get(owner, "it was not called")
+        if exit_ is not None:
+            reasons.append(exit_)
+        units = math.gcd(*(t.units.get(o, t.openers[o]) for o in openers)) if openers else 0
+        if openers and units % self.tp:
+            reasons.append(
+                f"its experts' hidden features split into blocks of {units}, which tp {self.tp} does not divide"
+            )
+        if t.counts.get(owner) or any(t.counts.get(o) for o in openers):
+            reasons.append("its forward reads attributes to size the split features")
+        if reasons:
+            self.kept_experts[owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
+            return
+        assert module is not None
+        own = dict(module.named_parameters(recurse=False))
+        prefix = owner + "."
+        after = sorted(p.removeprefix(prefix) for p, o in t.after_sum.items() if o == owner)
+        n_experts = {own[m.removeprefix(prefix)].shape[0] for m in members}
+        ops = sorted({op for o in openers for op in t.ops.get(o, ())} - _PLAIN_OPS)
+        path = f" through {', '.join(ops)}" if ops else ""
+        ep_why = (
+            self.expert_parallel_refusal(owner, own, n_experts, after) if mode == "expert" else ""
+        )
+        if mode == "expert" and not ep_why:
+            ((attr_module, attr, value),) = t.expert_counts[owner]
+            self.attributes[attr_module] = (
+                (attr,),
+                f"its forward reads {attr} = {value} (its number of experts); each rank holds "
+                f"{value // self.tp} of them, so it is divided by the tp size",
+            )
+            by_experts = tuple(
+                sorted((p, 0) for p, w in own.items() if w.dim() >= 2 and w.shape[0] == value)
+            )
+            self.decisions[owner] = _Decision(
+                "experts",
+                f"{_join(sorted(short[o] for o in openers))} and {_join(sorted(short[c] for c in closers))} "
+                f"hold {value} experts, used by per-expert matmuls{path}; its forward takes the "
+                "chosen experts and their weights as inputs, so each rank keeps "
+                f"{value // self.tp} whole experts, renumbers the routing to them and zeroes "
+                "the weight of tokens routed elsewhere; one all-reduce sums the ranks' outputs",
+                mode="expert",
+                shard=by_experts,
+            )
+            return
+        shard: dict[str, int] = {}
+        fused: dict[str, tuple[int, ...]] = {}
+        for m in members:
+            shard[m.removeprefix(prefix)] = t.expert_roles[m][1]
+            if m in t.parts:
+                fused[m.removeprefix(prefix)] = t.parts[m]
+        for b, (src, dim) in t.expert_biases.items():
+            if src in openers:
+                shard[b.removeprefix(prefix)] = dim
+                if src in t.parts:
+                    fused[b.removeprefix(prefix)] = t.parts[src]
+        pieces = {o: t.parts.get(o) for o in openers}
+        what = "; ".join(
+            f"{short[o]}'s {t.openers[o]} output features per expert"
+            + (
+                f" are {len(p)} fused pieces ({' | '.join(map(str, p))}) cut apart in forward, each rank holding its slice of every piece"
+                if p
+                else ""
+            )
+            for o, p in pieces.items()
+        )
+        bias = f"; {_join(after)} is added after that sum, 1/tp on each rank" if after else ""
+        refused = f" (not expert parallel: {ep_why})" if ep_why else ""
+        self.decisions[owner] = _Decision(
+            "experts",
+            f"per-expert matmuls on the unsplit tokens (the router's choice): {what}; they flow"
+            f"{path} to {_join(sorted(short[c] for c in closers))}, which contracts them, so every "
+            "expert is split like a dense MLP and the experts' output is a partial sum, one "
+            f"all-reduce{bias}{refused}",
+            mode="tensor",
+            shard=tuple(sorted(shard.items())),
+            fused=tuple(sorted(fused.items())),
+            after_sum=tuple(after),
+        )
+
+    def expert_parallel_refusal(
+        self, owner: str, own: dict[str, Any], n_experts: set[int], after: list[str]
+    ) -> str:
+        t = self.trace
+        if t.expert_routing.get(owner):
+            return str(t.expert_routing[owner])
+        counts = t.expert_counts.get(owner, set())
+        if len(n_experts) != 1 or len(counts) != 1:
+            return "its forward does not read its number of experts from one attribute of its own"
+        (value,) = n_experts
+        if value % self.tp:
+            return f"its {value} experts do not divide by tp {self.tp}"
+        if after:
+            return f"{_join(after)} is added after the experts' weighted sum"
+        return ""
+
+    def unsplit_experts(self) -> None:
+        """Modules holding expert weights that no region split: replicated, with the reason."""
+        for owner in sorted(set(self.trace.expert_exits) | set(self.kept_experts)):
+            if owner in self.decisions:
+                continue
+            self.decisions[owner] = _Decision(
+                "replicate",
+                self.kept_experts.get(
+                    owner,
+                    "kept whole: no per-expert matmul of its weights was seen to open and close a split",
+                ),
             )
 
     def embeddings(self) -> dict[int, str]:
@@ -594,11 +744,20 @@ def _common_parent(names: list[str]) -> str:
 
 
 def _decide(
-    model: nn.Module, trace: Trace, tp: int, loss_parallel: bool, sequence_parallel: bool = False
+    model: nn.Module,
+    trace: Trace,
+    tp: int,
+    loss_parallel: bool,
+    sequence_parallel: bool = False,
+    experts: str = "tensor",
 ) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
     d = _Decider(model, trace, tp, loss_parallel)
     for members in _regions(trace):
-        d.region(members)
+        if any(m in trace.expert_roles for m in members):
+            d.experts(members, experts)
+        else:
+            d.region(members)
+    d.unsplit_experts()
     d.head(d.embeddings())
     d.tie(model)
     d.rest()

@@ -118,6 +118,23 @@ class Trace:
     """Prefixes of the traced blocks of shortened stacks."""
     entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
     """Module -> (positional index or keyword, id) of the first tensor its first call got."""
+    expert_roles: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """3-D expert weight -> ("open" | "close", the dim of the stored weight that holds the
+    features it makes or contracts), from a batched per-expert matmul (grouped_mm, bmm)."""
+    expert_biases: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Per-expert bias added to an opening expert matmul's output -> (that weight, the
+    bias's dim that holds the features)."""
+    after_sum: dict[str, str] = field(default_factory=dict)
+    """Per-expert bias added to the closing matmul's partial sums -> its module."""
+    expert_exits: dict[str, str | None] = field(default_factory=dict)
+    """Module holding 3-D expert weights -> None when every floating-point output it returns
+    is a sum of its closing matmuls' partial sums (linear in them), else why not."""
+    expert_routing: dict[str, str | None] = field(default_factory=dict)
+    """Such a module -> None when it takes one integer tensor (the chosen experts) and one
+    floating-point tensor shaped like it (their weights), else why not."""
+    expert_counts: dict[str, set[tuple[str, str, int]]] = field(default_factory=dict)
+    """Such a module -> (module, attribute, value) of integer attributes its forward read that
+    hold its number of experts."""
 
     def break_(self, sources: frozenset[str], reason: str) -> None:
         for s in sources:
@@ -198,6 +215,18 @@ _PASS_THROUGH = _RESHAPES | {
 _SIZED = _RESHAPES | {
     "expand", "new_zeros", "new_ones", "new_empty", "new_full", "zeros", "ones", "empty", "full",
     "arange", "repeat", "split", "split_with_sizes", "narrow", "slice",
+}  # fmt: skip
+
+
+# Ops linear in their first argument (a partial sum), given plain other arguments.
+_LINEAR_IN_PARTIAL = _RESHAPES | {
+    "t", "transpose", "permute", "_to_copy", "clone", "contiguous", "alias", "detach",
+    "index", "index_select", "select", "slice", "narrow", "sum", "expand", "gather", "neg",
+}  # fmt: skip
+# Sums of tensors that must all be partial sums (or per-expert biases, added once).
+_ADDS = {
+    "add", "add_", "sub", "sub_", "index_add", "index_add_", "index_put", "index_put_",
+    "scatter_add", "scatter_add_", "cat", "stack",
 }  # fmt: skip
 
 
@@ -302,6 +331,14 @@ class _Tracer(TorchDispatchMode):
         self.embedding_calls: list[str] = []  # the Embedding modules whose forward is running
         self.fresh: list[tuple[str, str, int]] = []  # attribute reads since the last op
         self.held: list[torch.Tensor] = []  # tensors whose ids the trace records
+        # Parameters (2-D or 3-D) of modules that hold 3-D expert weights, and views of them:
+        # id -> (view, parameter, the stored dim behind each dim of the view; None if new).
+        self.expert_params: set[str] = set()
+        self.views: dict[int, tuple[torch.Tensor, str, tuple[int | None, ...]]] = {}
+        # Tensors holding each rank's partial sum of expert outputs (closing expert matmuls
+        # and what is linear in them): id -> (tensor, sources). Zeros are a partial sum of
+        # nothing (empty sources): an accumulator they start may take partial sums.
+        self.partials: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
 
     # ---- bookkeeping ------------------------------------------------------------------
     def split_of(self, t: Any) -> Split | None:
@@ -323,6 +360,22 @@ class _Tracer(TorchDispatchMode):
     def param_of(self, t: Any) -> str | None:
         entry = self.params.get(id(t))
         return entry[1] if entry is not None and (entry[0] is None or entry[0] is t) else None
+
+    def expert_view(self, t: Any) -> tuple[str, tuple[int | None, ...]] | None:
+        """(expert parameter, stored dim behind each dim) when `t` is one or a view of one."""
+        if not isinstance(t, torch.Tensor):
+            return None
+        view = self.views.get(id(t))
+        if view is not None and view[0] is t:
+            return view[1], view[2]
+        entry = self.params.get(id(t))
+        if entry is not None and entry[0] is None and entry[1] in self.expert_params:
+            return entry[1], tuple(range(t.dim()))
+        return None
+
+    def partial_of(self, t: Any) -> frozenset[str] | None:
+        entry = self.partials.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0] is t else None
 
     # ---- the dispatch hook ------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -352,6 +405,17 @@ class _Tracer(TorchDispatchMode):
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         splits = [s for s in (self.split_of(t) for t in ins) if s is not None]
         sources = frozenset().union(*(s.sources for s in splits))
+        a = _named(func, args, kwargs)
+        if self.expert_params:
+            self.note_views(name, a, ins, outs)
+            if name in ("zeros_like", "new_zeros", "zeros", "zero_") and len(outs) == 1:
+                self.partials[id(outs[0])] = (outs[0], frozenset())
+            partial = [p for p in (self.partial_of(t) for t in ins) if p is not None]
+            if any(partial):
+                self.follow_partial(func, name, a, ins, outs, frozenset().union(*partial))
+                return
+            if name in ("_grouped_mm", "bmm") and self.expert_product(name, a, out):
+                return
         self.note_params(name, ins, outs, sources)
         if not splits:
             self.note_unsplit_sizes(name, args, kwargs)
@@ -383,7 +447,11 @@ class _Tracer(TorchDispatchMode):
         self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor], sources: frozenset[str]
     ) -> None:
         """Which parameters meet split tensors, and which tensors are still the model input."""
-        used = [p for p in (self.param_of(t) for t in ins) if p is not None]
+        used = [
+            p
+            for p in (self.param_of(t) for t in ins)
+            if p is not None and p not in self.expert_params
+        ]
         if name in _PASS_THROUGH and len(ins) == 1 and len(outs) == 1:
             if used:
                 self.params[id(outs[0])] = (outs[0], used[0])
@@ -400,6 +468,129 @@ class _Tracer(TorchDispatchMode):
                 self.trace.params_in_region.setdefault(p, set()).update(sources)
             else:
                 self.trace.params_outside.add(p)
+
+    # ---- mixture-of-experts --------------------------------------------------------------
+    def note_views(
+        self, name: str, a: dict[str, Any], ins: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> None:
+        """Follow views of expert parameters (transposes, per-token gathers of experts)."""
+        if len(outs) != 1 or not ins:
+            return
+        found = self.expert_view(ins[0])
+        if found is None:
+            return
+        pname, dims = found
+        nd = len(dims)
+        if name in ("alias", "detach", "_to_copy", "clone", "contiguous", "lift_fresh", "slice"):
+            new: tuple[int | None, ...] = dims
+        elif name in ("t", "transpose", "permute"):
+            if name == "permute":
+                order = [_norm_dim(d, nd) for d in a["dims"]]
+            else:
+                order = list(range(nd))
+                d0, d1 = (
+                    (0, 1) if name == "t" else (_norm_dim(a["dim0"], nd), _norm_dim(a["dim1"], nd))
+                )
+                order[d0], order[d1] = order[d1], order[d0]
+            new = tuple(dims[k] for k in order)
+        elif name == "index" and len(a["indices"]) == 1 and a["indices"][0] is not None:
+            new = (None,) * a["indices"][0].dim() + dims[1:]  # experts gathered per token
+        elif name == "select":
+            d = _norm_dim(a["dim"], nd)
+            new = dims[:d] + dims[d + 1 :]
+        else:
+            return
+        self.views[id(outs[0])] = (outs[0], pname, new)
+
+    def expert_product(self, name: str, a: dict[str, Any], out: torch.Tensor) -> bool:
+        """A batched per-expert matmul with an expert weight: opens a split of its output
+        features (unsplit input) or closes one (input split on the contracted dim), leaving
+        each rank's partial sum. False when no expert weight takes part."""
+        first, second = a["self"], a["mat2"]
+        if name == "_grouped_mm" or self.expert_view(second) is not None:
+            x, w, x_in, w_in, w_out = (
+                first,
+                second,
+                first.dim() - 1,
+                second.dim() - 2,
+                second.dim() - 1,
+            )
+        else:
+            x, w, x_in, w_in, w_out = second, first, 1, 2, 1
+        found = self.expert_view(w)
+        if found is None or w.dim() != 3:
+            return False
+        pname, dims = found
+        stored_in, stored_out = dims[w_in], dims[w_out]
+        if stored_in in (None, 0) or stored_out in (None, 0):
+            return False
+        out_dim = out.dim() - 1 if w_out == 2 else 1
+        s = self.split_of(x)
+        roles = self.trace.expert_roles
+        if s is None:
+            if roles.get(pname, ("open",))[0] != "open":
+                self.trace.misfits[pname] = "it is called both on split and on unsplit inputs"
+            features = out.shape[out_dim]
+            self.trace.openers[pname] = features
+            roles[pname] = ("open", stored_out)
+            self.mark(out, Split(out_dim, 1, features, 1, frozenset({pname})), name)
+        elif s.dim == x_in and s.outer == 1:
+            if roles.get(pname, ("close",))[0] != "close" or (
+                pname in self.trace.closers and not self.trace.closers[pname].same_cut(s)
+            ):
+                self.trace.misfits[pname] = "it is called both on split and on unsplit inputs"
+            roles[pname] = ("close", stored_in)
+            self.trace.closers[pname] = s
+            self.trace.links.add(s.sources | {pname})
+            self.partials[id(out)] = (out, s.sources | {pname})
+        else:
+            self.trace.break_(s.sources, f"{name}: an expert matmul takes it along another dim")
+        return True
+
+    def follow_partial(
+        self,
+        func: Any,
+        name: str,
+        a: dict[str, Any],
+        ins: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        sources: frozenset[str],
+    ) -> None:
+        """Partial sums stay partial through ops linear in them: the all-reduce after the
+        experts then gives what the unsharded model computes. Anything else ends them."""
+        floats = [t for t in ins if t.is_floating_point()]
+        partial = [t for t in floats if self.partial_of(t) is not None]
+        others = [t for t in floats if self.partial_of(t) is None]
+        ok = True
+        if name in _METADATA or func.namespace == "prim":
+            return
+        if name in _LINEAR_IN_PARTIAL:
+            ok = ins[0] is partial[0] and not others
+        elif name in ("mul", "div", "mul_", "div_"):
+            ok = len(partial) == 1 and (name.startswith("mul") or ins[0] is partial[0])
+            ok = ok and all(self.split_of(t) is None for t in others)
+        elif name in _ADDS:
+            biases = [self.expert_view(t) for t in others]
+            ok = all(b is not None for b in biases) and len(partial) >= 1
+            for b in biases:
+                if b is not None:
+                    self.trace.after_sum[b[0]] = b[0].rpartition(".")[0]
+        elif name in ("masked_fill", "masked_fill_", "where"):
+            value = a.get("value", a.get("other"))
+            ok = not others and (not isinstance(value, (int, float)) or value == 0)
+        else:
+            ok = False
+        if not ok:
+            self.trace.break_(
+                sources,
+                f"{name} is not linear in the experts' partial sums (the all-reduce after them would change it)",
+            )
+            for t in partial:
+                self.partials.pop(id(t), None)
+            return
+        for o in outs:
+            if o.is_floating_point():
+                self.partials[id(o)] = (o, sources)
 
     # ---- op rules: each returns [(output tensor, its Split)] or raises _Break ----------
     def follow(
@@ -539,6 +730,15 @@ class _Tracer(TorchDispatchMode):
         if d == s.dim:
             if name != "select" and out.shape[d] == t.shape[d]:
                 return [(out, s)]  # a full slice, `x[..., :n]` with n the whole size
+            step = a.get("step", 1) if name == "slice" else 1
+            start = a.get("start") or 0
+            if step > 1 and 0 <= start < step and out.shape[d] == -(-(t.shape[d] - start) // step):
+                # every step-th feature (interleaved gate/up): on a shard whose size is a
+                # multiple of the step, the same pick of the shard's own features
+                if s.inner % step == 0:
+                    return [(out, Split(d, s.outer, s.n, s.inner // step, s.sources))]
+                if step % s.inner == 0 and s.n % (step // s.inner) == 0:
+                    return [(out, Split(d, s.outer, s.n // (step // s.inner), 1, s.sources))]
             raise _Break("it takes part of the split dim")
         if name == "select" and d < s.dim:
             return [(out, Split(s.dim - 1, s.outer, s.n, s.inner, s.sources))]
@@ -662,11 +862,27 @@ class _Tracer(TorchDispatchMode):
                 raise _Break("the split dim is broadcast")
         result = _merge([s for _, s in split_pairs], dims)
         for t, maybe in pairs:
-            if maybe is None:
+            if maybe is None and not self.expert_bias(t, result, nd):
                 self.check_broadcast(t, result, nd)
         if func._schema.is_mutable and self.split_of(args[0]) is None:
             raise _Break("it writes split values into an unsplit tensor in place")
         return [(o, result) for o in outs if o.dim() == nd]
+
+    def expert_bias(self, t: torch.Tensor, s: Split, nd: int) -> bool:
+        """A per-expert bias gathered per token and added to an opening expert matmul's
+        split output: split alike, with that weight."""
+        found = self.expert_view(t)
+        if found is None or len(s.sources) != 1:
+            return False
+        (src,) = s.sources
+        k = s.dim - (nd - t.dim())
+        if self.trace.expert_roles.get(src, ("",))[0] != "open" or k < 0:
+            return False
+        stored = found[1][k]
+        if stored in (None, 0) or t.shape[k] != s.outer * s.n * s.inner:
+            return False
+        self.trace.expert_biases[found[0]] = (src, stored)
+        return True
 
     def check_affine(self, a: dict[str, Any], out: torch.Tensor, s: Split) -> None:
         for key in ("weight", "bias"):
@@ -850,6 +1066,9 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
             if s is not None:
                 trace.break_(s.sources, "it is used as indices of an embedding lookup")
         else:
+            p = tracer.partial_of(x)
+            if p:
+                trace.break_(p, "a Linear takes the experts' partial sums")
             s = tracer.split_of(x)
             role = "opener" if s is None else "closer"
             if s is not None and x is not None and (s.dim != x.dim() - 1 or s.outer != 1):
@@ -892,6 +1111,50 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
                 Split(out.dim() - 1, 1, module.embedding_dim, 1, frozenset({name})),
                 "embedding",
             )
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
+
+
+def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
+    """Watch a module holding 3-D expert weights: what comes in (routing, for expert
+    parallel), whether what goes out is the sum of partial sums, which attribute holds its
+    number of experts."""
+    trace = tracer.trace
+    own = {f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)}
+    experts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+
+    def before(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(tracer.split_of(t) is not None for t in leaves):
+            trace.expert_exits[name] = "its input arrives split"
+        ids = [t for t in leaves if not t.is_floating_point()]
+        weights = [t for t in leaves if t.is_floating_point() and ids and t.shape == ids[0].shape]
+        trace.expert_routing.setdefault(
+            name,
+            None
+            if len(ids) == 1 and len(weights) == 1
+            else "it does not take one integer tensor of chosen experts and one tensor of "
+            "their weights shaped like it",
+        )
+
+    def after(mod: nn.Module, args: Any, out: Any) -> None:
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = [t for t in outs if t.is_floating_point()]
+        sums = [tracer.partial_of(t) for t in outs]
+        if not outs or not all(sums):
+            trace.expert_exits.setdefault(
+                name, "its output is not a sum of its experts' partial sums"
+            )
+        else:
+            trace.expert_exits.setdefault(name, None)
+        frame = tracer.reads[-1] if tracer.reads else []
+        trace.expert_counts.setdefault(name, set()).update(
+            (m, a, v) for m, a, v in frame if v in experts and m == name
+        )
+        for k, (_, sources) in list(tracer.partials.items()):
+            if sources & own or not sources:
+                del tracer.partials[k]  # summed by the all-reduce at the module's output
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after)
@@ -1064,6 +1327,16 @@ def _trace(model: nn.Module, example_inputs: Any, shorten: bool) -> Trace:
             if stored_in_out is not None:
                 rows, cols = m.weight.shape
                 trace.linears[name] = (rows, cols, True) if stored_in_out else (cols, rows, False)
+    for name, m in copy_.named_modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)) or name in trace.linears:
+            continue
+        if any(p.dim() == 3 for p in m.parameters(recurse=False)):
+            tracer.expert_params |= {
+                f"{name}.{p}" if name else p
+                for p, w in m.named_parameters(recurse=False)
+                if w.dim() >= 2
+            }
+            _experts(tracer, name, m)
     for name, m in copy_.named_modules():
         _track(tracer, name, m)
         if name in trace.linears or isinstance(m, nn.Embedding):

@@ -1,0 +1,221 @@
+"""Mixture-of-experts layers: experts found from the data flow (batched per-expert matmuls on
+3-D weights), split per expert like a dense MLP (mode tensor) or by experts (mode expert), with
+forward and backward parity against the unsharded model on simulated ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from test_infer import _tokens, assert_parity, rule_for
+from torch import nn
+
+import tpplan
+from tpplan._local import rank_values, simulated_ranks
+from tpplan.plan import Plan, Rule
+
+
+def qwen3_moe(implementation: str | None = None) -> nn.Module:
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_experts=4,
+        num_experts_per_tok=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    if implementation is not None:
+        model.config._experts_implementation = implementation
+    return model
+
+
+def gpt_oss() -> nn.Module:
+    """Biases on every expert weight, weights stored (in, out), gate and up interleaved."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():  # its biases start at zero: give them values that matter
+        for n, p in model.named_parameters():
+            if n.endswith("_bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+class DenseExperts(nn.Module):
+    """Written by hand, names meaning nothing: every expert computes every token, weighted by
+    its routing score (Llama 4's layout), gate and up as two weights."""
+
+    def __init__(self, experts: int = 4, hidden: int = 16, inner: int = 8, *, bent: bool = False):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(experts, hidden, inner) * 0.3)
+        self.b = nn.Parameter(torch.randn(experts, hidden, inner) * 0.3)
+        self.c = nn.Parameter(torch.randn(experts, inner, hidden) * 0.3)
+        self.bent = bent
+
+    def forward(self, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        e = self.a.shape[0]
+        xs = x.unsqueeze(0).expand(e, -1, -1)
+        h = nn.functional.silu(torch.bmm(xs, self.a)) * torch.bmm(xs, self.b)
+        out = torch.bmm(h, self.c)
+        if self.bent:
+            out = torch.tanh(out)  # not linear in the partial sums: must not be split
+        return (out * scores.t().unsqueeze(-1)).sum(0)
+
+
+class Moe(nn.Module):
+    def __init__(self, *, bent: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = DenseExperts(bent=bent)
+        self.out = nn.Linear(16, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).reshape(-1, 16)
+        scores = self.router(x).softmax(-1)
+        return self.out(x + self.experts(x, scores)).reshape(*ids.shape, -1)
+
+
+def _ids() -> torch.Tensor:
+    return _tokens() % 64
+
+
+# ---- tensor-parallel experts ------------------------------------------------------------------
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qwen3_moe_experts_are_split_like_a_dense_mlp(implementation: str, tp: int) -> None:
+    model = qwen3_moe(implementation)
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    rule = rule_for(plan, model, "model.layers.0.mlp.experts")
+    assert (rule.style, rule.mode) == ("experts", "tensor")
+    # gate|up by output features, each rank its gate slice and the matching up slice; down by
+    # its input features
+    assert rule.shard == {"gate_up_proj": 1, "down_proj": 2}
+    assert rule.fused == {"gate_up_proj": [32, 32]}
+    assert "down_proj" in rule.why and "all-reduce" in rule.why
+    assert_parity(model, plan, tp, _tokens())
+
+
+def test_gpt_oss_biases_and_interleaved_gate_up() -> None:
+    """The down bias is added after the partial sum (1/tp per rank); the gate_up bias is split
+    with its weight; the interleaved gate/up (`[..., ::2]`) needs no reordering."""
+    model = gpt_oss()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rule = rule_for(plan, model, "model.layers.0.mlp.experts")
+    assert rule.shard == {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+    assert rule.after_sum == ["down_proj_bias"] and not rule.fused
+    assert_parity(model, plan, 2, _tokens())
+
+
+def test_experts_written_by_hand_are_found_by_their_data_flow() -> None:
+    model = Moe()
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    rule = rule_for(plan, model, "experts")
+    assert (rule.style, rule.shard) == ("experts", {"a": 2, "b": 2, "c": 1})
+    for tp in (2, 4):
+        assert_parity(model, plan, tp, _ids())
+
+
+def test_experts_whose_output_is_not_linear_in_the_sum_stay_whole() -> None:
+    model = Moe(bent=True)
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    rule = rule_for(plan, model, "experts")
+    assert rule.style == "replicate"
+    assert "tanh is not linear in the experts' partial sums" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+# ---- expert-parallel experts ------------------------------------------------------------------
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_parallel_holds_whole_experts_per_rank(tp: int) -> None:
+    model = qwen3_moe()
+    plan = tpplan.infer_plan(model, tp_size=tp, experts="expert")
+    rule = rule_for(plan, model, "model.layers.0.mlp.experts")
+    assert (rule.mode, rule.shard) == ("expert", {"down_proj": 0, "gate_up_proj": 0})
+    (attr,) = plan.attributes
+    assert attr.divide == ["num_experts"] and attr.match == "model.layers.*.mlp.experts"
+    assert_parity(model, plan, tp, _tokens())
+    with simulated_ranks(tp) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+        experts = sharded.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.to_local().shape[0] == 4 // tp
+        assert experts.num_experts == 4 // tp
+
+
+def test_expert_parallel_needs_the_routing_as_inputs() -> None:
+    """The hand-written experts take routing scores for every expert, no chosen ids: expert
+    parallel is not proven there, so the plan stays tensor parallel and says why."""
+    model = Moe()
+    plan = tpplan.infer_plan(model, example_inputs=_ids(), experts="expert")
+    rule = rule_for(plan, model, "experts")
+    assert rule.mode == "tensor"
+    assert "not expert parallel: it does not take one integer tensor" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+# ---- plan files and bad input -----------------------------------------------------------------
+def _with(plan: Plan, rule: Rule) -> Plan:
+    kept = [r for r in plan.rules if r.match != rule.match]
+    return plan.model_copy(update={"rules": [*kept, rule]})
+
+
+def test_a_tp_size_that_does_not_divide_the_experts_is_named() -> None:
+    model = qwen3_moe()
+    plan = tpplan.infer_plan(model, experts="expert")
+    problems = tpplan.check_plan(plan, model, tp_size=8)
+    assert any(
+        "down_proj dim 0 (the number of experts) = 4 does not divide by tp size 8" in p.message
+        for p in problems
+    )
+
+
+def test_an_expert_weight_the_module_lacks_is_named() -> None:
+    model = qwen3_moe()
+    rule = Rule(
+        match="model.layers.*.mlp.experts", style="experts", why="hand-written",
+        shard={"gate_up": 1, "down_proj": 2},
+    )  # fmt: skip
+    (problem,) = [
+        p for p in tpplan.check_plan(_with(tpplan.infer_plan(model), rule), model, tp_size=2)
+    ]
+    assert "experts names gate_up, which Qwen3MoeExperts does not hold" in problem.message
+    assert "gate_up_proj (4, 64, 64)" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ("", "experts needs shard"),
+        (", shard: {w: 0}, fused: {v: [2, 2]}", "fused names v, which is not in shard"),
+        (", shard: {w: 0}, mode: expert, after_sum: [b]", "mode expert splits every expert"),
+        (", shard: {w: 1}, mode: pipeline", "'tensor' or 'expert'"),
+    ],
+)
+def test_bad_experts_rules_are_refused(fields: str, message: str) -> None:
+    text = f"tpplan: 3\nrules:\n  - {{match: experts, style: experts, why: x{fields}}}\n"
+    with pytest.raises(tpplan.TpplanError, match=message.replace("'", ".")):
+        Plan.from_yaml(text)
+
+
+def test_experts_rules_need_schema_version_3() -> None:
+    text = "tpplan: 2\nrules:\n  - {match: experts, style: experts, why: x, shard: {w: 0}}\n"
+    with pytest.raises(tpplan.TpplanError, match="need schema version 3"):
+        Plan.from_yaml(text)
+
+
+def test_full_state_dict_of_split_experts_is_the_unsharded_one() -> None:
+    model = qwen3_moe()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with simulated_ranks(2) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, tpplan.infer_plan(model))
+        got = tpplan.full_state_dict(sharded)
+        for name, value in want.items():
+            for v in rank_values(got[name]):
+                assert torch.equal(v, value), name
