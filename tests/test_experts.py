@@ -83,6 +83,48 @@ class Moe(nn.Module):
         return self.out(x + self.experts(x, scores)).reshape(*ids.shape, -1)
 
 
+class SparseExperts(nn.Module):
+    """Written by hand: each token's chosen experts gathered per token and run as batched
+    matmuls, a per-expert bias added before (or, `late`, after) the routing weight."""
+
+    def __init__(self, experts: int = 4, hidden: int = 16, inner: int = 8, *, late: bool = False):
+        super().__init__()
+        self.num_experts = experts
+        self.w_in = nn.Parameter(torch.randn(experts, inner, hidden) * 0.3)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, inner) * 0.3)
+        self.bias = nn.Parameter(torch.randn(experts, hidden) * 0.3)
+        self.late = late
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k, hidden = ids.shape[1], x.shape[1]
+        flat = ids.reshape(-1)
+        # how many tokens each expert got, as a load-balancing loss would count them
+        self.load = nn.functional.one_hot(flat, self.num_experts).sum(0)
+        h = torch.bmm(self.w_in[flat], x.repeat_interleave(k, 0).unsqueeze(-1)).squeeze(-1)
+        out = torch.bmm(self.w_out[flat], h.relu().unsqueeze(-1)).squeeze(-1)
+        if not self.late:
+            out = out + self.bias[flat]
+        out = out * weights.reshape(-1, 1)
+        if self.late:
+            out = out + self.bias[flat]
+        return out.view(-1, k, hidden).sum(1)
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, *, late: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = SparseExperts(late=late)
+        self.out = nn.Linear(16, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).reshape(-1, 16)
+        weights, chosen = self.router(x).softmax(-1).topk(2, dim=-1)
+        return self.out(x + self.experts(x, chosen, weights)).reshape(*ids.shape, -1)
+
+
 def _ids() -> torch.Tensor:
     return _tokens() % 64
 
@@ -158,6 +200,30 @@ def test_expert_parallel_needs_the_routing_as_inputs() -> None:
     assert rule.mode == "tensor"
     assert "not expert parallel: it does not take one integer tensor" in rule.why
     assert_parity(model, plan, 2, _ids())
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_bias_after_the_routing_weight_rules_out_expert_parallel(late: bool) -> None:
+    """Zeroing the weight of tokens routed to other ranks' experts removes a bias added
+    before the weight, not one added after it: there the plan stays tensor parallel."""
+    model = SparseMoe(late=late)
+    plan = tpplan.infer_plan(model, example_inputs=_ids(), experts="expert")
+    rule = rule_for(plan, model, "experts")
+    if late:
+        assert rule.mode == "tensor" and rule.after_sum == ["bias"]
+        assert "bias is added after the routing weights scale" in rule.why
+    else:
+        assert rule.mode == "expert"
+        assert rule.shard == {"bias": 0, "w_in": 0, "w_out": 0}
+    assert_parity(model, plan, 2, _ids())
+
+
+def test_gpt_oss_expert_parallel_keeps_its_biases() -> None:
+    model = gpt_oss()
+    plan = tpplan.infer_plan(model, tp_size=2, experts="expert")
+    rule = rule_for(plan, model, "model.layers.0.mlp.experts")
+    assert rule.mode == "expert" and rule.shard["down_proj_bias"] == 0
+    assert_parity(model, plan, 2, _tokens())
 
 
 # ---- plan files and bad input -----------------------------------------------------------------

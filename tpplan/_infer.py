@@ -449,9 +449,7 @@ class _Decider:
         n_experts = {own[m.removeprefix(prefix)].shape[0] for m in members}
         ops = sorted({op for o in openers for op in t.ops.get(o, ())} - _PLAIN_OPS)
         path = f" through {', '.join(ops)}" if ops else ""
-        ep_why = (
-            self.expert_parallel_refusal(owner, own, n_experts, after) if mode == "expert" else ""
-        )
+        ep_why = self.expert_parallel_refusal(owner, n_experts) if mode == "expert" else ""
         if mode == "expert" and not ep_why:
             ((attr_module, attr, value),) = t.expert_counts[owner]
             self.attributes[attr_module] = (
@@ -508,9 +506,7 @@ class _Decider:
             after_sum=tuple(after),
         )
 
-    def expert_parallel_refusal(
-        self, owner: str, own: dict[str, Any], n_experts: set[int], after: list[str]
-    ) -> str:
+    def expert_parallel_refusal(self, owner: str, n_experts: set[int]) -> str:
         t = self.trace
         if t.expert_routing.get(owner):
             return str(t.expert_routing[owner])
@@ -520,8 +516,9 @@ class _Decider:
         (value,) = n_experts
         if value % self.tp:
             return f"its {value} experts do not divide by tp {self.tp}"
-        if after:
-            return f"{_join(after)} is added after the experts' weighted sum"
+        late = sorted(b.rpartition(".")[2] for b in t.after_weighting if b.startswith(owner + "."))
+        if late:
+            return f"{_join(late)} is added after the routing weights scale the experts' outputs"
         return ""
 
     def unsplit_experts(self) -> None:

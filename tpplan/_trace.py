@@ -126,6 +126,8 @@ class Trace:
     bias's dim that holds the features)."""
     after_sum: dict[str, str] = field(default_factory=dict)
     """Per-expert bias added to the closing matmul's partial sums -> its module."""
+    after_weighting: set[str] = field(default_factory=set)
+    """Those of them added after the routing weights scaled the partial sums."""
     expert_exits: dict[str, str | None] = field(default_factory=dict)
     """Module holding 3-D expert weights -> None when every floating-point output it returns
     is a sum of its closing matmuls' partial sums (linear in them), else why not."""
@@ -339,6 +341,10 @@ class _Tracer(TorchDispatchMode):
         # and what is linear in them): id -> (tensor, sources). Zeros are a partial sum of
         # nothing (empty sources): an accumulator they start may take partial sums.
         self.partials: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        # Routing weights an experts module was given, and views of them; partial sums they
+        # scaled (id -> tensor).
+        self.routing: dict[int, torch.Tensor] = {}
+        self.weighted: dict[int, torch.Tensor] = {}
 
     # ---- bookkeeping ------------------------------------------------------------------
     def split_of(self, t: Any) -> Split | None:
@@ -411,6 +417,14 @@ class _Tracer(TorchDispatchMode):
             if name in ("zeros_like", "new_zeros", "zeros", "zero_") and len(outs) == 1:
                 self.partials[id(outs[0])] = (outs[0], frozenset())
             partial = [p for p in (self.partial_of(t) for t in ins) if p is not None]
+            if (
+                not any(partial)
+                and name in _LINEAR_IN_PARTIAL
+                and len(outs) == 1
+                and ins
+                and self.routing.get(id(ins[0])) is ins[0]
+            ):
+                self.routing[id(outs[0])] = outs[0]
             if any(partial):
                 self.follow_partial(func, name, a, ins, outs, frozenset().union(*partial))
                 return
@@ -569,12 +583,16 @@ class _Tracer(TorchDispatchMode):
         elif name in ("mul", "div", "mul_", "div_"):
             ok = len(partial) == 1 and (name.startswith("mul") or ins[0] is partial[0])
             ok = ok and all(self.split_of(t) is None for t in others)
+            if ok and any(self.routing.get(id(t)) is t for t in others):
+                self.weighted.update((id(o), o) for o in outs)
         elif name in _ADDS:
             biases = [self.expert_view(t) for t in others]
             ok = all(b is not None for b in biases) and len(partial) >= 1
             for b in biases:
                 if b is not None:
                     self.trace.after_sum[b[0]] = b[0].rpartition(".")[0]
+                    if any(self.weighted.get(id(t)) is t for t in partial):
+                        self.trace.after_weighting.add(b[0])
         elif name in ("masked_fill", "masked_fill_", "where"):
             value = a.get("value", a.get("other"))
             ok = not others and (not isinstance(value, (int, float)) or value == 0)
@@ -588,9 +606,12 @@ class _Tracer(TorchDispatchMode):
             for t in partial:
                 self.partials.pop(id(t), None)
             return
+        scaled = any(self.weighted.get(id(t)) is t for t in partial)
         for o in outs:
             if o.is_floating_point():
                 self.partials[id(o)] = (o, sources)
+                if scaled:
+                    self.weighted[id(o)] = o
 
     # ---- op rules: each returns [(output tensor, its Split)] or raises _Break ----------
     def follow(
@@ -1130,6 +1151,8 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
             trace.expert_exits[name] = "its input arrives split"
         ids = [t for t in leaves if not t.is_floating_point()]
         weights = [t for t in leaves if t.is_floating_point() and ids and t.shape == ids[0].shape]
+        if len(ids) == 1 and len(weights) == 1:
+            tracer.routing[id(weights[0])] = weights[0]
         trace.expert_routing.setdefault(
             name,
             None
