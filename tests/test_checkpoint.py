@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from models import tiny_llama, token_batch
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
@@ -517,3 +518,60 @@ def test_a_sharded_save_of_fused_layers_is_refused_by_name(tmp_path: Path) -> No
             save_checkpoint(model, tmp_path / "ckpt", sharded=True)
     assert "sharded=False" in str(e.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def _qwen3_moe(device: str = "cpu") -> torch.nn.Module:
+    from test_experts import qwen3_moe
+
+    with torch.device(device):
+        return qwen3_moe()
+
+
+@pytest.mark.parametrize("mode", ["tensor", "expert"])
+def test_split_experts_save_whole_and_load_in_the_other_mode(tmp_path: Path, mode: str) -> None:
+    """Experts saved from tp 2 in one mode read back in plain transformers, and into a
+    meta-built model split at tp 4 in the other mode, each rank reading its own slices."""
+    from transformers import Qwen3MoeForCausalLM
+
+    other = "expert" if mode == "tensor" else "tensor"
+    folder = tmp_path / "ckpt"
+    x = token_batch()
+    want = _qwen3_moe()(x).logits
+    model = _qwen3_moe()
+    with simulated_ranks(2) as mesh:
+        plan = tpplan.infer_plan(model, tp_size=2, experts=mode)
+        save_checkpoint(tpplan.apply_plan(model, mesh, plan), folder, sharded=False)
+    assert _worst(Qwen3MoeForCausalLM.from_pretrained(folder)(x).logits, want) <= TOL
+    meta = _qwen3_moe("meta")
+    with simulated_ranks(4) as mesh:
+        model = tpplan.apply_plan(meta, mesh, tpplan.infer_plan(meta, tp_size=4, experts=other))
+        model.to_empty(device="cpu")
+        load_checkpoint(model, folder)
+        assert _worst(model(x).logits, want) <= TOL
+
+
+def test_per_expert_tensors_of_a_hub_checkpoint_load_slice_by_slice(tmp_path: Path) -> None:
+    """Mixtral's checkpoints keep one tensor per expert (`block_sparse_moe.experts.3.w1`);
+    the model holds all experts in one 3-D weight. Each rank reads its slices of them."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = MixtralForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path / "hub")  # written in the per-expert layout
+    with safe_open(next((tmp_path / "hub").glob("*.safetensors")), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in f.keys()  # noqa: SIM118
+    x = token_batch()
+    want = ref(x).logits
+    for tp, mode in [(2, "tensor"), (4, "expert")]:
+        with torch.device("meta"):
+            meta = MixtralForCausalLM(cfg).eval()
+        with simulated_ranks(tp) as mesh:
+            model = tpplan.apply_plan(meta, mesh, tpplan.infer_plan(meta, tp_size=tp, experts=mode))
+            model.to_empty(device="cpu")
+            load_checkpoint(model, tmp_path / "hub")
+            assert _worst(model(x).logits, want) <= TOL, (tp, mode)

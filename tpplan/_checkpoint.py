@@ -29,6 +29,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._converted import Unsupported, read_region, shape_of, virtual_tensors
 from ._local import outside_simulation, rank_values
 from ._safetensors_io import (
     INDEX_NAME,
     CheckpointError,
-    Entry,
     StreamingWriter,
     index_folder,
     open_files,
@@ -446,42 +447,83 @@ def _load_safetensors(model: nn.Module, sd: dict[str, torch.Tensor], path: Path)
         )
     with open_files(files) as fds:
         index = index_folder(fds)
-        source = _match_keys(model, sd, {k: e.shape for k, e in index.items()}, path)
+        shapes = {k: e.shape for k, e in index.items()}
+        virtual = _virtual(model, sd, shapes, path)
+        stored = set().union(*(_leaves(n) for n in virtual.values())) if virtual else set()
+        listed = {k: v for k, v in shapes.items() if k not in stored}
+        listed.update({k: shape_of(n, shapes) or () for k, n in virtual.items()})
+        source = _match_keys(model, sd, listed, path)
         yield
         total = sum(t.dtype.itemsize * t.numel() for t in sd.values())
         fused = fused_layouts(model)
+
+        def read(key: str, region: tuple[slice, ...], out: torch.Tensor) -> None:
+            read_region_into(fds[index[key].file], index[key], region, out)
+
         with _Progress(total, f"loading {path.name}") as progress:
             for key, target in sd.items():
-                entry = index[source[key]]
-                _copy_from_file(key, target, fds[entry.file], entry, fused.get(key))
+                node = virtual.get(source[key], source[key])
+                fill = partial(read_region, node, read=read, shapes=shapes)
+                _copy_from_file(key, target, fill, listed[source[key]], fused.get(key))
                 progress.advance(target.dtype.itemsize * target.numel())
                 yield
+
+
+def _virtual(
+    model: nn.Module, sd: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], path: Path
+) -> dict[str, Any]:
+    """Model keys stored in another layout (per-expert tensors of a mixture of experts),
+    found with transformers' conversion list for the model when some key is not stored as
+    it is; a conversion tpplan cannot read piecewise is refused by name."""
+    if all(k in shapes for k in sd):
+        return {}
+    found = virtual_tensors(model, list(shapes))
+    odd = [(k, n) for k, n in found.items() if k in sd and k not in shapes]
+    refused = [(k, n) for k, n in odd if isinstance(n, Unsupported)]
+    if refused:
+        key, node = refused[0]
+        raise CheckpointError(
+            f"{path}: {key} is stored as {len(node.sources)} tensors ({node.sources[0]}, ...) "
+            f"that transformers combines with {node.operations} while loading, which tpplan "
+            f"cannot read slice by slice ({len(refused)} such keys). Fix: load it once with "
+            "from_pretrained and save it with tpplan.save_checkpoint(model, path, sharded=False), "
+            "which stores the model's own layout."
+        )
+    return {k: n for k, n in odd if shape_of(n, shapes) is not None}
+
+
+def _leaves(node: Any) -> set[str]:
+    return {node} if isinstance(node, str) else set().union(*(_leaves(p) for p in node.parts))
 
 
 def _copy_from_file(
     key: str,
     target: torch.Tensor,
-    fd: int,
-    entry: Entry,
+    fill_region: Callable[[tuple[slice, ...], torch.Tensor], None],
+    shape: tuple[int, ...],
     layout: tuple[int, tuple[int, ...], int] | None,
 ) -> None:
     """Each rank reads the region its placement gives it, straight into its local tensor."""
     if layout is not None:
-        _copy_fused(key, target, fd, entry, layout)
+        _copy_fused(key, target, fill_region, shape, layout)
     elif isinstance(target, DTensor):
-        shape, mesh, placements = tuple(target.shape), target.device_mesh, target.placements
+        full, mesh, placements = tuple(target.shape), target.device_mesh, target.placements
 
         def fill(rank: int, local: torch.Tensor) -> None:
-            read_region_into(fd, entry, _region(key, shape, placements, mesh, rank), local)
+            fill_region(_region(key, full, placements, mesh, rank), local)
 
         _each_rank(target.to_local(), fill)
     else:
-        whole = tuple(slice(0, n) for n in entry.shape)
-        _each_rank(target.data, lambda rank, local: read_region_into(fd, entry, whole, local))
+        whole = tuple(slice(0, n) for n in shape)
+        _each_rank(target.data, lambda rank, local: fill_region(whole, local))
 
 
 def _copy_fused(
-    key: str, target: Any, fd: int, entry: Entry, layout: tuple[int, tuple[int, ...], int]
+    key: str,
+    target: Any,
+    fill_region: Callable[[tuple[slice, ...], torch.Tensor], None],
+    shape: tuple[int, ...],
+    layout: tuple[int, tuple[int, ...], int],
 ) -> None:
     """A fused layer's rank holds its slice of every part, in order (see tpplan/_styles.py):
     one region of the stored tensor per part."""
@@ -499,9 +541,9 @@ def _copy_fused(
         start = offset = 0
         for size in parts:
             step = size // tp
-            region = [slice(0, n) for n in entry.shape]
+            region = [slice(0, n) for n in shape]
             region[dim] = slice(start + r * step, start + (r + 1) * step)
-            read_region_into(fd, entry, tuple(region), local.narrow(dim, offset, step))
+            fill_region(tuple(region), local.narrow(dim, offset, step))
             start, offset = start + size, offset + step
 
     _each_rank(target.to_local(), fill)
