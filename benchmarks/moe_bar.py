@@ -273,7 +273,7 @@ def render(results: dict[str, Any]) -> str:
     summary.append(
         f"| transformers' own plan, parity | (reference) | {len(theirs_ok)} of {len(has_theirs)} |"
     )
-    lines += summary + [""]
+    lines += [*summary, ""]
     head = "| arch | experts split (tensor / expert / modules) "
     for side in ("ours tensor", "ours expert", "transformers"):
         head += f"| {side}: fwd Δ | params/rank | collectives "

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from models import tiny_llama, token_batch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
