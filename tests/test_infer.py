@@ -466,3 +466,43 @@ def test_per_head_norms_scaled_by_one_plus_weight_keep_their_gradients() -> None
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(cfg).eval()
     assert_parity(model, tpplan.infer_plan(model), 2, _tokens())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_merge_sized_by_a_stored_width_divides_it(tp: int) -> None:
+    """Megatron-BERT merges its heads with `view(*shape[:-2], self.all_head_size)`: the
+    width read just before the view is divided per rank and the attention stays split."""
+    import transformers
+
+    cfg = transformers.MegatronBertConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MegatronBertForMaskedLM(cfg).eval()
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    (attr,) = plan.attributes
+    assert attr.match == "bert.encoder.layer.*.attention.self"
+    assert attr.divide == ["all_head_size"]
+    dense = "bert.encoder.layer.0.attention.output.dense"
+    assert styles(plan, model)[dense] == ("rowwise", None)
+    assert_parity(model, plan, tp, _tokens())
+
+
+def test_a_merge_whose_width_cannot_be_traced_to_one_attribute_is_gathered() -> None:
+    """XGLM merges batch and heads with `bsz * self.num_heads`, computed before two other
+    ops: no attribute read right before the view holds the merged size, so the split ends
+    there (colwise, gathered) instead of failing at apply or guessing which to divide."""
+    import transformers
+
+    cfg = transformers.XGLMConfig(
+        vocab_size=128, d_model=64, ffn_dim=128, num_layers=2, attention_heads=4,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.XGLMForCausalLM(cfg).eval()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    q = rule_for(plan, model, "model.layers.0.self_attn.q_proj")
+    assert (q.style, q.output) == ("colwise", "replicate")
+    assert "merges the split dim into one of fixed size 8" in q.why
+    assert_parity(model, plan, 2, _tokens())

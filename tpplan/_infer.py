@@ -549,6 +549,12 @@ class _Decider:
                 )
             elif self.used_outside(name):
                 self.kept[name] = "kept whole: its weight is also used outside its own lookup"
+            elif name in self.trace.bent_lookups:
+                self.kept[name] = (
+                    f"kept whole: its forward applies {self.trace.bent_lookups[name]} to the "
+                    "looked-up rows, which is not linear in them; a vocab-parallel lookup's "
+                    "partial rows are summed only after the forward"
+                )
             elif module.max_norm is not None:
                 self.kept[name] = "kept whole: max_norm renormalizes looked-up rows in place"
             elif n % self.tp:

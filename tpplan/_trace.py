@@ -118,6 +118,9 @@ class Trace:
     """Prefixes of the traced blocks of shortened stacks."""
     entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
     """Module -> (positional index or keyword, id) of the first tensor its first call got."""
+    bent_lookups: dict[str, str] = field(default_factory=dict)
+    """Embedding whose forward returns something not linear in its looked-up rows -> the op
+    that was not linear (a norm inside the embedding module)."""
     expert_roles: dict[str, tuple[str, int]] = field(default_factory=dict)
     """3-D expert weight -> ("open" | "close", the dim of the stored weight that holds the
     features it makes or contracts), from a batched per-expert matmul (grouped_mm, bmm)."""
@@ -232,6 +235,9 @@ _ADDS = {
 }  # fmt: skip
 
 
+_COPIES = {"clone", "contiguous", "alias", "_reshape_alias", "_to_copy"}
+
+
 class _Break(Exception):
     """An op ends the splits it received; the message says why."""
 
@@ -330,7 +336,13 @@ class _Tracer(TorchDispatchMode):
         # from (see `_watch_reads`); reads inside a finished child forward are dropped.
         self.reads: list[list[tuple[str, str, int]]] = [[]]
         self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
+        # The sizes of the running view or reshape as the model wrote them: a reshape reaches
+        # dispatch as a copy and `_unsafe_view` with -1 already resolved.
+        self.asked: list[tuple[Any, ...]] = []
         self.embedding_calls: list[str] = []  # the Embedding modules whose forward is running
+        # Per running Embedding forward: the tensors linear in its lookup's rows (id ->
+        # tensor), and the first op that was not linear in them.
+        self.looked_up: list[tuple[dict[int, torch.Tensor], list[str]]] = []
         self.fresh: list[tuple[str, str, int]] = []  # attribute reads since the last op
         self.held: list[torch.Tensor] = []  # tensors whose ids the trace records
         # Parameters (2-D or 3-D) of modules that hold 3-D expert weights, and views of them:
@@ -389,10 +401,38 @@ class _Tracer(TorchDispatchMode):
         out = _run(func, args, kwargs)
         if func is torch.ops.aten.embedding.default:
             self.note_lookup(args[1])
+            if self.looked_up:
+                self.looked_up[-1][0][id(out)] = out
+        elif self.looked_up and self.looked_up[-1][0]:
+            self.note_rows(func, args, kwargs, out)
         if not self.quiet:
             self.on_op(func, args, kwargs, out)
-        self.fresh.clear()
+        if func.overloadpacket.__name__ not in _COPIES:
+            # a reshape of a strided tensor runs as a copy and then a view: reads just
+            # before the reshape are still fresh at its view
+            self.fresh.clear()
         return out
+
+    def note_rows(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Inside an Embedding's forward, after its lookup: is what it returns linear in the
+        looked-up rows? A vocab-parallel lookup returns each rank's partial rows, summed
+        after the forward, so an op that is not linear (a norm) would see partial rows."""
+        rows, bent = self.looked_up[-1]
+        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        mine = [t for t in ins if rows.get(id(t)) is t]
+        if not mine or bent:
+            return
+        name = func.overloadpacket.__name__
+        others = [t for t in ins if rows.get(id(t)) is not t and t.is_floating_point()]
+        linear = (name in _LINEAR_IN_PARTIAL and ins[0] is mine[0] and not others) or (
+            name in ("mul", "div") and len(mine) == 1 and (name == "mul" or ins[0] is mine[0])
+        )
+        if not linear and name not in _METADATA:
+            bent.append(name)
+            return
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor):
+                rows[id(o)] = o
 
     def note_lookup(self, indices: torch.Tensor) -> None:
         """An embedding's rows are token rows when its lookups read the model's input ids:
@@ -692,14 +732,36 @@ class _Tracer(TorchDispatchMode):
                     "module attribute read in forward holds; computed from a shard's width "
                     "they would be wrong on every rank"
                 )
-        elif sizes[k] != -1 and -1 in sizes:
-            raise _Break(
-                f"it merges the split dim into one of fixed size {sizes[k]} with -1 elsewhere"
-            )
         else:
-            # A merge sized by -1 or by the tensor's own sizes is the shard's own. One sized by
-            # an attribute (`reshape(B, T, self.embed_dim)`) fails on a shard, loudly: which
-            # attribute it read cannot be told from a number that a head size may equal too.
+            # A merge sized by -1 or by the tensor's own sizes is the shard's own. One sized
+            # by an attribute read right before it (`reshape(B, T, self.embed_dim)`) is
+            # divided by the plan; a number that only equals some attribute read earlier
+            # (a head count taken from a shape) is not that attribute.
+            asked = self.asked[-1] if self.asked else ()
+            if len(asked) == len(sizes) and all(isinstance(v, int) for v in asked):
+                sizes = asked  # -1 as written, not as dispatch resolved it
+            # the attribute holds the whole merged width, or the count of split units in it
+            # (`bsz * self.num_heads`): either way dividing it gives each rank its share
+            held = [
+                (m, a, v)
+                for m, a, v in self.fresh
+                if v == sizes[k] or (v == s.n and sizes[k] == s.outer * s.n * s.inner)
+            ]
+            if sizes[k] == -1 or not held:
+                if sizes[k] != -1 and -1 in sizes:
+                    raise _Break(
+                        f"it merges the split dim into one of fixed size {sizes[k]} with -1 elsewhere"
+                    )
+                return
+            others = [v for j, v in enumerate(sizes) if j != k]
+            if len({(m, a) for m, a, _ in held}) != 1 or held[0][2] in others:
+                raise _Break(
+                    f"it merges the split features into a fixed size {sizes[k]}, and which "
+                    "attribute read just before it sized them is ambiguous "
+                    f"({', '.join(sorted({a for _, a, _ in held}))})"
+                )
+            for src in s.sources:
+                self.trace.counts.setdefault(src, set()).add(held[0])
             return
         if sizes[k] != -1:
             doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
@@ -929,6 +991,7 @@ def _named(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
 # Cuts into a number of equal pieces: a rank's shard of a fused output cut so gives the
 # rank's slice of each piece, with no size to divide.
 _CHUNKS = (torch.Tensor.chunk, torch.chunk)
+_VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
 
 
 class _Attention(TorchFunctionMode):
@@ -945,6 +1008,15 @@ class _Attention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _VIEWS:
+            sizes = args[1:]
+            if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+                sizes = sizes[0]
+            self.tracer.asked.append(tuple(sizes))
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.tracer.asked.pop()
         if func in _CHUNKS:
             self.tracer.chunking += 1
             try:
@@ -1083,6 +1155,7 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
         x = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(module, nn.Embedding):
             tracer.embedding_calls.append(name)  # its lookups are judged as they happen
+            tracer.looked_up.append(({}, []))
             s = tracer.split_of(x)
             if s is not None:
                 trace.break_(s.sources, "it is used as indices of an embedding lookup")
@@ -1113,6 +1186,9 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
         tracer.quiet -= 1
         if isinstance(module, nn.Embedding):
             tracer.embedding_calls.pop()
+            rows, bent = tracer.looked_up.pop()
+            if bent or not (isinstance(out, torch.Tensor) and rows.get(id(out)) is out):
+                trace.bent_lookups.setdefault(name, bent[0] if bent else "an op")
         unsplit = arrived.pop() is None
         if name in trace.linears and unsplit and isinstance(out, torch.Tensor):
             features = trace.linears[name][1]
