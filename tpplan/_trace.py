@@ -765,9 +765,9 @@ class _Tracer(TorchDispatchMode):
             return
         if sizes[k] != -1:
             doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
-            held = self.attribute_holding(sizes[k], f"{doing} the split dim at")
+            count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
             for src in s.sources:
-                self.trace.counts.setdefault(src, set()).add(held)
+                self.trace.counts.setdefault(src, set()).add(count)
 
     def attribute_holding(self, value: int, doing: str) -> tuple[str, str, int]:
         """(module, attribute, value) of the one integer attribute read just before this op
