@@ -130,9 +130,12 @@ def _ids() -> torch.Tensor:
 
 
 # ---- tensor-parallel experts ------------------------------------------------------------------
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_qwen3_moe_experts_are_split_like_a_dense_mlp(implementation: str, tp: int) -> None:
+    """All three of transformers' expert kernels: one grouped matmul, batched matmuls over
+    weights gathered per token, and the eager loop over the experts hit (`nonzero`, traced
+    on the model's own weights since fake tensors cannot decide it)."""
     model = qwen3_moe(implementation)
     plan = tpplan.infer_plan(model, tp_size=tp)
     rule = rule_for(plan, model, "model.layers.0.mlp.experts")
@@ -175,9 +178,11 @@ def test_experts_whose_output_is_not_linear_in_the_sum_stay_whole() -> None:
 
 
 # ---- expert-parallel experts ------------------------------------------------------------------
-@pytest.mark.parametrize("tp", [2, 4])
-def test_expert_parallel_holds_whole_experts_per_rank(tp: int) -> None:
-    model = qwen3_moe()
+@pytest.mark.parametrize(
+    ("tp", "implementation"), [(2, "grouped_mm"), (4, "grouped_mm"), (2, "eager")]
+)
+def test_expert_parallel_holds_whole_experts_per_rank(tp: int, implementation: str) -> None:
+    model = qwen3_moe(implementation)
     plan = tpplan.infer_plan(model, tp_size=tp, experts="expert")
     rule = rule_for(plan, model, "model.layers.0.mlp.experts")
     assert (rule.mode, rule.shard) == ("expert", {"down_proj": 0, "gate_up_proj": 0})
@@ -224,6 +229,13 @@ def test_gpt_oss_expert_parallel_keeps_its_biases() -> None:
     rule = rule_for(plan, model, "model.layers.0.mlp.experts")
     assert rule.mode == "expert" and rule.shard["down_proj_bias"] == 0
     assert_parity(model, plan, 2, _tokens())
+
+
+def test_routing_that_depends_on_the_values_cannot_be_traced_on_meta() -> None:
+    with torch.device("meta"):
+        model = qwen3_moe("eager")
+    with pytest.raises(tpplan.TpplanError, match="infer the plan from a small copy"):
+        tpplan.infer_plan(model)
 
 
 # ---- plan files and bad input -----------------------------------------------------------------

@@ -23,12 +23,18 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -309,7 +315,11 @@ def _run(func: Any, args: Any, kwargs: Any) -> Any:
     """The op on fake tensors. The fake kernel of the grouped matmul (mixture-of-experts
     layers) takes bf16 only, though CPU runs it in fp32: its shapes are the same, so it is
     asked in bf16 and the result given the dtype the real op would have."""
-    if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32:
+    if (
+        func is torch.ops.aten._grouped_mm.default
+        and args[0].dtype == torch.float32
+        and isinstance(args[0], FakeTensor)
+    ):
         half = [
             a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
             for a in args
@@ -454,9 +464,12 @@ class _Tracer(TorchDispatchMode):
         a = _named(func, args, kwargs)
         if self.expert_params:
             self.note_views(name, a, ins, outs)
-            if name in ("zeros_like", "new_zeros", "zeros", "zero_") and len(outs) == 1:
-                self.partials[id(outs[0])] = (outs[0], frozenset())
             partial = [p for p in (self.partial_of(t) for t in ins) if p is not None]
+            zeros = name in ("zeros_like", "new_zeros", "zeros", "zero_") or (
+                name in _PASS_THROUGH and len(ins) == 1 and partial == [frozenset()]
+            )
+            if zeros and len(outs) == 1:
+                self.partials[id(outs[0])] = (outs[0], frozenset())
             if (
                 not any(partial)
                 and name in _LINEAR_IN_PARTIAL
@@ -468,7 +481,7 @@ class _Tracer(TorchDispatchMode):
             if any(partial):
                 self.follow_partial(func, name, a, ins, outs, frozenset().union(*partial))
                 return
-            if name in ("_grouped_mm", "bmm") and self.expert_product(name, a, out):
+            if name in ("_grouped_mm", "bmm", "mm") and self.expert_product(name, a, out):
                 return
         self.note_params(name, ins, outs, sources)
         if not splits:
@@ -561,7 +574,7 @@ class _Tracer(TorchDispatchMode):
         features (unsplit input) or closes one (input split on the contracted dim), leaving
         each rank's partial sum. False when no expert weight takes part."""
         first, second = a["self"], a["mat2"]
-        if name == "_grouped_mm" or self.expert_view(second) is not None:
+        if name in ("_grouped_mm", "mm") or self.expert_view(second) is not None:
             x, w, x_in, w_in, w_out = (
                 first,
                 second,
@@ -572,13 +585,14 @@ class _Tracer(TorchDispatchMode):
         else:
             x, w, x_in, w_in, w_out = second, first, 1, 2, 1
         found = self.expert_view(w)
-        if found is None or w.dim() != 3:
+        # one expert's weight (a 2-D view) in `mm`, or all of them (3-D) batched
+        if found is None or w.dim() != (2 if name == "mm" else 3):
             return False
         pname, dims = found
         stored_in, stored_out = dims[w_in], dims[w_out]
         if stored_in in (None, 0) or stored_out in (None, 0):
             return False
-        out_dim = out.dim() - 1 if w_out == 2 else 1
+        out_dim = out.dim() - 1 if w_out == w.dim() - 1 else 1
         s = self.split_of(x)
         roles = self.trace.expert_roles
         if s is None:
@@ -1348,8 +1362,11 @@ def _repeats(model: nn.Module) -> dict[int, tuple[str, int, dict[int, int]]]:
     return found
 
 
-def _fake_copy(model: nn.Module, fake: FakeTensorMode, trace: Trace, *, shorten: bool) -> nn.Module:
-    """A copy of `model` whose parameters and buffers are fake tensors (no storage copied)."""
+def _fake_copy(
+    model: nn.Module, fake: FakeTensorMode, trace: Trace, *, shorten: bool, real: bool = False
+) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are fake tensors (no storage copied);
+    with `real`, the model's own tensors (shared, not copied)."""
     memo: dict[int, Any] = {}
     repeats = _repeats(model) if shorten else {}
     # Tensors of blocks left out are never copied; making fakes of them would cost the most.
@@ -1362,10 +1379,10 @@ def _fake_copy(model: nn.Module, fake: FakeTensorMode, trace: Trace, *, shorten:
     }
     for p in model.parameters():
         if id(p) not in skipped:
-            memo[id(p)] = nn.Parameter(fake.from_tensor(p), requires_grad=p.requires_grad)
+            memo[id(p)] = p if real else nn.Parameter(fake.from_tensor(p), p.requires_grad)
     for b in model.buffers():
         if id(b) not in skipped:
-            memo[id(b)] = fake.from_tensor(b)
+            memo[id(b)] = b if real else fake.from_tensor(b)
     for m in model.modules():
         if id(m) in repeats:
             name, keep, twin = repeats[id(m)]
@@ -1409,11 +1426,34 @@ def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool =
 
 
 def _trace(model: nn.Module, example_inputs: Any, shorten: bool) -> Trace:
+    try:
+        return _trace_once(model, example_inputs, shorten, real=False)
+    except TraceError as e:
+        # Routing that depends on the values (`nonzero`, `.item()`) cannot run on fake
+        # tensors; a model whose weights are in memory is traced on them instead (the
+        # tracer watches the same ops; the weights are shared, not copied).
+        data_dependent = isinstance(
+            e.__cause__, (DataDependentOutputException, DynamicOutputShapeException)
+        )
+        on_meta = any(p.device.type == "meta" for p in model.parameters())
+        if not data_dependent or on_meta:
+            if data_dependent:
+                raise TraceError(
+                    f"{e} Its forward depends on the values (routing by `nonzero` or `.item()`), "
+                    "which a model on the meta device cannot provide: infer the plan from a "
+                    "small copy of the model built on the CPU (a config with fewer layers and "
+                    "narrower widths), and use that plan for the big one."
+                ) from e.__cause__
+            raise
+        return _trace_once(model, example_inputs, shorten, real=True)
+
+
+def _trace_once(model: nn.Module, example_inputs: Any, shorten: bool, *, real: bool) -> Trace:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     trace = Trace()
-    copy_ = _fake_copy(model, fake, trace, shorten=shorten)
+    copy_ = _fake_copy(model, fake, trace, shorten=shorten, real=real)
     copy_.eval()
     params = {id(p): n for n, p in copy_.named_parameters(remove_duplicate=False)}
     tracer = _Tracer(trace, params)
@@ -1441,15 +1481,17 @@ def _trace(model: nn.Module, example_inputs: Any, shorten: bool) -> Trace:
         if name in trace.linears or isinstance(m, nn.Embedding):
             _hook(tracer, name, m)
     args, kwargs = _example_inputs(model, example_inputs, device)
-    with fake:
-        args, kwargs = pytree.tree_map(
-            lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
-        )
+    if not real:
+        with fake:
+            args, kwargs = pytree.tree_map(
+                lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
+                (args, kwargs),
+            )
     for x in pytree.tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor):
             tracer.inputs[id(x)] = x
     try:
-        with torch.no_grad(), fake, tracer, _Attention(tracer):
+        with torch.no_grad(), fake if not real else nullcontext(), tracer, _Attention(tracer):
             out = copy_(*args, **kwargs)
     except TpplanError:
         raise
