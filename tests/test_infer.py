@@ -506,3 +506,41 @@ def test_a_merge_whose_width_cannot_be_traced_to_one_attribute_is_gathered() -> 
     assert (q.style, q.output) == ("colwise", "replicate")
     assert "merges the split dim into one of fixed size 8" in q.why
     assert_parity(model, plan, 2, _tokens())
+
+
+class _GroupedLinear(nn.Linear):
+    """A Linear by type whose forward is block-diagonal (DeepSeek-V4's grouped output
+    projection): its weight rows are per-group blocks, not output features to split."""
+
+    def __init__(self, per_group: int, out: int, groups: int) -> None:
+        super().__init__(per_group, out, bias=False)
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)
+        y = torch.bmm(x.reshape(-1, self.groups, x.shape[-1]).transpose(0, 1), w)
+        return y.transpose(0, 1).reshape(*x.shape[:-2], -1)
+
+
+class _GroupedMixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(128, 32)
+        self.grouped = _GroupedLinear(8, 64, 4)
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 32)
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        h = self.grouped(x.unflatten(-1, (4, 8)))
+        return self.head(x + self.down(torch.relu(self.up(h))))
+
+
+def test_a_linear_subclass_is_judged_by_what_its_forward_computes() -> None:
+    model = _GroupedMixer()
+    plan = tpplan.infer_plan(model, example_inputs=_tokens())
+    sharded = styles(plan, model)
+    assert "grouped" not in sharded and sharded["up"] == ("colwise", None)
+    assert_parity(model, plan, 2, _tokens())

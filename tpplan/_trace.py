@@ -1127,6 +1127,15 @@ class _OpLog(TorchDispatchMode):
         return out
 
 
+def _plain_forward(module: nn.Module, base: type[nn.Module]) -> bool:
+    """The module runs `base`'s own forward (its class, or a subclass that keeps it)."""
+    cls = type(module)
+    for klass in cls.__mro__:
+        if "forward" in vars(klass):
+            return klass is base
+    return False
+
+
 def _linear_like(module: nn.Module, fake: FakeTensorMode) -> bool | None:
     """Whether `module` (not an nn.Linear) computes a linear layer of its own 2-D weight:
     None if not, else whether the weight is stored (in, out) as in GPT-2's Conv1D. Decided by
@@ -1459,9 +1468,11 @@ def _trace_once(model: nn.Module, example_inputs: Any, shorten: bool, *, real: b
     tracer = _Tracer(trace, params)
     _watch_reads(copy_, tracer)
     for name, m in copy_.named_modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and _plain_forward(m, nn.Linear):
             trace.linears[name] = (m.in_features, m.out_features, False)
         elif not isinstance(m, nn.Embedding):
+            # a Linear subclass with a forward of its own (a block-diagonal grouped product,
+            # say) is judged by what it computes, like any other module
             stored_in_out = _linear_like(m, fake)
             if stored_in_out is not None:
                 rows, cols = m.weight.shape
