@@ -275,6 +275,18 @@ def test_infer_sequence_parallel(capsys: pytest.CaptureFixture[str]) -> None:
     assert styles["model.layers.*.self_attn"] == "prepare"
 
 
+@pytest.mark.parametrize("mode", ["tensor", "expert"])
+def test_infer_experts(capsys: pytest.CaptureFixture[str], mode: str) -> None:
+    from tpplan import Plan
+
+    small = ["--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set", "num_experts=8"]
+    small += ["--set", "moe_intermediate_size=32", "--set", "num_experts_per_tok=2"]
+    code, out, _ = run(capsys, "infer", "qwen3_moe", "--experts", mode, "--tp", "2", *small)
+    plan = Plan.from_yaml(out)
+    experts = next(r for r in plan.rules if r.match == "model.layers.*.mlp.experts")
+    assert code == 0 and (experts.style, experts.mode) == ("experts", mode)
+
+
 def test_infer_sequence_parallel_refuses_a_model_it_does_not_fit(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

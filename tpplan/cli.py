@@ -90,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep activations between split regions split over the sequence (dim 1)",
     )
+    p.add_argument(
+        "--experts",
+        choices=("tensor", "expert"),
+        default="tensor",
+        help="mixture-of-experts layers: split every expert (tensor, default) or give each "
+        "rank whole experts (expert)",
+    )
     p.set_defaults(func=_cmd_infer)
 
     p = command("check", "Check a plan against a model and a tp size; exit 1 on problems.")
@@ -165,6 +172,7 @@ def _cmd_infer(args: argparse.Namespace) -> int:
         tp_size=args.tp,
         loss_parallel=args.loss_parallel,
         sequence_parallel=args.sequence_parallel,
+        experts=args.experts,
     )
     text = plan.to_json() if args.format == "json" else plan.to_yaml()
     if args.output:
