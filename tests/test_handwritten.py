@@ -386,7 +386,7 @@ def test_nanogpt(tp: int) -> None:
 def test_titan_llama(rotary: str, tp: int) -> None:
     """8 query heads and 4 kv heads of 16; SwiGLU width 352; tp 2 and 4 divide them all.
     Views by stored counts need the plan to divide n_heads / n_kv_heads; rotary in complex
-    arithmetic is held to parity only."""
+    arithmetic pairs the head features as complex numbers (view_as_complex) and back."""
     model = _build(TitanLlama, rotary=rotary)
     plan = _infer_and_check(model, _tokens(), tp)
     sharded = _sharded(plan, model)
@@ -395,11 +395,10 @@ def test_titan_llama(rotary: str, tp: int) -> None:
         assert sharded[f"{ff}.w1"] == ("colwise", None)
         assert sharded[f"{ff}.w3"] == ("colwise", None)
         assert sharded[f"{ff}.w2"] == ("rowwise", None)
-        if rotary != "complex":  # view_as_complex is an op the tracer does not follow
-            attn = f"layers.{i}.attention"
-            for p in ("wq", "wk", "wv"):
-                assert sharded[f"{attn}.{p}"] == ("colwise", None)
-            assert sharded[f"{attn}.wo"] == ("rowwise", None)
+        attn = f"layers.{i}.attention"
+        for p in ("wq", "wk", "wv"):
+            assert sharded[f"{attn}.{p}"] == ("colwise", None)
+        assert sharded[f"{attn}.wo"] == ("rowwise", None)
     assert sharded["tok_embeddings"] == ("vocab_parallel", None)
     assert sharded["output"] == ("colwise", "replicate")
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import math
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,6 +351,9 @@ class _Tracer(TorchDispatchMode):
         # The sizes of the running view or reshape as the model wrote them: a reshape reaches
         # dispatch as a copy and `_unsafe_view` with -1 already resolved.
         self.asked: list[tuple[Any, ...]] = []
+        # Sizes of split dims read off split tensors since the last op (`x.shape`): a count
+        # taken so is each shard's own.
+        self.shapes_read: set[int] = set()
         self.embedding_calls: list[str] = []  # the Embedding modules whose forward is running
         # Per running Embedding forward: the tensors linear in its lookup's rows (id ->
         # tensor), and the first op that was not linear in them.
@@ -421,6 +426,7 @@ class _Tracer(TorchDispatchMode):
             # a reshape of a strided tensor runs as a copy and then a view: reads just
             # before the reshape are still fresh at its view
             self.fresh.clear()
+            self.shapes_read.clear()
         return out
 
     def note_rows(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -679,6 +685,11 @@ class _Tracer(TorchDispatchMode):
             return [(out, s)]
         if name in ("transpose", "t", "permute"):
             return [(out, self.permuted(name, a, args[0]))]
+        if name in ("view_as_complex", "view_as_real"):
+            s = self.only_split(args[0])
+            if s.dim == args[0].dim() - 1 and name == "view_as_complex":
+                raise _Break("it pairs up the split features as complex numbers")
+            return [(out, s)]  # a trailing pair of reals <-> one complex number
         if name == "expand":
             s = self.only_split(args[0])
             d = s.dim + out.dim() - args[0].dim()
@@ -738,6 +749,9 @@ class _Tracer(TorchDispatchMode):
         if kept:
             if sizes[k] == -1 or (-1 not in sizes and sizes[k] not in read):
                 return
+            fresh = {v for _, _, v in self.fresh}
+            if sizes[k] in self.shapes_read and sizes[k] not in fresh:
+                return  # read off a split tensor just before (`*x.shape[:-1]`): the shard's own
         elif len(carved) > 1:  # the split dim is cut into (count, ..., size) dims
             *middle, last = carved[1:]
             if last not in read or any(m not in read and m > 4 for m in middle):
@@ -1006,6 +1020,7 @@ def _named(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
 # rank's slice of each piece, with no size to divide.
 _CHUNKS = (torch.Tensor.chunk, torch.chunk)
 _VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+_SHAPES = (torch.Tensor.size, torch.Tensor.shape.__get__)  # type: ignore[attr-defined]
 
 
 class _Attention(TorchFunctionMode):
@@ -1022,6 +1037,15 @@ class _Attention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _SHAPES and not self.tracer.quiet:
+            out = func(*args, **kwargs)
+            split = self.tracer.split_of(args[0])
+            if split is not None:
+                if isinstance(out, int) and _norm_dim(args[1], args[0].dim()) == split.dim:
+                    self.tracer.shapes_read.add(out)
+                elif isinstance(out, tuple):
+                    self.tracer.shapes_read.add(out[split.dim])
+            return out
         if func in _VIEWS:
             sizes = args[1:]
             if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
@@ -1127,6 +1151,19 @@ class _OpLog(TorchDispatchMode):
         return out
 
 
+@contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """A probe that fails is an answer, not an error: fake tensors log failing kernels with
+    their traceback, which would read as a crash to the user."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _plain_forward(module: nn.Module, base: type[nn.Module]) -> bool:
     """The module runs `base`'s own forward (its class, or a subclass that keeps it)."""
     cls = type(module)
@@ -1154,7 +1191,7 @@ def _linear_like(module: nn.Module, fake: FakeTensorMode) -> bool | None:
             x = torch.empty(2, 3, d_in, device=weight.device)
         log = _OpLog(weight)
         try:
-            with torch.no_grad(), log:
+            with torch.no_grad(), log, _quiet_fake_tensor_log():
                 out = module(x)
         except Exception:
             continue
