@@ -53,11 +53,34 @@ def load(folder: Path, rank: int, world: int) -> float:
     return worst
 
 
+def fused(folder: Path, rank: int, world: int, *, saving: bool) -> float:
+    """GPT-2's fused q|k|v (`parts`) through DCP: saved at one tp, loaded at another."""
+    from infer_models import gpt2
+
+    x = token_batch()
+    ref = gpt2()
+    want = ref(x).logits
+    mesh = init_device_mesh("cpu", (world,))
+    if saving:
+        model = tpplan.apply_plan(ref, mesh)
+        save_checkpoint(model, folder / "fused-dcp", sharded=True)
+    else:
+        with torch.device("meta"):
+            model = tpplan.apply_plan(gpt2(), mesh)
+        model.to_empty(device="cpu")
+        load_checkpoint(model, folder / "fused-dcp")
+    with torch.no_grad():
+        return (model(x).logits - want).abs().max().item()
+
+
 def main() -> None:
     mode, folder = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    worst = (save if mode == "save" else load)(folder, rank, world)
+    if mode.startswith("fused-"):
+        worst = fused(folder, rank, world, saving=mode == "fused-save")
+    else:
+        worst = (save if mode == "save" else load)(folder, rank, world)
     print(f"rank {rank}/{world} {mode} worst {worst:.2e}", flush=True)
     # DTensor's collectives may still be finishing on a peer; tearing the group down under
     # them aborts gloo, so the ranks meet first

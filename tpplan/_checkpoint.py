@@ -111,8 +111,6 @@ def save_checkpoint(
     complete; an existing checkpoint at `path` is replaced only then.
     """
     path = Path(path)
-    if sharded:
-        _refuse_fused_dcp(model, "saving")  # the same on every rank: nobody waits
     if sharded and _simulated():
         raise CheckpointError(
             "sharded=True writes with torch.distributed.checkpoint, which needs real processes; "
@@ -236,10 +234,40 @@ def _save_dcp(model: nn.Module, folder: Path) -> None:
 
     with _single_process_is_meant():
         dcp.save(
-            model.state_dict(),
+            _dcp_state(model, saving=True),
             storage_writer=dcp.FileSystemWriter(folder),
             no_dist=not dist.is_initialized(),
         )
+
+
+_PART = ".tpplan_part"
+
+
+def _dcp_state(model: nn.Module, *, saving: bool) -> dict[str, Any]:
+    """The state dict DCP saves and loads. A fused layer's shard holds a slice of every part
+    (q|k|v), which depends on the tp size; each part is stored as a tensor of its own
+    (`NAME.tpplan_part0`, ...), split over the ranks like any other, so the checkpoint loads
+    at any tp. The parts are views into the parameters, so loading fills them in place."""
+    state: dict[str, Any] = dict(model.state_dict())
+    for name, (dim, parts, tp) in fused_layouts(model).items():
+        whole = state.pop(name)
+        local, mesh = whole.to_local(), whole.device_mesh
+        offset = 0
+        for i, size in enumerate(parts):
+            piece = local.narrow(dim, offset, size // tp)
+            shape = list(whole.shape)
+            shape[dim] = size
+            stride = torch.empty(shape, device="meta").stride()
+            state[f"{name}{_PART}{i}"] = DTensor.from_local(
+                piece.contiguous() if saving else piece,
+                mesh,
+                [Shard(dim)],
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=stride,
+            )
+            offset += size // tp
+    return state
 
 
 @contextmanager
@@ -351,7 +379,6 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, rebuild_buffers: bool
                 f"{path} is a torch.distributed.checkpoint folder; loading one needs real "
                 "processes (torchrun). Under simulated ranks load a safetensors folder."
             )
-        _refuse_fused_dcp(model, "loading")
         loader = _load_dcp(model, sd, path)
     else:
         loader = _load_safetensors(model, sd, path)
@@ -549,17 +576,6 @@ def _copy_fused(
     _each_rank(target.to_local(), fill)
 
 
-def _refuse_fused_dcp(model: nn.Module, doing: str) -> None:
-    fused = sorted(fused_layouts(model))
-    if fused:
-        raise CheckpointError(
-            f"{doing} a torch.distributed.checkpoint of fused layers ({_names(fused)}) is not "
-            "supported yet: their shards hold a slice of each fused part, which DCP cannot "
-            "describe. Fix: use save_checkpoint(model, path, sharded=False) and load that "
-            "safetensors folder, which works at any tp size."
-        )
-
-
 def _region(
     key: str, shape: tuple[int, ...], placements: Any, mesh: Any, rank: int
 ) -> tuple[slice, ...]:
@@ -618,15 +634,17 @@ def _load_dcp(model: nn.Module, sd: dict[str, torch.Tensor], path: Path) -> Iter
         for k, v in metadata.state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
-    _match_keys(model, sd, shapes, path)
+    state = _dcp_state(model, saving=False)
+    _match_keys(model, state, shapes, path)
     _check_dcp_files(path, metadata)
     yield
-    state = model.state_dict()
     no_dist = not dist.is_initialized()
     total = sum(t.dtype.itemsize * t.numel() for t in state.values())
+    local = sum(_local_bytes(t) for t in state.values())
     with _Progress(total, f"loading {path.name}") as progress:
-        # in batches so the progress bar moves; DCP reads only each rank's own regions
-        for batch in _batches(state, total // 16 + 1):
+        # DCP reads every stored chunk a batch needs whole before cutting out this rank's
+        # region: small batches keep that transient a small part of the rank's share
+        for batch in _batches(state, local // 64 + 1):
             try:
                 with _single_process_is_meant():
                     dcp.load(batch, storage_reader=dcp.FileSystemReader(path), no_dist=no_dist)
@@ -658,12 +676,18 @@ def _check_dcp_files(path: Path, metadata: Any) -> None:
             )
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.dtype.itemsize * local.numel()
+
+
 def _batches(state: dict[str, torch.Tensor], nbytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of about `nbytes` of this rank's own bytes each."""
     batch: dict[str, torch.Tensor] = {}
     size = 0
     for k, t in state.items():
         batch[k] = t
-        size += t.dtype.itemsize * t.numel()
+        size += _local_bytes(t)
         if size >= nbytes:
             yield batch
             batch, size = {}, 0
