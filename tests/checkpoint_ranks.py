@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import tiny_llama, token_batch
 
 import tpplan
+import tpplan._checkpoint
 from tpplan._checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 
 PLAN = Path(__file__).parent / "plans" / "llama.yaml"
@@ -75,6 +76,8 @@ def fused(folder: Path, rank: int, world: int, *, saving: bool) -> float:
 
 def main() -> None:
     mode, folder = sys.argv[1], Path(sys.argv[2])
+    # tiny models: store chunks of 1 KiB, so that loading reassembles regions from many
+    tpplan._checkpoint._DCP_CHUNK_BYTES = (1024, 1024)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if mode.startswith("fused-"):

@@ -266,6 +266,9 @@ def test_real_ranks_save_at_tp2_and_load_at_tp4_and_tp1(tmp_path: Path) -> None:
         assert run.stdout.count(f"/{nproc} {mode} worst") == nproc, run.stdout
     assert (tmp_path / "dcp" / ".metadata").is_file()
     assert len(list((tmp_path / "dcp").glob("*.distcp"))) == 2  # one file per saving rank
+    # stored in chunks of at most 1 KiB (set by checkpoint_ranks.py), read back across them
+    chunks = _stored_chunks(tmp_path / "dcp")
+    assert chunks["model.embed_tokens.weight"] == 128 * 64 * 4 // 1024
     x = token_batch()
     want = tiny_llama()(x).logits
     for fmt in ("dcp", "safetensors"):
@@ -519,6 +522,13 @@ def test_fused_layers_through_dcp_load_at_another_tp(tmp_path: Path) -> None:
         assert run.returncode == 0, run.stdout + run.stderr
         assert run.stdout.count(f"/{nproc} {mode} worst") == nproc, run.stdout
     assert (tmp_path / "fused-dcp" / ".metadata").is_file()
+
+
+def _stored_chunks(folder: Path) -> dict[str, int]:
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {k: len(v.chunks) for k, v in meta.items() if hasattr(v, "chunks")}
 
 
 def _qwen3_moe(device: str = "cpu") -> torch.nn.Module:
