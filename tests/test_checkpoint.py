@@ -586,3 +586,78 @@ def test_per_expert_tensors_of_a_hub_checkpoint_load_slice_by_slice(tmp_path: Pa
             model.to_empty(device="cpu")
             load_checkpoint(model, tmp_path / "hub")
             assert _worst(model(x).logits, want) <= TOL, (tp, mode)
+
+
+class _SplitStoredLlama(LlamaForCausalLM):
+    """A Llama whose checkpoints store each gate_proj as two halves, and q_proj, k_proj and
+    v_proj as one fused qkv tensor: conversions registered with transformers for this class."""
+
+
+def _register_conversions() -> None:
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Chunk, Concatenate, WeightConverter
+
+    register_checkpoint_conversion_mapping(
+        _SplitStoredLlama.__name__,
+        [
+            WeightConverter(
+                source_patterns=["mlp.gate_a.weight", "mlp.gate_b.weight"],
+                target_patterns="mlp.gate_proj.weight",
+                operations=[Concatenate(dim=0)],
+            ),
+            WeightConverter(
+                source_patterns=["self_attn.qkv.weight"],
+                target_patterns=[
+                    "self_attn.q_proj.weight",
+                    "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight",
+                ],
+                operations=[Chunk(dim=0)],
+            ),
+        ],
+        overwrite=True,
+    )
+
+
+def _stored_split(tmp_path: Path, *, fuse_qkv: bool) -> tuple[Path, torch.nn.Module]:
+    torch.manual_seed(0)
+    ref = _SplitStoredLlama(tiny_llama().config).eval()
+    stored = {}
+    for k, v in ref.state_dict().items():
+        if k.endswith("mlp.gate_proj.weight"):
+            half = v.shape[0] // 2
+            stored[k.replace("gate_proj", "gate_a")] = v[:half].clone()
+            stored[k.replace("gate_proj", "gate_b")] = v[half:].clone()
+        elif fuse_qkv and k.endswith("self_attn.q_proj.weight"):
+            parts = [v] + [ref.state_dict()[k.replace("q_proj", x)] for x in ("k_proj", "v_proj")]
+            stored[k.replace("q_proj", "qkv")] = torch.cat(parts).clone()
+        elif fuse_qkv and (k.endswith("k_proj.weight") or k.endswith("v_proj.weight")):
+            continue
+        else:
+            stored[k] = v.clone()
+    return _write_folder(tmp_path / "ckpt", stored), ref
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tensor_stored_in_pieces_is_read_slice_by_slice(tmp_path: Path, tp: int) -> None:
+    _register_conversions()
+    folder, ref = _stored_split(tmp_path, fuse_qkv=False)
+    x = token_batch()
+    with torch.device("meta"):
+        meta = _SplitStoredLlama(ref.config).eval()
+    with simulated_ranks(tp) as mesh:
+        model = tpplan.apply_plan(meta, mesh, LLAMA_PLAN)
+        model.to_empty(device="cpu")
+        load_checkpoint(model, folder)
+        assert _worst(model(x).logits, ref(x).logits) <= TOL
+
+
+def test_a_conversion_tpplan_cannot_read_in_slices_is_named(tmp_path: Path) -> None:
+    _register_conversions()
+    folder, ref = _stored_split(tmp_path, fuse_qkv=True)
+    model = _SplitStoredLlama(ref.config).eval()
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(model, folder)
+    msg = str(e.value)
+    assert "model.layers.0.self_attn" in msg and "Chunk" in msg
+    assert "from_pretrained" in msg and "save_checkpoint" in msg

@@ -8,7 +8,8 @@ own, never a table of ours) and describes each model key as a tree over stored t
 
 - a leaf: one stored tensor (a renamed key);
 - `Stacked(dim, parts)`: the parts stacked along a new dim (transformers' MergeModulelist);
-- `Joined(dim, parts)`: the parts concatenated along a dim (Concatenate).
+- `Joined(dim, parts)`: the parts concatenated along a dim (Concatenate, after
+  MergeModulelist or on its own).
 
 `read_region` fills any rectangular region of such a tree by reading only the stored regions
 it covers, so each rank still reads its own slices and never a whole tensor. A conversion made
@@ -97,6 +98,14 @@ def virtual_tensors(model: nn.Module, stored: list[str]) -> dict[str, Node | Uns
         names = ", ".join(type(o).__name__ for o in ops)
         sources = tuple(k for ks in by_pattern.values() for k in ks)
         kinds = [type(o) for o in ops]
+        if kinds == [Concatenate]:
+            # one stored tensor per source pattern, laid end to end
+            pieces = [by_pattern.get(p, []) for p in converter.source_patterns]
+            if all(len(p) == 1 for p in pieces):
+                out[target] = Joined(ops[0].dim, tuple(p[0] for p in pieces))
+            else:
+                out[target] = Unsupported(sources, names)
+            continue
         if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate]):
             out[target] = Unsupported(sources, names)
             continue
