@@ -544,3 +544,44 @@ def test_a_linear_subclass_is_judged_by_what_its_forward_computes() -> None:
     sharded = styles(plan, model)
     assert "grouped" not in sharded and sharded["up"] == ("colwise", None)
     assert_parity(model, plan, 2, _tokens())
+
+
+class _CountingLinear(nn.Linear):
+    """A Linear subclass whose forward reads an integer attribute (Llama 4's router reads
+    top_k): probing it must not count as a read of the traced forward."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out, bias=False)
+        self.top_k = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (self.top_k / 2)
+
+
+class _LiteralHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(128, 32)
+        self.router = _CountingLinear(32, 32)
+        self.q = nn.Linear(32, 32)
+        self.o = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 128)
+        self.head_dim = 16
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.router(self.embed(ids))
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 2, self.head_dim)  # a literal head count
+        return self.head(self.o(torch.tanh(q).reshape(b, t, 32)))
+
+
+def test_a_probe_of_a_linear_subclass_leaves_no_reads_behind() -> None:
+    """Found by the benchmark on Llama 4: the probe's read of top_k = 2 was taken for the
+    head count of a view with a literal 2, and top_k was divided: a wrong forward."""
+    model = _LiteralHeads()
+    plan = tpplan.infer_plan(model, example_inputs=_tokens())
+    assert plan.attributes == []
+    q = rule_for(plan, model, "q")
+    assert "no module attribute read in forward holds it" in q.why
+    assert_parity(model, plan, 2, _tokens())

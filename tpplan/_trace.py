@@ -1503,7 +1503,6 @@ def _trace_once(model: nn.Module, example_inputs: Any, shorten: bool, *, real: b
     copy_.eval()
     params = {id(p): n for n, p in copy_.named_parameters(remove_duplicate=False)}
     tracer = _Tracer(trace, params)
-    _watch_reads(copy_, tracer)
     for name, m in copy_.named_modules():
         if isinstance(m, nn.Linear) and _plain_forward(m, nn.Linear):
             trace.linears[name] = (m.in_features, m.out_features, False)
@@ -1514,6 +1513,8 @@ def _trace_once(model: nn.Module, example_inputs: Any, shorten: bool, *, real: b
             if stored_in_out is not None:
                 rows, cols = m.weight.shape
                 trace.linears[name] = (rows, cols, True) if stored_in_out else (cols, rows, False)
+    # after the probes: reads made by a probe's forward are no evidence of the traced one
+    _watch_reads(copy_, tracer)
     for name, m in copy_.named_modules():
         if isinstance(m, (nn.Linear, nn.Embedding)) or name in trace.linears:
             continue
