@@ -585,3 +585,30 @@ def test_a_probe_of_a_linear_subclass_leaves_no_reads_behind() -> None:
     q = rule_for(plan, model, "q")
     assert "no module attribute read in forward holds it" in q.why
     assert_parity(model, plan, 2, _tokens())
+
+
+class _IndexedBlocks(nn.Module):
+    """Runs its blocks by index up to a stored layer count (as Gemma 3n does with its
+    per-layer inputs), which a copy shortened to a prefix of blocks cannot run."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.n_layers = layers
+        self.embed = nn.Embedding(128, 32)
+        self.blocks = nn.ModuleList(Mlp() for _ in range(layers))
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for i in range(self.n_layers):
+            x = x + self.blocks[i](x)
+        return self.head(x)
+
+
+def test_a_model_that_indexes_its_blocks_is_traced_whole() -> None:
+    model = _IndexedBlocks()
+    plan = tpplan.infer_plan(model, example_inputs=_tokens())
+    sharded = styles(plan, model)
+    assert all(sharded[f"blocks.{i}.fc1"] == ("colwise", None) for i in range(4))
+    assert_parity(model, plan, 2, _tokens())

@@ -1475,6 +1475,13 @@ def _trace(model: nn.Module, example_inputs: Any, shorten: bool) -> Trace:
     try:
         return _trace_once(model, example_inputs, shorten, real=False)
     except TraceError as e:
+        if shorten and _repeats(model):
+            # a forward that indexes its blocks by the config's layer count (Gemma 3n's
+            # per-layer inputs) fails on a shortened copy: trace every block instead
+            try:
+                return _trace(model, example_inputs, shorten=False)
+            except TraceError:
+                pass
         # Routing that depends on the values (`nonzero`, `.item()`) cannot run on fake
         # tensors; a model whose weights are in memory is traced on them instead (the
         # tracer watches the same ops; the weights are shared, not copied).
