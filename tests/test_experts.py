@@ -297,3 +297,12 @@ def test_full_state_dict_of_split_experts_is_the_unsharded_one() -> None:
         for name, value in want.items():
             for v in rank_values(got[name]):
                 assert torch.equal(v, value), name
+
+
+def test_sequence_parallel_with_experts_is_refused_with_the_reason() -> None:
+    """The router reads the stream sequence parallel keeps split: not supported yet, and
+    said so rather than run (the plan is tried on fake ranks before it is returned)."""
+    with pytest.raises(
+        tpplan.TpplanError, match="sequence parallel does not fit Qwen3MoeForCausalLM"
+    ):
+        tpplan.infer_plan(qwen3_moe(), tp_size=2, sequence_parallel=True)
