@@ -69,18 +69,27 @@ class DenseExperts(nn.Module):
 
 
 class Moe(nn.Module):
-    def __init__(self, *, bent: bool = False) -> None:
+    """Tokens -> router -> experts (+ a residual) -> vocab. Dense experts get every expert's
+    routing score; sparse ones (`sparse`) get the chosen two experts and their weights."""
+
+    def __init__(self, experts: nn.Module | None = None, *, bent: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(64, 16)
         self.router = nn.Linear(16, 4, bias=False)
-        self.experts = DenseExperts(bent=bent)
+        self.sparse = experts is not None
+        self.experts = experts if experts is not None else DenseExperts(bent=bent)
         self.out = nn.Linear(16, 64, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids).reshape(-1, 16)
         scores = self.router(x).softmax(-1)
-        return self.out(x + self.experts(x, scores)).reshape(*ids.shape, -1)
+        if self.sparse:
+            weights, chosen = scores.topk(2, dim=-1)
+            routed = self.experts(x, chosen, weights)
+        else:
+            routed = self.experts(x, scores)
+        return self.out(x + routed).reshape(*ids.shape, -1)
 
 
 class SparseExperts(nn.Module):
@@ -108,21 +117,6 @@ class SparseExperts(nn.Module):
         if self.late:
             out = out + self.bias[flat]
         return out.view(-1, k, hidden).sum(1)
-
-
-class SparseMoe(nn.Module):
-    def __init__(self, *, late: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(64, 16)
-        self.router = nn.Linear(16, 4, bias=False)
-        self.experts = SparseExperts(late=late)
-        self.out = nn.Linear(16, 64, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids).reshape(-1, 16)
-        weights, chosen = self.router(x).softmax(-1).topk(2, dim=-1)
-        return self.out(x + self.experts(x, chosen, weights)).reshape(*ids.shape, -1)
 
 
 def _ids() -> torch.Tensor:
@@ -211,7 +205,8 @@ def test_expert_parallel_needs_the_routing_as_inputs() -> None:
 def test_a_bias_after_the_routing_weight_rules_out_expert_parallel(late: bool) -> None:
     """Zeroing the weight of tokens routed to other ranks' experts removes a bias added
     before the weight, not one added after it: there the plan stays tensor parallel."""
-    model = SparseMoe(late=late)
+    torch.manual_seed(0)
+    model = Moe(SparseExperts(late=late))
     plan = tpplan.infer_plan(model, example_inputs=_ids(), experts="expert")
     rule = rule_for(plan, model, "experts")
     if late:
