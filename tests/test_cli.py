@@ -275,16 +275,33 @@ def test_infer_sequence_parallel(capsys: pytest.CaptureFixture[str]) -> None:
     assert styles["model.layers.*.self_attn"] == "prepare"
 
 
+MOE = ["--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set", "num_experts=8"]
+MOE += ["--set", "moe_intermediate_size=32", "--set", "num_experts_per_tok=2"]
+MOE += ["--set", "vocab_size=256", "--set", "intermediate_size=128"]
+
+
 @pytest.mark.parametrize("mode", ["tensor", "expert"])
-def test_infer_experts(capsys: pytest.CaptureFixture[str], mode: str) -> None:
+def test_infer_verify_and_stats_of_experts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    """An experts plan through the whole command line: verify compares the experts module's
+    output (inside it each rank computes its own share) and stats runs the grouped matmul on
+    the meta device."""
     from tpplan import Plan
 
-    small = ["--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set", "num_experts=8"]
-    small += ["--set", "moe_intermediate_size=32", "--set", "num_experts_per_tok=2"]
-    code, out, _ = run(capsys, "infer", "qwen3_moe", "--experts", mode, "--tp", "2", *small)
+    code, out, _ = run(capsys, "infer", "qwen3_moe", "--experts", mode, "--tp", "2", *MOE)
     plan = Plan.from_yaml(out)
     experts = next(r for r in plan.rules if r.match == "model.layers.*.mlp.experts")
     assert code == 0 and (experts.style, experts.mode) == ("experts", mode)
+    path = tmp_path / "moe.yaml"
+    path.write_text("\n".join(ln for ln in out.splitlines() if "fingerprint:" not in ln) + "\n")
+    code, out, _ = run(
+        capsys, "verify", "qwen3_moe", "--plan", str(path), "--tp", "2", "--backward", *MOE
+    )
+    assert code == 0 and "matches the unsharded one" in out
+    assert "experts.act_fn" not in out
+    code, out, _ = run(capsys, "stats", "qwen3_moe", "--plan", str(path), "--tp", "2", *MOE)
+    assert code == 0 and "forward   all_reduce" in out
 
 
 def test_infer_sequence_parallel_refuses_a_model_it_does_not_fit(

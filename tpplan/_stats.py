@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._apply import apply_plan
 from ._inputs import example_inputs
 from ._local import fake_ranks
+from ._trace import run_op
 from ._tree import first_tensor
 from .plan import Plan
 
@@ -80,7 +81,7 @@ class _Collectives(TorchDispatchMode):
             entry["count"] += 1
             if args and isinstance(args[0], torch.Tensor):
                 entry["bytes"] += args[0].numel() * args[0].element_size()
-        return func(*args, **(kwargs or {}))
+        return run_op(func, args, kwargs or {})  # meta kernels as the tracer runs them
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:

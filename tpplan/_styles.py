@@ -343,6 +343,7 @@ class Experts(ParallelStyle):
         module.register_forward_pre_hook(before, with_kwargs=True)
         module.register_forward_hook(after, with_kwargs=True)
         module.register_forward_hook(clean, always_call=True)
+        module.__dict__[EXPERTS_MARK] = self.mode
         return module
 
     def __repr__(self) -> str:
@@ -350,6 +351,11 @@ class Experts(ParallelStyle):
             f"Experts(mode={self.mode}, shard={self.shard}, fused={self.fused}, "
             f"after_sum={self.after_sum})"
         )
+
+
+# On a module split by Experts: its mode. What its submodules compute is each rank's share
+# of the experts' work, not a slice of the unsharded values.
+EXPERTS_MARK = "_tpplan_experts"
 
 
 def _tree_map_tensors(fn: Any, tree: Any) -> Any:

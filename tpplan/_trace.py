@@ -313,14 +313,14 @@ def _merge(splits: list[Split], dims: list[int]) -> Split:
     return first
 
 
-def _run(func: Any, args: Any, kwargs: Any) -> Any:
-    """The op on fake tensors. The fake kernel of the grouped matmul (mixture-of-experts
-    layers) takes bf16 only, though CPU runs it in fp32: its shapes are the same, so it is
-    asked in bf16 and the result given the dtype the real op would have."""
+def run_op(func: Any, args: Any, kwargs: Any) -> Any:
+    """The op, on fake or meta tensors too. The meta kernel of the grouped matmul
+    (mixture-of-experts layers) takes bf16 only, though CPU runs it in fp32: its shapes are
+    the same, so it is asked in bf16 and the result given the dtype the real op would have."""
     if (
         func is torch.ops.aten._grouped_mm.default
         and args[0].dtype == torch.float32
-        and isinstance(args[0], FakeTensor)
+        and (isinstance(args[0], FakeTensor) or args[0].device.type == "meta")
     ):
         half = [
             a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -413,7 +413,7 @@ class _Tracer(TorchDispatchMode):
     # ---- the dispatch hook ------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = _run(func, args, kwargs)
+        out = run_op(func, args, kwargs)
         if func is torch.ops.aten.embedding.default:
             self.note_lookup(args[1])
             if self.looked_up:
