@@ -51,6 +51,7 @@ from ._safetensors_io import (
     safetensors_files,
 )
 from ._styles import fused_layouts, unfuse
+from ._tree import local_bytes, local_tensor
 
 __all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -300,8 +301,7 @@ def _small_chunks_planner(max_bytes: int) -> Any:
             cut = self.cuts.get(write_item.index)
             if cut is None:
                 return super().resolve_data(write_item)
-            t = self.state_dict[write_item.index.fqn]
-            local = t.to_local() if isinstance(t, DTensor) else t
+            local = local_tensor(self.state_dict[write_item.index.fqn])
             return local.narrow(0, cut[0], cut[1])
 
     return Planner()
@@ -707,7 +707,7 @@ def _load_dcp(model: nn.Module, sd: dict[str, torch.Tensor], path: Path) -> Iter
     yield
     no_dist = not dist.is_initialized()
     total = sum(t.dtype.itemsize * t.numel() for t in state.values())
-    local = sum(_local_bytes(t) for t in state.values())
+    local = sum(local_bytes(t) for t in state.values())
     with _Progress(total, f"loading {path.name}") as progress:
         # DCP reads every stored chunk a batch needs whole before cutting out this rank's
         # region: small batches keep that transient a small part of the rank's share
@@ -743,18 +743,13 @@ def _check_dcp_files(path: Path, metadata: Any) -> None:
             )
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.dtype.itemsize * local.numel()
-
-
 def _batches(state: dict[str, torch.Tensor], nbytes: int) -> Iterator[dict[str, torch.Tensor]]:
     """Consecutive groups of tensors of about `nbytes` of this rank's own bytes each."""
     batch: dict[str, torch.Tensor] = {}
     size = 0
     for k, t in state.items():
         batch[k] = t
-        size += _local_bytes(t)
+        size += local_bytes(t)
         if size >= nbytes:
             yield batch
             batch, size = {}, 0

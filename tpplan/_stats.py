@@ -13,22 +13,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._apply import apply_plan
 from ._inputs import example_inputs
 from ._local import fake_ranks
 from ._trace import run_op
-from ._tree import first_tensor
+from ._tree import first_tensor, local_bytes
 from .plan import Plan
 
 __all__ = ["Stats", "plan_stats"]
-
-
-def _bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
 
 
 @dataclass
@@ -108,18 +102,18 @@ def plan_stats(
 ) -> Stats:
     """Costs of `plan` on `model` at `tp_size`, measured on a meta copy of the model."""
     meta = _meta_copy(model)
-    total = sum(_bytes(p) for p in meta.parameters())
+    total = sum(local_bytes(p) for p in meta.parameters())
     inputs = example_inputs(meta, batch=batch, seq=seq, device="meta")
     tokens = batch * seq
     act = 0
     with fake_ranks(tp_size) as mesh:
         apply_plan(meta, mesh, plan)
-        per_rank = sum(_bytes(p) for p in meta.parameters())
+        per_rank = sum(local_bytes(p) for p in meta.parameters())
 
         def count(mod: nn.Module, args: Any, out: Any) -> None:
             nonlocal act
             if isinstance(out, torch.Tensor) and not list(mod.children()):
-                act += _bytes(out)
+                act += local_bytes(out)
 
         handles = [m.register_forward_hook(count) for m in meta.modules()]
         collectives: dict[str, dict[str, dict[str, int]]] = {}

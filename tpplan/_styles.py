@@ -314,8 +314,7 @@ class Experts(ParallelStyle):
                     owner.register_parameter(pname, nn.Parameter(whole, p.requires_grad))
                 added = owner is module and pname in self.after_sum
                 held.append((owner, pname, "after_sum" if added else "replicated"))
-        count = next(iter(self.shard.items()))
-        n_experts = getattr(module, count[0]).shape[0]
+        n_experts = getattr(module, next(iter(self.shard))).shape[0]
 
         def before(mod: nn.Module, args: Any, kwargs: Any) -> Any:
             for owner, pname, how in held:
