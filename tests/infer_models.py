@@ -286,3 +286,45 @@ def falcon(seed: int = 0) -> nn.Module:
         pad_token_id=0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return _build(FalconForCausalLM, cfg, seed)
+
+
+def gpt_neox(seed: int = 0) -> nn.Module:
+    """One query_key_value viewed as (heads, 3 * head_size): each head's q, k and v side by
+    side, the per-head interleaved layout; the inner size is computed, `3 * self.head_size`."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    return _build(GPTNeoXForCausalLM, cfg, seed)
+
+
+def gemma3(seed: int = 0) -> nn.Module:
+    """Per-head q/k norms whose forward asks the weight for its device (`weight.float()`):
+    a query, not a use outside the attention region."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**_SMALL, num_key_value_heads=4, head_dim=8)
+    return _build(Gemma3ForCausalLM, cfg, seed)
+
+
+class WidthFromShard(nn.Module):
+    """Views its fused q|k|v per head with an inner size computed from the fused output's own
+    width (`qkv.size(-1) // self.n_head`). On a shard that width is the shard's, so the view
+    would cut heads wrongly on every rank; it equals `3 * self.head_dim` only by value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = 4, 8
+        self.qkv = nn.Linear(32, 96)
+        self.out = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        scale = self.head_dim**-0.5
+        per_head = qkv.view(b, t, -1, qkv.size(-1) // self.n_head)
+        q, k, v = per_head.transpose(1, 2).split(self.head_dim, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))

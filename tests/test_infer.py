@@ -13,12 +13,15 @@ from infer_models import (
     PLAIN_NAMES,
     ROLES,
     Mlp,
+    WidthFromShard,
     NormedMlp,
     bart,
     block,
     falcon,
     fused_gqa,
+    gemma3,
     gpt2,
+    gpt_neox,
     llama_gqa,
     llama_mha,
     opt,
@@ -249,6 +252,45 @@ def test_phi3_gate_up_by_chunk_and_sliced_qkv() -> None:
     qkv = rule_for(plan, model, "model.layers.0.self_attn.qkv_proj")
     assert (qkv.style, qkv.output) == ("colwise", "replicate")
     assert "takes part of the split dim" in qkv.why
+    assert_parity(model, plan, 2, _tokens())
+
+
+def test_gpt_neox_interleaved_qkv_with_computed_inner_size() -> None:
+    """GPT-NeoX views query_key_value as (heads, 3 * self.head_size): each head's q, k and v
+    side by side. A small multiple of an attribute read in forward is as fixed as the
+    attribute, so the heads split whole (each rank its heads' q, k and v) and dense closes."""
+    model = gpt_neox()
+    plan = tpplan.infer_plan(model)
+    qkv = rule_for(plan, model, "gpt_neox.layers.0.attention.query_key_value")
+    assert (qkv.style, qkv.output, qkv.head_dim) == ("colwise", None, 3 * 16)
+    assert "3 fused pieces of 16" in qkv.why
+    dense = rule_for(plan, model, "gpt_neox.layers.0.attention.dense")
+    assert (dense.style, dense.head_dim) == ("rowwise", 16)
+    for tp in (2, 4):
+        assert_parity(model, plan, tp, _tokens())
+
+
+def test_inner_size_from_the_split_width_ends_the_split() -> None:
+    """The same view with its inner size computed from the fused output's own width: equal
+    to 3 * head_dim on the whole tensor, wrong on a shard. The split ends there."""
+    model = WidthFromShard()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    qkv = rule_for(plan, model, "qkv")
+    assert qkv.output == "replicate" or qkv.style == "replicate"
+    assert "beside the split dim" in qkv.why
+    assert_parity(model, plan, 2, x)
+
+
+def test_gemma3_qk_norms_stay_inside_the_region() -> None:
+    """Gemma 3's q/k norms ask their weight for its device: a query, not a use outside the
+    region. The attention splits, the norms' gradients are summed over the tp axis."""
+    model = gemma3()
+    plan = tpplan.infer_plan(model)
+    assert rule_for(plan, model, "model.layers.0.self_attn.q_proj").style == "colwise"
+    assert rule_for(plan, model, "model.layers.0.self_attn.o_proj").style == "rowwise"
+    norm = rule_for(plan, model, "model.layers.0.self_attn.q_norm")
+    assert norm.style == "replicate_grad_sum"
     assert_parity(model, plan, 2, _tokens())
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from ._check import tied_groups, weight_split
 from ._fingerprint import fingerprint, parameter_shapes
-from ._patterns import collapse
+from ._patterns import collapse, wildcard
 from ._trace import Trace, trace_model
 from .errors import TpplanError
 from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
@@ -217,6 +217,24 @@ def _join(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
+def _join_names(names: list[str]) -> str:
+    """Module names for a `why`, the same module of three or more blocks written once as a
+    pattern (`*.layer.0.SelfAttention.o`): a region that spans blocks (T5's position bias,
+    computed in block 0 and read by all) then reads, and collapses, the same in every block."""
+    groups: dict[str, list[str]] = {}
+    for n in sorted(names):
+        groups.setdefault(wildcard(n), []).append(n)
+    out: list[str] = []
+    for group in groups.values():
+        if len(group) < 3:
+            out.extend(group)
+            continue
+        # only the segments that differ become `*` (`layer.0` stays when every member has it)
+        segments = zip(*(n.split(".") for n in group), strict=True)
+        out.append(".".join(s[0] if len(set(s)) == 1 else "*" for s in segments))
+    return _join(sorted(out))
+
+
 def _shared_params(model: nn.Module) -> dict[str, list[str]]:
     """Module -> other modules holding one of its parameters (tied weights)."""
     out: dict[str, list[str]] = {}
@@ -351,7 +369,7 @@ class _Decider:
         self, openers: list[str], closers: list[str], short: dict[str, str], units: int
     ) -> None:
         t = self.trace
-        to = _join(sorted(short[c] for c in closers))
+        to = _join_names([short[c] for c in closers])
         # `to` names the closers: the evidence a reviewer checks against the model's forward
         verb = "contracts" if len(closers) == 1 else "contract"
         inners = {t.closers[c].inner for c in closers}
@@ -359,8 +377,8 @@ class _Decider:
             out = t.openers[o]
             ops = sorted(t.ops.get(o, set()) - _PLAIN_OPS)
             path = f"through {', '.join(ops)} to {to}" if ops else f"to {to}"
-            partners = sorted(short[p] for p in openers if p != o)
-            mates = f" (with the outputs of {_join(partners)})" if partners else ""
+            partners = [short[p] for p in openers if p != o]
+            mates = f" (with the outputs of {_join_names(partners)})" if partners else ""
             heads = t.heads.get(o)
             head_dim = out // heads if heads and out % heads == 0 else None
             parts = t.parts.get(o)
@@ -376,8 +394,15 @@ class _Decider:
                     "them",
                 )
             elif head_dim is not None:
+                (inner,) = inners if len(inners) == 1 else (head_dim,)
+                pieces = head_dim // inner if inner > 1 and head_dim % inner == 0 else 1
+                per_head = (
+                    f", each head's {pieces} fused pieces of {inner} side by side"
+                    if 2 <= pieces <= 4
+                    else ""
+                )
                 what, it = (
-                    f"output split into {heads} heads of {head_dim} by a view; it flows",
+                    f"output split into {heads} heads of {head_dim} by a view{per_head}; it flows",
                     "it",
                 )
             else:
@@ -396,7 +421,7 @@ class _Decider:
             )
 
     def close(self, openers: list[str], closers: list[str], short: dict[str, str]) -> None:
-        by = _join(sorted(short[o] for o in openers))
+        by = _join_names([short[o] for o in openers])
         for c in closers:
             s = self.trace.closers[c]
             head_dim = s.inner if s.inner > 1 else None

@@ -536,6 +536,8 @@ class _Tracer(TorchDispatchMode):
             # parameter where it meets other tensors, so its gradient is judged there
             self.params[id(outs[0])] = (outs[0], used[0])
             return
+        if not outs:
+            return  # a query (`weight.device`, a size) computes nothing a gradient flows through
         for p in used:
             if sources:
                 self.trace.params_in_region.setdefault(p, set()).update(sources)
@@ -731,7 +733,8 @@ class _Tracer(TorchDispatchMode):
         - A fixed count at the split dim must be an integer attribute of a running module,
           which the plan divides by the tp size (`view(B, T, self.n_head, hd)`).
         - Where the view reshapes the split features, every size beside the split dim must be
-          an integer attribute read in forward (`self.head_dim`): one computed from the
+          an integer attribute read in forward (`self.head_dim`), or 2 to 4 times one
+          (`3 * self.head_size`, fused pieces per head): one computed from the
           width (`t.size(-1) // cfg.n_head`) would shrink on a shard, without a word when the
           split dim is -1. Numbers the tracer cannot trace to an attribute end the split.
         - A view that keeps the split dim as it was (`x.reshape(*x.shape[:-1], -1, 2)` on
@@ -754,7 +757,12 @@ class _Tracer(TorchDispatchMode):
                 return  # read off a split tensor just before (`*x.shape[:-1]`): the shard's own
         elif len(carved) > 1:  # the split dim is cut into (count, ..., size) dims
             *middle, last = carved[1:]
-            if last not in read or any(m not in read and m > 4 for m in middle):
+            # `3 * self.head_size` (q|k|v interleaved per head, GPT-NeoX) is as fixed as the
+            # attribute, unless the split tensor's width was just read (it may come from that)
+            multiple = x.shape[before.dim] not in self.shapes_read and any(
+                last == m * v for v in read if v > 1 for m in (2, 3, 4)
+            )
+            if (last not in read and not multiple) or any(m not in read and m > 4 for m in middle):
                 raise _Break(
                     f"it sizes the features beside the split dim at {carved[1:]}, which no "
                     "module attribute read in forward holds; computed from a shard's width "
