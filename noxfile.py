@@ -34,6 +34,18 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+@nox.session(default=False)
+def benchmarks(session: nox.Session) -> None:
+    """Every script in benchmarks/ that runs without a GPU, one after another (about 15
+    minutes on 2 cores); tables print, PNGs go to benchmarks/plots/ and results to
+    benchmarks/results/. Opt-in: `nox -s benchmarks`, never part of the default run. Pass
+    script names to run a subset: `nox -s benchmarks -- infer_time memory_tp`."""
+    _install(session, "bench")
+    scripts = session.posargs or ["infer_time", "memory_tp", "collectives", "forward_gloo"]
+    for name in scripts:
+        session.run("python", f"benchmarks/{name}.py")
+
+
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over the package."""
