@@ -1,0 +1,230 @@
+"""Parameter memory per rank against the tp size, tpplan's plan next to transformers' own.
+
+Run: `python benchmarks/memory_tp.py` (about 5 minutes on 2 cores; `--models Llama-3-8B`,
+`--tp 1 2 4 8`, `--render` re-prints benchmarks/results/memory_tp.json and redraws the plot).
+
+Each model is built at its published shape in bf16 on the meta device and sharded on a fake
+process group of each tp size (one process, no memory, no numbers: shapes only):
+
+- tpplan: `infer_plan(model, tp_size=N)` applied with `apply_plan`. Where N does not divide a
+  split dim (heads, KV heads, experts), the inferred plan keeps that region whole and says why;
+  the table names what was kept whole. Separately, the plan inferred without a tp size (the
+  one `tpplan infer` writes) is checked at N with `check_plan`: "refused" means `apply_plan`
+  would refuse it, listing the problems.
+- transformers: its hand-written `base_model_tp_plan` applied by transformers' own
+  `apply_tensor_parallelism` (what `from_pretrained(..., tp_plan="auto")` runs); at tp 1
+  transformers applies no plan.
+
+"per rank" is the parameter bytes rank 0 holds (torch gives the first ranks the larger pieces
+of an uneven split, so rank 0 is the most loaded). "fwd" says whether one forward pass runs on
+the sharded model: it is run on a 2-layer copy of the same widths (shapes are all the fake
+group can check), so a plan that cuts a head in half fails here as it would on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common
+
+MODELS = ["Llama-3-8B", "Llama-3-70B", "Qwen3-30B-A3B", "Qwen3-30B-A3B:expert"]
+TPS = [1, 2, 4, 8, 16, 32, 64]
+GIB = 2**30
+
+
+def _model(spec: str, **overrides: Any) -> Any:
+    import torch
+
+    return _common.build_meta(spec.split(":")[0], dtype=torch.bfloat16, **overrides)
+
+
+def _forward_runs(spec: str, tp: int, shard: Any) -> str:
+    """'ok', or the error one forward of a 2-layer copy raises once sharded."""
+    import torch
+
+    from tpplan._inputs import example_inputs
+    from tpplan._local import fake_ranks
+
+    model = _model(spec, num_hidden_layers=2)
+    try:
+        with fake_ranks(tp) as mesh, _common.collective_counter(), torch.no_grad():
+            shard(model, mesh)
+            model(**example_inputs(model, batch=1, seq=16, device="meta"))
+    except Exception as e:
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
+    return "ok"
+
+
+def _kept_whole(plan: Any, tp: int) -> list[str]:
+    """Reasons of the rules that keep a region whole because of this tp size."""
+    out = []
+    for rule in plan.rules:
+        if rule.style == "replicate" and f"tp {tp} " in f"{rule.why} ":
+            out.append(f"{rule.match}: {rule.why}")
+    return out
+
+
+def measure(spec: str, tp: int) -> dict[str, Any]:
+    import tpplan
+    from tpplan._local import fake_ranks
+
+    experts = spec.split(":")[1] if ":" in spec else "tensor"
+    row: dict[str, Any] = {"model": spec, "tp": tp}
+    model = _model(spec)
+    row["total"] = _common.local_param_bytes(model)
+
+    # tpplan, inferred for this tp size
+    plan = tpplan.infer_plan(model, tp_size=tp, experts=experts)
+    row["kept"] = _kept_whole(plan, tp)
+    with fake_ranks(tp) as mesh:
+        tpplan.apply_plan(model, mesh, plan)
+        row["ours"] = _common.local_param_bytes(model)
+
+    def ours(m: Any, mesh: Any) -> None:
+        tpplan.apply_plan(m, mesh, tpplan.infer_plan(m, tp_size=tp, experts=experts))
+
+    row["ours_fwd"] = _forward_runs(spec, tp, ours)
+
+    # the tp-free plan, checked at this tp size
+    problems = tpplan.check_plan(
+        tpplan.infer_plan(_model(spec), experts=experts), _model(spec), tp_size=tp
+    )
+    row["check"] = [str(p) for p in problems]
+
+    # transformers' hand-written plan, applied by transformers
+    if tp == 1:
+        row["theirs"] = row["total"]
+        row["theirs_fwd"] = "ok"
+    elif experts == "tensor":  # transformers' plan has no expert mode of its own
+        model = _model(spec)
+        with fake_ranks(tp) as mesh:
+            _common.apply_transformers_plan(model, mesh)
+            row["theirs"] = _common.local_param_bytes(model)
+        row["theirs_fwd"] = _forward_runs(spec, tp, _common.apply_transformers_plan)
+    return row
+
+
+def _kept_summary(kept: list[str]) -> str:
+    """'q_proj, k_proj, ...: reason' for the kept-whole rules, grouped by their reason."""
+    by_reason: dict[str, list[str]] = {}
+    for line in kept:
+        match, _, why = line.partition(": ")
+        why = why.removeprefix("kept whole: ")
+        by_reason.setdefault(why, []).append(match.rsplit(".", 1)[-1])
+    return "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
+
+
+def _fwd_cell(status: str | None) -> str:
+    if status is None:
+        return ""
+    return "runs" if status == "ok" else f"fails: {status[:90]}"
+
+
+def render(results: dict[str, Any], plot: bool) -> str:
+    out = [
+        "Parameter GiB per rank (bf16), rank 0; ideal = model / tp. "
+        + _common.provenance_line(results["meta"]),
+        "",
+    ]
+    for spec in results["models"]:
+        rows = [r for r in results["rows"] if r["model"] == spec]
+        if not rows:
+            continue
+        out += [f"**{spec}** ({rows[0]['total'] / GIB:.1f} GiB in bf16)", ""]
+        table = []
+        for r in rows:
+            kept = _kept_summary(r["kept"])
+            check = "accepted" if not r["check"] else f"refused ({len(r['check'])} problems)"
+            theirs = f"{r['theirs'] / GIB:.2f}" if "theirs" in r else "(no expert mode)"
+            table.append(
+                [
+                    r["tp"],
+                    f"{r['total'] / r['tp'] / GIB:.2f}",
+                    f"{r['ours'] / GIB:.2f}",
+                    _fwd_cell(r["ours_fwd"]),
+                    theirs,
+                    _fwd_cell(r.get("theirs_fwd")),
+                    check,
+                    kept,
+                ]
+            )
+        out.append(
+            _common.markdown(
+                [
+                    "tp",
+                    "ideal",
+                    "tpplan",
+                    "tpplan fwd",
+                    "transformers",
+                    "transformers fwd",
+                    "tp-free plan at this tp",
+                    "tpplan keeps whole (its reason)",
+                ],
+                table,
+            )
+        )
+        refused = next((r for r in rows if r["check"]), None)
+        if refused:
+            out += ["", f"First problem `check_plan` reports at tp {refused['tp']}: "
+                    f"{refused['check'][0][:300]}"]  # fmt: skip
+        out.append("")
+    if plot:
+        _plot(results)
+    return "\n".join(out)
+
+
+def _plot(results: dict[str, Any]) -> None:
+    plt = _common.pyplot()
+    models = [m for m in results["models"] if any(r["model"] == m for r in results["rows"])]
+    fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.8), squeeze=False)
+    for ax, spec in zip(axes[0], models, strict=True):
+        rows = sorted((r for r in results["rows"] if r["model"] == spec), key=lambda r: r["tp"])
+        tps = [r["tp"] for r in rows]
+        ax.plot(tps, [r["total"] / r["tp"] / GIB for r in rows], "k:", label="ideal (model / tp)")
+        ax.plot(tps, [r["ours"] / GIB for r in rows], "o-", label="tpplan")
+        theirs = [r for r in rows if "theirs" in r]
+        if theirs:
+            ax.plot([r["tp"] for r in theirs], [r["theirs"] / GIB for r in theirs], "s--",
+                    label="transformers' plan", alpha=0.8)  # fmt: skip
+        bad = [(r["tp"], r[side] / GIB) for r in rows for side in ("ours", "theirs")
+               if r.get(f"{side}_fwd", "ok") != "ok"]  # fmt: skip
+        if bad:
+            ax.plot(*zip(*bad, strict=True), "rx", markersize=10, label="its forward fails")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(tps, [str(t) for t in tps])
+        ax.set_xlabel("tp size")
+        ax.set_title(spec, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("parameter GiB per rank (bf16)")
+    axes[0][0].legend(fontsize=7)
+    _common.save_plot(fig, "memory_tp")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=MODELS, help="NAME or NAME:expert")
+    parser.add_argument("--tp", type=int, nargs="+", default=TPS)
+    parser.add_argument("--render", action="store_true", help="re-print the saved results")
+    parser.add_argument("--no-plot", action="store_true", help="print the tables only")
+    args = parser.parse_args()
+    if args.render:
+        print(render(_common.load("memory_tp"), plot=not args.no_plot))
+        return
+    rows = []
+    for spec in args.models:
+        for tp in args.tp:
+            rows.append(measure(spec, tp))
+            print(f"{spec} tp {tp}: {rows[-1]['ours'] / GIB:.2f} GiB", file=sys.stderr)
+    results = {"meta": _common.versions(), "models": args.models, "rows": rows}
+    _common.save("memory_tp", results)
+    print(render(results, plot=not args.no_plot))
+
+
+if __name__ == "__main__":
+    main()
