@@ -5,8 +5,8 @@ Run it as a plain script: `python examples/generate.py`; it exits non-zero if an
 token differs. tpplan.launch starts the ranks through torch's own launcher; under torchrun
 (`torchrun --nproc-per-node 2 ...`), call `main()` directly instead.
 
-The plan is inferred from the model's data flow; to use a plan file instead, pass its path as
-the third argument of apply_plan (`tpplan infer qwen3 --tp 2 -o qwen3.yaml` writes one).
+The plan is inferred from the model's data flow; apply_plan takes the path of a plan file in
+its place (`plan.to_yaml()` is the text of one, for this model, to save and edit).
 generate runs the sharded model as it is: attention reshapes with -1 heads, so each rank
 keeps its own heads in the KV cache and only the logits are gathered (the plan's last rule).
 """
