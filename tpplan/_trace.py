@@ -758,9 +758,13 @@ class _Tracer(TorchDispatchMode):
         elif len(carved) > 1:  # the split dim is cut into (count, ..., size) dims
             *middle, last = carved[1:]
             # `3 * self.head_size` (q|k|v interleaved per head, GPT-NeoX) is as fixed as the
-            # attribute, unless the split tensor's width was just read (it may come from that)
+            # attribute, unless the split tensor's width was just read (it may come from
+            # that) or the attribute is a count the plan divides (nanoGPT's `C // n_head`
+            # equals 2 * n_head by chance, and changes when n_head is divided)
+            counts = {v for found in self.trace.counts.values() for _, _, v in found}
+            counts.add(sizes[k])
             multiple = x.shape[before.dim] not in self.shapes_read and any(
-                last == m * v for v in read if v > 1 for m in (2, 3, 4)
+                last == m * v for v in read - counts if v > 1 for m in (2, 3, 4)
             )
             if (last not in read and not multiple) or any(m not in read and m > 4 for m in middle):
                 raise _Break(
