@@ -57,9 +57,14 @@ def example_inputs(
     def tokens(n: int) -> torch.Tensor:
         vocab = _get(config, "vocab_size", default=None)
         if vocab is None:
+            # no config (a hand-written model): ids every embedding table can look up
+            sizes = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+            vocab = min(sizes, default=None)
+        if vocab is None:
             raise InputsError(
-                f"{type(model).__name__} takes token ids but its config names no vocab_size; "
-                "pass example_inputs (a tensor, a tuple of them, or a dict of keyword inputs)."
+                f"{type(model).__name__} takes token ids but has no config naming a vocab_size and "
+                "no embedding table; pass example_inputs (a tensor, a tuple of them, or a dict of "
+                "keyword inputs)."
             )
         return torch.randint(0, int(vocab), (batch, n), generator=g).to(device)
 

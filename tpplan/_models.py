@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
         try:
             value: Any = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
-            value = raw  # a bare word such as gelu is a string
+            # true/false as JSON and YAML write them; any other bare word (gelu) is a string
+            value = {"true": True, "false": False}.get(raw.strip().lower(), raw)
         out[key.strip()] = value
     return out
 
@@ -98,6 +100,13 @@ def _config(spec: str) -> Any:
     )
 
 
+def _is_model_type(spec: str) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    path = Path(spec)
+    return not path.is_file() and not path.is_dir() and spec in CONFIG_MAPPING
+
+
 def _from_config(config: Any) -> Any:
     import transformers
 
@@ -114,10 +123,18 @@ def _from_config(config: Any) -> Any:
 
 def _callable(spec: str) -> Any:
     mod_name, _, attr = spec.partition(":")
+    # like `python -m`, a module of the folder tpplan runs in imports without installing it
+    here = os.getcwd()
+    added = "" not in sys.path and here not in sys.path
+    if added:
+        sys.path.insert(0, here)
     try:
         module = importlib.import_module(mod_name)
     except ImportError as e:
         raise ModelSpecError(f"cannot import '{mod_name}' for MODEL '{spec}': {e}.") from None
+    finally:
+        if added:
+            sys.path.remove(here)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ModelSpecError(f"'{mod_name}' has no callable '{attr}' (MODEL '{spec}').")
@@ -139,13 +156,27 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None, *, device: s
             model = _callable(spec)
         else:
             config = _config(spec)
-            for key, value in overrides.items():
-                if not hasattr(config, key):
+            for key in overrides:
+                # A field the config class does not declare is kept, as in a config.json
+                # (Qwen3-MoE reads `getattr(config, "head_dim", ...)`), unless it looks like
+                # a misspelt declared one.
+                hint = did_you_mean(key, list(config.to_dict()))
+                if not hasattr(config, key) and hint:
                     raise ModelSpecError(
-                        f"--set {key}: {type(config).__name__} has no field '{key}'."
-                        f"{did_you_mean(key, list(config.to_dict()))}"
+                        f"--set {key}: {type(config).__name__} has no field '{key}'.{hint}"
                     )
-                setattr(config, key, value)
+            if _is_model_type(spec):
+                # Built again with the overrides as arguments, so that fields derived from
+                # them (a per-layer list sized by num_hidden_layers) follow.
+                try:
+                    config = type(config)(**overrides)
+                except (TypeError, ValueError) as e:
+                    raise ModelSpecError(
+                        f"--set: {type(config).__name__} refuses {overrides}: {e}"
+                    ) from None
+            else:
+                for key, value in overrides.items():
+                    setattr(config, key, value)
             model = _from_config(config)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(
