@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tpplan import Plan
 from tpplan.cli import main
 from tpplan.plan import plan_json_schema
 
@@ -56,16 +57,18 @@ def test_check_fails_with_every_problem(capsys: pytest.CaptureFixture[str]) -> N
     assert out.strip().endswith("2 problem(s) at tp 8.")  # k_proj and v_proj
 
 
-def test_check_warns_when_the_model_changed(
+def test_check_refuses_a_plan_written_for_another_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """apply_plan refuses a plan whose fingerprint is another model's, so check does too: a
+    plan that passes check in CI must apply."""
     text = LLAMA_PLAN.read_text().replace(
         "  class: LlamaForCausalLM\n", "  class: LlamaForCausalLM\n  fingerprint: sha256:0000\n"
     )
     plan = tmp_path / "plan.yaml"
     plan.write_text(text)
     code, out, _ = run(capsys, "check", str(plan), "llama", "--tp", "2", *SMALL)
-    assert code == 0 and "warning: model: the plan was written for another model" in out
+    assert code == 1 and "problem: model: the plan was written for another model" in out
 
 
 def test_malformed_plan_is_one_line_exit_2(
@@ -107,6 +110,31 @@ def test_bad_model_specs(
 def test_a_callable_model_spec(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "models:tiny_llama", "--tp", "2")
     assert code == 0 and "sound" in out
+
+
+def test_a_callable_model_spec_from_the_current_folder(tmp_path: Path) -> None:
+    """`tpplan infer mypackage.model:build` from a project's root imports its package without
+    installing it, as `python -m` would (a console script does not look in the folder)."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "__init__.py").write_text("")
+    (tmp_path / "mine" / "net.py").write_text(
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb, self.up, self.down = nn.Embedding(64, 8), nn.Linear(8, 32), nn.Linear(32, 8)\n"
+        "    def forward(self, input_ids):\n"
+        "        return self.down(self.up(self.emb(input_ids)).relu())\n"
+        "def build():\n"
+        "    return Net()\n"
+    )
+    tpplan_bin = Path(sys.executable).parent / "tpplan"
+    run_ = subprocess.run(
+        [str(tpplan_bin), "infer", "mine.net:build", "--tp", "2"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert run_.returncode == 0, run_.stderr
+    assert "style: colwise" in run_.stdout and "style: rowwise" in run_.stdout
 
 
 @pytest.mark.parametrize("command", ["infer", "check", "diff", "verify", "stats", "schema"])
@@ -238,6 +266,33 @@ def test_infer_prints_a_plan_that_reads_back(capsys: pytest.CaptureFixture[str])
     assert styles["model.layers.*.self_attn.q_proj"] == "colwise"
     assert styles["model.layers.*.mlp.down_proj"] == "rowwise"
     assert all(r.why for r in plan.rules)
+
+
+def test_infer_records_its_command_and_can_leave_out_the_fingerprint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The plan names the command that wrote it (flags in a fixed order, without -o), so it
+    can be rerun to see whether tpplan still infers it; --no-fingerprint makes it portable."""
+    code, out, _ = run(
+        capsys, "infer", "llama", "--no-fingerprint", "--set", "num_hidden_layers=1", "--tp", "2"
+    )
+    assert code == 0
+    model = Plan.from_yaml(out).model
+    assert model is not None and model.fingerprint is None and model.parameters is None
+    assert model.command == "tpplan infer llama --tp 2 --set num_hidden_layers=1 --no-fingerprint"
+
+
+def test_set_keeps_a_field_the_config_class_does_not_declare(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Qwen3-MoE's config declares no head_dim, but its attention reads one when present
+    (real checkpoints set 128), so --set passes it on as a config.json would."""
+    code, out, _ = run(
+        capsys, "infer", "qwen3_moe", "--set", "num_hidden_layers=1", "--set", "head_dim=128"
+    )
+    assert code == 0
+    q = next(r for r in Plan.from_yaml(out).rules if r.match.endswith("q_proj"))
+    assert q.head_dim == 128
 
 
 def test_infer_gpt2_on_meta_shards_its_conv1d_layers(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -97,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
         help="mixture-of-experts layers: split every expert (tensor, default) or give each "
         "rank whole experts (expert)",
     )
+    p.add_argument(
+        "--no-fingerprint",
+        action="store_true",
+        help="write no model fingerprint, so the plan applies to every size of the family "
+        "whose module names and widths it names match",
+    )
     p.set_defaults(func=_cmd_infer)
 
     p = command("check", "Check a plan against a model and a tp size; exit 1 on problems.")
@@ -164,16 +171,39 @@ def _progress(args: argparse.Namespace, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def _infer_command(args: argparse.Namespace) -> str:
+    """The `tpplan infer` command that gives this plan again, in a fixed order of flags
+    (the output file and format are not part of the plan)."""
+    words = ["tpplan", "infer", args.model]
+    if args.tp is not None:
+        words += ["--tp", str(args.tp)]
+    for pair in args.overrides:
+        words += ["--set", pair]
+    words += ["--loss-parallel"] * args.loss_parallel
+    words += ["--sequence-parallel"] * args.sequence_parallel
+    if args.experts != "tensor":
+        words += ["--experts", args.experts]
+    words += ["--no-fingerprint"] * args.no_fingerprint
+    return shlex.join(words)
+
+
 def _cmd_infer(args: argparse.Namespace) -> int:
     from ._infer import infer_plan
+    from ._shipped import shipped_for_class, shipped_plans
 
+    model = _build(args)
     plan = infer_plan(
-        _build(args),
+        model,
         tp_size=args.tp,
         loss_parallel=args.loss_parallel,
         sequence_parallel=args.sequence_parallel,
         experts=args.experts,
     )
+    assert plan.model is not None  # infer_plan always describes the model
+    info: dict[str, Any] = {"command": _infer_command(args)}
+    if args.no_fingerprint:
+        info |= {"fingerprint": None, "parameters": None}
+    plan = plan.model_copy(update={"model": plan.model.model_copy(update=info)})
     text = plan.to_json() if args.format == "json" else plan.to_yaml()
     if args.output:
         with open(args.output, "w") as f:
@@ -181,6 +211,13 @@ def _cmd_infer(args: argparse.Namespace) -> int:
         print(f"wrote {args.output} ({len(plan.rules)} rules)", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    for name in shipped_for_class(type(model).__name__):
+        print(
+            f"note: tpplan ships a reviewed plan for {type(model).__name__}, '{name}' "
+            f"({shipped_plans()[name]}): use it with --plan {name} or "
+            f'apply_plan(model, mesh, plan="{name}")',
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -189,13 +226,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .plan import load_plan
 
     plan = load_plan(args.plan)
+    # every problem apply_plan would refuse, a fingerprint of another model included: a
+    # plan that passes check in CI must apply
     problems = check_plan(plan, _build(args), tp_size=args.tp)
-    errors = [p for p in problems if p.kind != "fingerprint"]
     for p in problems:
-        label = "warning" if p.kind == "fingerprint" else "problem"
-        print(f"{label}: {p}")
-    if errors:
-        print(f"{args.plan}: {len(errors)} problem(s) at tp {args.tp}.")
+        print(f"problem: {p}")
+    if problems:
+        print(f"{args.plan}: {len(problems)} problem(s) at tp {args.tp}.")
         return 1
     print(f"{args.plan}: sound at tp {args.tp} ({len(plan.rules)} rules).")
     return 0

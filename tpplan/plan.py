@@ -34,12 +34,13 @@ __all__ = [
     "plan_json_schema",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {2: ("parts", "transposed"), 3: ("mode", "shard", "fused", "after_sum")}
 _ADDED_STYLES = {3: ("experts",)}
+_ADDED_MODEL_FIELDS = {4: ("command",)}
 
 Style = Literal[
     "colwise",
@@ -114,6 +115,9 @@ class ModelInfo(_Strict):
     parameters: dict[str, str] | None = None
     """Parameter shapes, collapsed over repeated layers ("(64, 128) x2"); used only to say
     what differs when the fingerprint does not match."""
+    command: str | None = None
+    """The command that inferred this plan (`tpplan infer MODEL ...`). Rerun it to see
+    whether tpplan still infers the same plan; the shipped plans are tested that way."""
 
 
 class Options(_Strict):
@@ -316,7 +320,7 @@ class AttributeRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3] = 3  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4] = 4  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None
@@ -330,13 +334,18 @@ class Plan(_Strict):
 
     @model_validator(mode="after")
     def _fields_fit_version(self) -> Plan:
-        for version in sorted(_ADDED_FIELDS, reverse=True):
+        for version in sorted({*_ADDED_FIELDS, *_ADDED_MODEL_FIELDS}, reverse=True):
             if self.tpplan >= version:
                 break
             newer = [
+                f"model.{f}"
+                for f in _ADDED_MODEL_FIELDS.get(version, ())
+                if self.model is not None and f in self.model.model_fields_set
+            ]
+            newer += [
                 f"rules[{i}].{f}"
                 for i, r in enumerate(self.rules)
-                for f in _ADDED_FIELDS[version]
+                for f in _ADDED_FIELDS.get(version, ())
                 if f in r.model_fields_set
             ]
             newer += [
@@ -592,8 +601,17 @@ def plan_json_schema() -> dict[str, Any]:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan file (YAML, or JSON for `.json`)."""
+    """Read a plan file (YAML, or JSON for `.json`), or a plan shipped with tpplan by its
+    name (`load_plan("llama")`) when no file of that name exists."""
+    from ._shipped import shipped_plan, unknown_plan_hint
+
     path = Path(path)
+    bare = len(path.parts) == 1 and not path.suffix
+    if bare and not path.exists():
+        shipped = shipped_plan(str(path))
+        if shipped is None:
+            raise PlanFileError(str(path), [unknown_plan_hint(str(path))])
+        path = shipped
     try:
         text = path.read_text()
     except OSError as e:
