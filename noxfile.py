@@ -36,8 +36,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def benchmarks(session: nox.Session) -> None:
-    """Every script in benchmarks/ that runs without a GPU, one after another (about 15
-    minutes on 2 cores); tables print, PNGs go to benchmarks/plots/ and results to
+    """The benchmarks/ scripts that need no GPU, one after another (about 8 minutes on 2
+    cores); tables print, PNGs go to benchmarks/plots/ and results to
     benchmarks/results/. Opt-in: `nox -s benchmarks`, never part of the default run. Pass
     script names to run a subset: `nox -s benchmarks -- infer_time memory_tp`."""
     _install(session, "bench")

@@ -1,6 +1,6 @@
 """Collectives per transformer block, forward and backward, tpplan's plan next to transformers'.
 
-Run: `python benchmarks/collectives.py` (about 3 minutes on 2 cores; `--models Llama-3-8B`,
+Run: `python benchmarks/collectives.py` (about 1 minute on 2 cores; `--models Llama-3-8B`,
 `--tp 2`, `--seq 128`, `--render` re-prints benchmarks/results/collectives.json).
 
 Each model is built at its published widths in bf16 on the meta device, once with 2 blocks

@@ -1,6 +1,6 @@
 """How long `tpplan.infer_plan` takes against model size, on the meta device.
 
-Run: `python benchmarks/infer_time.py` (about 2 minutes on 2 cores; `--repeats 5`,
+Run: `python benchmarks/infer_time.py` (about 1 minute on 2 cores; `--repeats 5`,
 `--render` re-prints benchmarks/results/infer_time.json and redraws the plot).
 
 Models: the shapes of Llama-3-8B, Llama-3-70B and Llama-3.1-405B at their full depth, and a

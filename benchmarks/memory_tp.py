@@ -1,6 +1,6 @@
 """Parameter memory per rank against the tp size, tpplan's plan next to transformers' own.
 
-Run: `python benchmarks/memory_tp.py` (about 5 minutes on 2 cores; `--models Llama-3-8B`,
+Run: `python benchmarks/memory_tp.py` (about 2 minutes on 2 cores; `--models Llama-3-8B`,
 `--tp 1 2 4 8`, `--render` re-prints benchmarks/results/memory_tp.json and redraws the plot).
 
 Each model is built at its published shape in bf16 on the meta device and sharded on a fake
@@ -100,7 +100,9 @@ def measure(spec: str, tp: int) -> dict[str, Any]:
     if tp == 1:
         row["theirs"] = row["total"]
         row["theirs_fwd"] = "ok"
-    elif experts == "tensor":  # transformers' plan has no expert mode of its own
+    elif experts == "tensor":
+        # transformers' expert parallelism is a separate ep_plan over an ep mesh axis, not
+        # a mode of its tp plan: the expert rows compare with tpplan's tensor mode only
         model = _model(spec)
         with fake_ranks(tp) as mesh:
             _common.apply_transformers_plan(model, mesh)
@@ -140,7 +142,9 @@ def render(results: dict[str, Any], plot: bool) -> str:
         for r in rows:
             kept = _kept_summary(r["kept"])
             check = "accepted" if not r["check"] else f"refused ({len(r['check'])} problems)"
-            theirs = f"{r['theirs'] / GIB:.2f}" if "theirs" in r else "(no expert mode)"
+            theirs = (
+                f"{r['theirs'] / GIB:.2f}" if "theirs" in r else "(its tp plan: see tensor row)"
+            )
             table.append(
                 [
                     r["tp"],
