@@ -328,3 +328,53 @@ class WidthFromShard(nn.Module):
         q, k, v = per_head.transpose(1, 2).split(self.head_dim, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, scale=scale)
         return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SinkAttention(nn.Module):
+    """Attention with a learnt per-head sink, as GraniteSWA computes it: each head's output is
+    scaled by sigmoid(logsumexp(logits) - sink). Names mean nothing on purpose.
+    With `also_whole`, the sinks' mean is also added to every output feature: a use of the
+    whole parameter next to the per-head one."""
+
+    def __init__(self, *, also_whole: bool = False) -> None:
+        super().__init__()
+        self.n_head, self.head_dim, self.also_whole = 4, 8, also_whole
+        self.a, self.b, self.c = (nn.Linear(32, 32) for _ in range(3))
+        self.d = nn.Linear(32, 32)
+        self.s = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, t, _ = x.shape
+        q, k, v = (
+            m(x).view(bsz, t, self.n_head, self.head_dim).transpose(1, 2)
+            for m in (self.a, self.b, self.c)
+        )
+        logits = q @ k.transpose(2, 3) * self.head_dim**-0.5
+        scale = (torch.logsumexp(logits, dim=-1) - self.s.view(1, -1, 1)).sigmoid()
+        y = (logits.softmax(-1) @ v) * scale.unsqueeze(-1)
+        out = self.d(y.transpose(1, 2).reshape(bsz, t, -1))
+        return out + self.s.mean() if self.also_whole else out
+
+
+class SinkBlock(nn.Module):
+    """SinkAttention as a residual block's submodule (`z`), as models hold it."""
+
+    def __init__(self, *, also_whole: bool = False) -> None:
+        super().__init__()
+        self.z = SinkAttention(also_whole=also_whole)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.z(x)
+
+
+def gpt_oss(seed: int = 0) -> nn.Module:
+    """Sinks joined to the attention logits along the keys (`cat`), one per head; its
+    experts hold biases."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=16, intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return _build(GptOssForCausalLM, cfg, seed)

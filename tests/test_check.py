@@ -187,3 +187,26 @@ def test_an_untraceable_model_gets_the_structural_check() -> None:
     plan = Plan.from_yaml("tpplan: 1\nrules:\n  - {match: fc1, style: colwise, why: opens}\n")
     p = _only(check_plan(plan, HeadNormBlock(), tp_size=2), "unclosed_region")
     assert "no rowwise module under the model (top level)" in p.message
+
+
+def _sink_plan(shard: dict[str, int]) -> Plan:
+    from tpplan import Rule
+
+    return Plan(rules=[Rule(match="z", style="split_params", shard=shard, why="its sinks")])
+
+
+def test_split_params_naming_a_parameter_the_module_lacks() -> None:
+    from infer_models import SinkBlock
+
+    p = _only(check_plan(_sink_plan({"sinks": 0}), SinkBlock(), tp_size=2), "module_type")
+    assert p.message == (
+        "split_params names sinks, which SinkAttention does not hold (its parameters: s (4,))."
+    )
+    assert p.fix == "name the module's own parameters (not its children's) in shard."
+
+
+def test_split_params_whose_size_the_tp_size_does_not_divide() -> None:
+    from infer_models import SinkBlock
+
+    p = _only(check_plan(_sink_plan({"s": 0}), SinkBlock(), tp_size=8), "divisibility")
+    assert "s dim 0" in p.message and "1, 2, 4" in p.fix

@@ -14,6 +14,8 @@ from infer_models import (
     ROLES,
     Mlp,
     NormedMlp,
+    SinkAttention,
+    SinkBlock,
     WidthFromShard,
     bart,
     block,
@@ -22,6 +24,7 @@ from infer_models import (
     gemma3,
     gpt2,
     gpt_neox,
+    gpt_oss,
     llama_gqa,
     llama_mha,
     opt,
@@ -291,6 +294,54 @@ def test_gemma3_qk_norms_stay_inside_the_region() -> None:
     assert rule_for(plan, model, "model.layers.0.self_attn.o_proj").style == "rowwise"
     norm = rule_for(plan, model, "model.layers.0.self_attn.q_norm")
     assert norm.style == "replicate_grad_sum"
+    assert_parity(model, plan, 2, _tokens())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_per_head_sink_is_split_with_the_heads(tp: int) -> None:
+    """A 1-D parameter with one entry per head, met element by element by the split heads
+    (`lse - sink.view(1, -1, 1)`): each rank holds its own heads' entries (split_params),
+    so the attention splits; forward and every gradient match the unsharded model."""
+    model = SinkBlock()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    rule = rule_for(plan, model, "z")
+    assert (rule.style, rule.shard) == ("split_params", {"s": 0})
+    assert styles(plan, model)["z.a"] == ("colwise", None)
+    assert styles(plan, model)["z.d"] == ("rowwise", None)
+    assert_parity(model, plan, tp, x)
+
+
+def test_a_sink_also_used_whole_keeps_the_attention_whole() -> None:
+    model = SinkBlock(also_whole=True)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert not any(r.style == "split_params" for r in plan.rules)
+    assert styles(plan, model)["z.a"] == ("colwise", "replicate")  # gathered at once
+    assert "used both inside and outside the region" in rule_for(plan, model, "z.a").why
+    assert_parity(model, plan, 2, x)
+
+
+def test_parameters_of_the_model_itself_in_a_region_keep_it_whole() -> None:
+    """A plan styles submodules only: the root's own sink cannot be split or have its
+    gradient summed, so the attention stays whole, with that reason."""
+    model = SinkAttention()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model).get("a", ("colwise", "replicate")) == ("colwise", "replicate")
+    assert "the model's own parameters" in rule_for(plan, model, "a").why
+    assert_parity(model, plan, 2, x)
+
+
+def test_gpt_oss_sinks_joined_to_the_logits() -> None:
+    """GPT-OSS joins each head's sink to its logits (`cat` along the keys)."""
+    model = gpt_oss()
+    plan = tpplan.infer_plan(model)
+    sinks = rule_for(plan, model, "model.layers.0.self_attn")
+    assert (sinks.style, sinks.shard) == ("split_params", {"sinks": 0})
+    assert "one entry per head" in sinks.why
+    assert rule_for(plan, model, "model.layers.0.self_attn.q_proj").style == "colwise"
+    assert rule_for(plan, model, "model.layers.0.self_attn.o_proj").style == "rowwise"
     assert_parity(model, plan, 2, _tokens())
 
 

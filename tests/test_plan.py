@@ -323,3 +323,15 @@ def test_any_why_round_trips_byte_stable(whys: list[str]) -> None:
     out = plan.to_yaml()
     assert Plan.from_yaml(out) == plan
     assert Plan.from_yaml(out).to_yaml() == out
+
+
+def test_split_params_needs_the_parameters_it_splits() -> None:
+    text = "tpplan: 4\nrules:\n  - {match: attn, style: split_params, why: x}\n"
+    with pytest.raises(PlanFileError, match=r"split_params needs shard: \{parameter: dim\}"):
+        Plan.from_yaml(text)
+
+
+def test_split_params_needs_schema_version_4() -> None:
+    text = "tpplan: 3\nrules:\n  - {match: attn, style: split_params, shard: {s: 0}, why: x}\n"
+    with pytest.raises(PlanFileError, match="need schema version 4"):
+        Plan.from_yaml(text)

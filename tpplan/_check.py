@@ -31,6 +31,7 @@ _TYPES: dict[str, tuple[type[nn.Module], ...] | None] = {
     "replicate": None,
     "replicate_grad_sum": None,
     "experts": None,
+    "split_params": None,
 }
 
 
@@ -212,8 +213,9 @@ def _no_match(i: int, rule: Rule, names: list[str]) -> Problem:
     )
 
 
-def _check_experts(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
-    """Every parameter an experts rule names exists, and each split dim divides by tp."""
+def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    """Every parameter an experts or split_params rule names exists, and each split dim
+    divides by tp."""
     out: list[Problem] = []
     own = dict(module.named_parameters(recurse=False))
     named = [*(rule.shard or {}), *(rule.after_sum or ())]
@@ -225,9 +227,10 @@ def _check_experts(i: int, rule: Rule, name: str, module: nn.Module, tp: int) ->
                 "module_type",
                 _where(i, rule),
                 name,
-                f"experts names {', '.join(missing)}, which {type(module).__name__} does not "
-                f"hold (its parameters: {have}).",
-                "name the module's own expert weights in shard and after_sum.",
+                f"{rule.style} names {', '.join(missing)}, which {type(module).__name__} does "
+                f"not hold (its parameters: {have}).",
+                "name the module's own parameters (not its children's) in shard"
+                + (" and after_sum." if rule.style == "experts" else "."),
             )
         ]
     for pname, dim in (rule.shard or {}).items():
@@ -239,12 +242,14 @@ def _check_experts(i: int, rule: Rule, name: str, module: nn.Module, tp: int) ->
                     _where(i, rule),
                     name,
                     f"shard: {pname}: {dim}, but {pname} has {len(shape)} dims {shape}.",
-                    "give a dim of the parameter (0 is the experts).",
+                    "give a dim of the parameter"
+                    + (" (0 is the experts)." if rule.style == "experts" else "."),
                 )
             )
             continue
         pieces = (rule.fused or {}).get(pname)
-        what = f"{pname} dim {dim}" + (" (the number of experts)" if dim == 0 else "")
+        experts = rule.style == "experts" and dim == 0
+        what = f"{pname} dim {dim}" + (" (the number of experts)" if experts else "")
         if pieces is not None and sum(pieces) != shape[dim]:
             out.append(
                 Problem(
@@ -263,8 +268,8 @@ def _check_experts(i: int, rule: Rule, name: str, module: nn.Module, tp: int) ->
 
 
 def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
-    if rule.style == "experts":
-        return _check_experts(i, rule, name, module, tp)
+    if rule.style in ("experts", "split_params"):
+        return _check_own_params(i, rule, name, module, tp)
     out: list[Problem] = []
     types = _TYPES[rule.style]
     if rule.transposed:

@@ -53,7 +53,7 @@ class _Decision:
     input: str | None = None
     prepared: int | str | None = None  # prepare: the input gathered (index or keyword)
     mode: str | None = None  # experts
-    shard: tuple[tuple[str, int], ...] = ()  # experts: (parameter, dim)
+    shard: tuple[tuple[str, int], ...] = ()  # experts, split_params: (parameter, dim)
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # experts: (parameter, pieces)
     after_sum: tuple[str, ...] = ()  # experts
 
@@ -80,9 +80,10 @@ class _Decision:
             extra["transposed"] = True
         if self.local_output is not None:
             extra["local_output"] = self.local_output
+        if self.shard:
+            extra["shard"] = dict(self.shard)
         if self.mode is not None:
             extra["mode"] = self.mode
-            extra["shard"] = dict(self.shard)
             if self.fused:
                 extra["fused"] = {k: list(v) for k, v in self.fused}
             if self.after_sum:
@@ -336,10 +337,23 @@ class _Decider:
                 "dims); each rank must use its own share, so it is divided by the tp size",
             )
         for h in helpers:
+            own = _own_params(self.modules[h], h)
+            by = _join_names([short[o] for o in openers])
+            if any(p in self.trace.split_params for p in own):
+                names = [p.rpartition(".")[2] for p in own]
+                self.decisions[h] = _Decision(
+                    "split_params",
+                    f"{_join(names)} {'holds' if len(names) == 1 else 'hold'} one entry per "
+                    f"head (per element of the dim split by {by}) and meets them element by "
+                    "element (a per-head sink); split alike, each rank holds its own heads' "
+                    "entries",
+                    shard=tuple((n, 0) for n in names),
+                )
+                continue
             self.decisions[h] = _Decision(
                 "replicate_grad_sum",
-                f"its parameters act on the split features of {_join(sorted(short[o] for o in openers))} "
-                "inside the region; each rank's gradient is a partial sum, summed over the tp axis",
+                f"its parameters act on the split features of {by} inside the region; each "
+                "rank's gradient is a partial sum, summed over the tp axis",
             )
 
     def helpers(self, openers: set[str], short: dict[str, str], reasons: list[str]) -> list[str]:
@@ -350,6 +364,14 @@ class _Decider:
         for owner in sorted(owners):
             module = self.modules.get(owner)
             label = owner.rpartition(".")[2] or type(module).__name__
+            if not owner:
+                # rules style submodules (parallelize_module matches child names): nothing
+                # can split or sum the gradient of the root's own parameters
+                reasons.append(
+                    "the model's own parameters (not a submodule's) meet its split tensors, "
+                    "and a plan styles submodules only"
+                )
+                continue
             if module is None or owner in t.linears or isinstance(module, nn.Embedding):
                 reasons.append(
                     f"the weight of {label} is used inside the region outside its own call"
@@ -361,6 +383,10 @@ class _Decider:
                 for p in own
             ):
                 reasons.append(f"{label}'s parameters are used both inside and outside the region")
+                continue
+            split = [p for p in own if p in t.split_params]
+            if split and (len(split) < len(own) or any(p in t.whole_params for p in split)):
+                reasons.append(f"{label}'s parameters are used both split with the heads and whole")
                 continue
             out.append(owner)
         return out

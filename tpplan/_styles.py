@@ -4,6 +4,7 @@
 (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput/Output) except three
 cases built here on the same classes:
 - `replicate_grad_sum`: `ReplicateGradSum`;
+- `split_params`: `SplitParams`;
 - fused colwise layers (`parts`): `Colwise` stores each part's rank-r slice next to the
   others', so a rank's output is its own q, k and v (or gate and up) laid end to end;
 - weights stored (in, out) (`transposed`, GPT-2's Conv1D): `Colwise` / `Rowwise` shard the
@@ -54,6 +55,7 @@ __all__ = [
     "Experts",
     "ReplicateGradSum",
     "Rowwise",
+    "SplitParams",
     "fused_layouts",
     "fused_order",
     "placement",
@@ -260,6 +262,41 @@ class Rowwise(RowwiseParallel):
 
 
 # ---- mixture-of-experts ---------------------------------------------------------------------
+class SplitParams(ParallelStyle):
+    """Parameters of the module itself split along a dim (`shard`), and used in its forward
+    as each rank's own part: a per-head attention sink, met element by element by the heads
+    the colwise layers around split, so rank r needs exactly its heads' entries.
+
+    The local parts are put in the module's `__dict__` for the call (attribute lookup finds
+    them before the DTensor parameters); their gradients flow back into the rank's shard.
+    """
+
+    def __init__(self, *, shard: dict[str, int]) -> None:
+        super().__init__()
+        self.shard = dict(shard)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, dim in self.shard.items():
+            _distribute(module, name, device_mesh, dim, None, 0)
+
+        def before(mod: nn.Module, args: Any) -> None:
+            for name in self.shard:
+                p = mod._parameters[name]
+                assert isinstance(p, DTensor)  # made one at apply
+                mod.__dict__[name] = p.to_local()
+
+        def after(mod: nn.Module, args: Any, out: Any) -> None:
+            for name in self.shard:
+                mod.__dict__.pop(name, None)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SplitParams(shard={self.shard})"
+
+
 class Experts(ParallelStyle):
     """A module holding every expert's weights as 3-D parameters (experts first), whose
     forward takes the tokens, the routing (expert ids per token, an integer tensor) and the
@@ -438,6 +475,9 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
         return _prepare(rule)
     if rule.style == "replicate_grad_sum":
         return ReplicateGradSum()
+    if rule.style == "split_params":
+        assert rule.shard is not None  # the rule's validator requires it
+        return SplitParams(shard=rule.shard)
     if rule.style == "experts":
         assert rule.shard is not None  # the rule's validator requires it
         return Experts(

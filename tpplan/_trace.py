@@ -137,6 +137,12 @@ class Trace:
     bias's dim that holds the features)."""
     after_sum: dict[str, str] = field(default_factory=dict)
     """Per-expert bias added to the closing matmul's partial sums -> its module."""
+    whole_params: set[str] = field(default_factory=set)
+    """1-D parameters also met whole by split tensors (broadcast along the split dim)."""
+    split_params: dict[str, set[str]] = field(default_factory=dict)
+    """1-D parameter met element by element with split tensors, one entry per element of
+    the split dim (a per-head attention sink) -> the openers of those splits: it can be
+    split alike, each rank holding its own entries."""
     after_weighting: set[str] = field(default_factory=set)
     """Those of them added after the routing weights scaled the partial sums."""
     expert_exits: dict[str, str | None] = field(default_factory=dict)
@@ -370,6 +376,9 @@ class _Tracer(TorchDispatchMode):
         self.partials: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
         # Routing weights an experts module was given, and views of them; partial sums they
         # scaled (id -> tensor).
+        # Views of 1-D parameters (`sinks.view(1, -1, 1)`): id -> (view, parameter, the dim
+        # of the view holding the parameter's entries).
+        self.vectors: dict[int, tuple[torch.Tensor, str, int]] = {}
         self.routing: dict[int, torch.Tensor] = {}
         self.weighted: dict[int, torch.Tensor] = {}
 
@@ -405,6 +414,19 @@ class _Tracer(TorchDispatchMode):
         if entry is not None and entry[0] is None and entry[1] in self.expert_params:
             return entry[1], tuple(range(t.dim()))
         return None
+
+    def vector_view(self, t: Any) -> tuple[str, int] | None:
+        """(1-D parameter, the dim of `t` holding its entries) when `t` is one, a view of
+        one, or computed from one alone (`sinks.float()`)."""
+        if not isinstance(t, torch.Tensor):
+            return None
+        view = self.vectors.get(id(t))
+        if view is not None and view[0] is t:
+            return view[1], view[2]
+        name = self.param_of(t)
+        if name is None or t.dim() != 1 or name in self.expert_params:
+            return None
+        return name, 0
 
     def partial_of(self, t: Any) -> frozenset[str] | None:
         entry = self.partials.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -489,6 +511,7 @@ class _Tracer(TorchDispatchMode):
                 return
             if name in ("_grouped_mm", "bmm", "mm") and self.expert_product(name, a, out):
                 return
+        self.note_vectors(func, name, a, ins, outs)
         self.note_params(name, ins, outs, sources)
         if not splits:
             self.note_unsplit_sizes(name, args, kwargs)
@@ -543,6 +566,64 @@ class _Tracer(TorchDispatchMode):
                 self.trace.params_in_region.setdefault(p, set()).update(sources)
             else:
                 self.trace.params_outside.add(p)
+
+    def note_vectors(
+        self,
+        func: Any,
+        name: str,
+        a: dict[str, Any],
+        ins: list[torch.Tensor],
+        outs: list[torch.Tensor],
+    ) -> None:
+        """Follow views of 1-D parameters, keeping which dim holds their entries."""
+        if len(outs) != 1 or not ins:
+            return
+        found = self.vector_view(ins[0])
+        if found is None:
+            return
+        pname, vd = found
+        t, out = ins[0], outs[0]
+        new: int | None = None
+        if name == "unsqueeze":
+            new = vd + (1 if _norm_dim(a["dim"], out.dim()) <= vd else 0)
+        elif name == "expand":
+            new = vd + out.dim() - t.dim()
+        elif name in ("t", "transpose", "permute"):
+            nd = t.dim()
+            if name == "permute":
+                order = [_norm_dim(d, nd) for d in a["dims"]]
+            else:
+                d0, d1 = (
+                    (0, 1) if name == "t" else (_norm_dim(a["dim0"], nd), _norm_dim(a["dim1"], nd))
+                )
+                order = list(range(nd))
+                order[d0], order[d1] = order[d1], order[d0]
+            new = order.index(vd)
+        elif name in _RESHAPES:
+            # only a view that keeps the entries in one dim, all others of size 1
+            big = [d for d, n in enumerate(out.shape) if n != 1]
+            new = big[0] if len(big) == 1 else None
+        elif out.shape == t.shape and (
+            name in _PASS_THROUGH or (len(ins) == 1 and torch.Tag.pointwise in func.tags)
+        ):
+            new = vd  # a copy, a cast, or `1 + sinks`
+        if new is not None and 0 <= new < out.dim() and out.shape[new] == t.shape[vd]:
+            self.vectors[id(out)] = (out, pname, new)
+
+    def split_param(self, t: torch.Tensor, s: Split, nd: int) -> bool:
+        """A 1-D parameter (or a view of one) with one entry per element of the split dim,
+        met element by element by the split tensor: a per-head attention sink. It can be
+        split alike (each rank holds its own contiguous share), so the split goes on."""
+        found = self.vector_view(t)
+        if found is None or s.outer != 1:
+            return False
+        pname, vd = found
+        if vd != s.dim - (nd - t.dim()) or t.shape[vd] != s.n * s.inner:
+            return False
+        if pname.rpartition(".")[0] in self.trace.linears:
+            return False  # a Linear's own bias used elsewhere: not the Linear's rule to make
+        self.trace.split_params.setdefault(pname, set()).update(s.sources)
+        return True
 
     # ---- mixture-of-experts --------------------------------------------------------------
     def note_views(
@@ -872,11 +953,14 @@ class _Tracer(TorchDispatchMode):
         nd = tensors[0].dim()
         d = _norm_dim(a.get("dim", 0), nd)
         splits = [s for s in (self.split_of(t) for t in tensors) if s is not None]
-        if len(splits) < len(tensors):
-            raise _Break("it joins split and unsplit tensors")
         merged = _merge(splits, [s.dim for s in splits])
         if merged.dim == d:
             raise _Break("it concatenates along the split dim")
+        for t in tensors:
+            # an unsplit part is fine only as a 1-D parameter split alike (GPT-OSS's sinks,
+            # one per head, joined to the attention logits along the keys)
+            if self.split_of(t) is None and not self.split_param(t, merged, nd):
+                raise _Break("it joins split and unsplit tensors")
         return merged
 
     def split_apart(
@@ -985,7 +1069,14 @@ class _Tracer(TorchDispatchMode):
                 raise _Break("the split dim is broadcast")
         result = _merge([s for _, s in split_pairs], dims)
         for t, maybe in pairs:
-            if maybe is None and not self.expert_bias(t, result, nd):
+            if (
+                maybe is None
+                and not self.expert_bias(t, result, nd)
+                and not self.split_param(t, result, nd)
+            ):
+                vector = self.vector_view(t)
+                if vector is not None:
+                    self.trace.whole_params.add(vector[0])
                 self.check_broadcast(t, result, nd)
         if func._schema.is_mutable and self.split_of(args[0]) is None:
             raise _Break("it writes split values into an unsplit tensor in place")

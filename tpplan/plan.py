@@ -39,7 +39,7 @@ SCHEMA_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {2: ("parts", "transposed"), 3: ("mode", "shard", "fused", "after_sum")}
-_ADDED_STYLES = {3: ("experts",)}
+_ADDED_STYLES = {3: ("experts",), 4: ("split_params",)}
 _ADDED_MODEL_FIELDS = {4: ("command",)}
 
 Style = Literal[
@@ -51,6 +51,7 @@ Style = Literal[
     "replicate",
     "replicate_grad_sum",
     "experts",
+    "split_params",
 ]
 STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 
@@ -75,6 +76,7 @@ _STYLE_FIELDS: dict[str, frozenset[str]] = {
     "replicate": frozenset(),
     "replicate_grad_sum": frozenset(),
     "experts": frozenset({"mode", "shard", "fused", "after_sum"}),
+    "split_params": frozenset({"shard"}),
 }
 
 _LAYOUT_RE = re.compile(r"^(replicate|partial|shard\((-?\d+)\))$")
@@ -143,7 +145,7 @@ class Rule(_Strict):
     (`model.layers.*.mlp.up_proj`), exactly as parallelize_module matches."""
     style: Style
     """colwise | rowwise | vocab_parallel | sequence_parallel | prepare | replicate |
-    replicate_grad_sum."""
+    replicate_grad_sum | experts | split_params."""
     why: str = Field(min_length=1)
     """The evidence for this rule, in words a reviewer can check."""
     input: Layout | None = None
@@ -187,8 +189,10 @@ class Rule(_Strict):
     outputs with one all-reduce; `expert` gives each rank num_experts/tp whole experts, each
     rank computes the tokens routed to its own experts, and one all-reduce sums them."""
     shard: dict[str, Annotated[int, Field(ge=0)]] | None = None
-    """experts: parameter (named relative to the matched module) -> the dim it is split on;
-    the other parameters of the module are replicated."""
+    """experts, split_params: parameter of the matched module (by its own name) -> the dim it
+    is split on; for experts, the module's other parameters are replicated. split_params
+    splits parameters used element by element on split features (one attention sink per
+    head): each rank holds, and its forward uses, its own contiguous share."""
     fused: dict[str, list[Annotated[int, Field(gt=0)]]] | None = None
     """experts: parameter -> sizes of the pieces laid end to end along its split dim (gate|up);
     each rank holds its slice of every piece, as `parts` does for colwise."""
@@ -245,6 +249,11 @@ class Rule(_Strict):
             _check_prepare(self)
         if self.style == "experts":
             _check_experts(self)
+        if self.style == "split_params" and not self.shard:
+            raise ValueError(
+                "split_params needs shard: {parameter: dim} naming the module's own parameters "
+                "it splits (e.g. {sinks: 0})."
+            )
         if self.style == "colwise" and "partial" in (self.input, self.output):
             raise ValueError(
                 "style 'colwise' cannot take or give layout 'partial'; use replicate or shard(DIM)."
