@@ -88,7 +88,9 @@ def test_heads_that_do_not_divide_list_the_legal_sizes() -> None:
     assert k.kind == "divisibility"
     assert "4 heads (of head_dim 8) do not split evenly over tp size 8" in k.message
     assert "use a tp size among 1, 2, 4," in k.fix
-    assert not any(p.module == "model.layers.*.self_attn.q_proj" for p in problems)  # 8 q heads do
+    # 8 q heads divide by 8, but each pair shares a k/v head: the trace keeps pairs together
+    q = next(p for p in problems if p.module == "model.layers.*.self_attn.q_proj")
+    assert "as 8 heads of 8, which must stay together in 4 groups: tp size 8" in q.message
 
 
 def test_a_region_left_open(llama) -> None:  # type: ignore[no-untyped-def]
@@ -210,3 +212,32 @@ def test_split_params_whose_size_the_tp_size_does_not_divide() -> None:
 
     p = _only(check_plan(_sink_plan({"s": 0}), SinkBlock(), tp_size=8), "divisibility")
     assert "s dim 0" in p.message and "1, 2, 4" in p.fix
+
+
+def test_a_head_dim_smaller_than_the_models_heads_is_caught_by_the_trace() -> None:
+    """A plan stating head_dim 4 for heads 8 wide passes its own divisibility check at tp 4
+    (16 k/v features are 4 "heads" of 4), but would give each rank half a k/v head, found
+    mid-forward. The trace sees the model view k_proj's output as 2 heads of 8."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tpplan import infer_plan
+
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    plan = infer_plan(model)
+    wrong = Plan.from_yaml(plan.to_yaml().replace("head_dim: 8", "head_dim: 4"))
+    assert check_plan(wrong, model, tp_size=2) == []  # 2 divides every count: sound
+    problems = [p for p in check_plan(wrong, model, tp_size=4) if p.module.endswith("k_proj")]
+    assert [p.kind for p in problems] == ["divisibility"]
+    assert problems[0].message == (
+        "the model views its 16 output features as 2 heads of 8: tp size 4 would cut them "
+        "(the rule's head_dim is 4)."
+    )
+    assert problems[0].fix == (
+        "use a tp size among 1, 2, or keep this module replicated; its head_dim is 8."
+    )

@@ -121,7 +121,8 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
             owner[name] = i
             problems.extend(_check_module(i, rule, name, modules[name], tp_size))
     problems.extend(_check_tied(plan, owner, model))
-    problems.extend(_check_regions(plan, matched, model))
+    flagged = {p.module for p in problems if p.kind == "divisibility"}
+    problems.extend(_check_regions(plan, matched, model, tp_size, flagged))
     problems.extend(_check_attributes(plan, names, modules, tp_size))
     problems.extend(_check_fingerprint(plan, model))
     return _merge_layers(problems, names)
@@ -364,8 +365,11 @@ def _check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) ->
     return out
 
 
-def _check_regions(plan: Plan, matched: dict[int, list[str]], model: nn.Module) -> list[Problem]:
-    """A column-parallel output must reach row-parallel layers only (and the reverse).
+def _check_regions(
+    plan: Plan, matched: dict[int, list[str]], model: nn.Module, tp: int, flagged: set[str]
+) -> list[Problem]:
+    """A column-parallel output must reach row-parallel layers only (and the reverse), and
+    split into whole heads as the model itself views them.
 
     The model is traced (tpplan/_trace.py) to see where each layer's output goes; a model
     that cannot be traced (its inputs cannot be guessed) gets the structural check instead.
@@ -380,18 +384,57 @@ def _check_regions(plan: Plan, matched: dict[int, list[str]], model: nn.Module) 
         trace = trace_model(model)
     except TpplanError:
         return _check_regions_by_structure(plan, openers, closers)
-    return _check_regions_by_flow(plan, openers, closers, trace)
+    return _check_regions_by_flow(plan, openers, closers, trace) + _check_heads(
+        plan, openers, trace, tp, flagged
+    )
+
+
+def _check_heads(
+    plan: Plan, openers: list[tuple[int, str]], trace: Trace, tp: int, flagged: set[str]
+) -> list[Problem]:
+    """Each split output must give every rank whole heads as the model's own views cut them
+    (the trace's units), whatever head_dim the plan states: a plan whose head_dim is too
+    small (or missing) would pass the rule's own check and cut heads in half mid-forward."""
+    out: list[Problem] = []
+    for i, name in openers:
+        t = _traced(trace, name)
+        units = trace.units.get(t)
+        if name in flagged or t not in trace.openers or units is None or units % tp == 0:
+            continue
+        features, heads = trace.openers[t], trace.heads.get(t)
+        size = features // heads if heads and features % heads == 0 else None
+        what = f"{heads} heads of {size}" if size else f"{features} features"
+        if heads != units:
+            what += f", which must stay together in {units} groups"
+        stated = plan.rules[i].head_dim
+        out.append(
+            Problem(
+                "divisibility",
+                _where(i, plan.rules[i]),
+                name,
+                f"the model views its {features} output features as {what}: tp size {tp} "
+                "would cut them"
+                + (f" (the rule's head_dim is {stated})." if stated and stated != size else "."),
+                f"use a tp size among {_legal_sizes(units)}, or keep this module replicated"
+                + (f"; its head_dim is {size}." if size and stated not in (None, size) else "."),
+            )
+        )
+    return out
+
+
+def _traced(trace: Trace, name: str) -> str:
+    """Untraced repeats of a block are checked through the block traced in their place."""
+    for block, twin in trace.stand_ins.items():
+        if name == block or name.startswith(block + "."):
+            return twin + name[len(block) :]
+    return name
 
 
 def _check_regions_by_flow(
     plan: Plan, openers: list[tuple[int, str]], closers: list[tuple[int, str]], trace: Trace
 ) -> list[Problem]:
     def traced(name: str) -> str:
-        # untraced repeats of a block are checked through the block traced in their place
-        for block, twin in trace.stand_ins.items():
-            if name == block or name.startswith(block + "."):
-                return twin + name[len(block) :]
-        return name
+        return _traced(trace, name)
 
     open_t = {traced(n) for _, n in openers}
     close_t = {traced(n) for _, n in closers}
