@@ -378,3 +378,42 @@ def gpt_oss(seed: int = 0) -> nn.Module:
         num_experts_per_tok=2, max_position_embeddings=64,
     )  # fmt: skip
     return _build(GptOssForCausalLM, cfg, seed)
+
+
+def deepseek_v3(seed: int = 0) -> nn.Module:
+    """Multi-head latent attention: q and k/v pass through small normed latents (q_a_proj,
+    kv_a_proj_with_mqa), then per-head projections (q_b_proj; kv_b_proj, each head's k and v
+    side by side) whose keys are assembled in a buffer made with `new_empty` to the local
+    head count, next to a rotary part broadcast with `expand` to it."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, first_k_dense_replace=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=64,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, max_position_embeddings=64,
+    )  # fmt: skip
+    return _build(DeepseekV3ForCausalLM, cfg, seed)
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.sigmoid(x.mean(-1, keepdim=True))  # one gate per token, from the whole input
+        return x + self.down(torch.relu(self.up(x)) * g)
+
+
+class GatedBlock(nn.Module):
+    """A projection, then an MLP whose hidden features are scaled by a per-token gate
+    computed from its (unsplit, weight-derived) input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.blk = nn.Linear(8, 32), _Gated()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blk(self.inp(x))

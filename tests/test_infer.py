@@ -12,6 +12,7 @@ from infer_models import (
     ODD_NAMES,
     PLAIN_NAMES,
     ROLES,
+    GatedBlock,
     Mlp,
     NormedMlp,
     SinkAttention,
@@ -19,6 +20,7 @@ from infer_models import (
     WidthFromShard,
     bart,
     block,
+    deepseek_v3,
     falcon,
     fused_gqa,
     gemma3,
@@ -343,6 +345,36 @@ def test_gpt_oss_sinks_joined_to_the_logits() -> None:
     assert rule_for(plan, model, "model.layers.0.self_attn.q_proj").style == "colwise"
     assert rule_for(plan, model, "model.layers.0.self_attn.o_proj").style == "rowwise"
     assert_parity(model, plan, 2, _tokens())
+
+
+def test_deepseek_latent_attention_stays_whole_for_its_gradients() -> None:
+    """DeepSeek's keys are assembled in a buffer made with `new_empty` to the local head
+    count (followed as split), next to a rotary part computed from the weights and broadcast
+    over the heads with `expand`. On a rank that broadcast covers its own heads only, so the
+    rotary part's gradient would be a partial sum nothing adds up: the attention stays whole,
+    with that reason (forward parity alone would not show it). The normed latents do not tie
+    the per-head projections into their regions."""
+    model = deepseek_v3()
+    plan = tpplan.infer_plan(model)
+    kv = rule_for(plan, model, "model.layers.0.self_attn.kv_b_proj")
+    assert (kv.style, kv.output) in {("replicate", None), ("colwise", "replicate")}
+    assert "expand: it broadcasts an unsplit tensor computed from the weights" in kv.why
+    assert "new_empty" not in kv.why
+    q_a = rule_for(plan, model, "model.layers.0.self_attn.q_a_proj")
+    assert "q_b_proj" not in q_a.why
+    assert_parity(model, plan, 2, _tokens())
+
+
+def test_a_gate_computed_from_the_weights_keeps_the_split_from_training_wrong() -> None:
+    """An MLP whose split features are scaled by a per-token gate computed from the whole
+    input: forward would be right split, but the gate's gradient would be each rank's
+    partial sum. Its layers are gathered instead, and every gradient matches."""
+    model = GatedBlock()
+    x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model)["blk.up"] == ("colwise", "replicate")
+    assert "its gradient would be each rank's partial sum" in rule_for(plan, model, "blk.up").why
+    assert_parity(model, plan, 2, x)
 
 
 def test_mlp() -> None:

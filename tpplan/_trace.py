@@ -215,6 +215,10 @@ _SPLITS = {
 _NORMS = {"native_layer_norm", "_fused_rms_norm", "rms_norm", "layer_norm"}
 # Ops whose output is the same data as their one input: a parameter or a model input passed
 # through them is still that parameter or input.
+# Ops making a tensor whose values are the same along every dim it is given a size for:
+# sized by a split dim read just before, it is split like that dim (`sized_by_a_shard`).
+_NEW_FROM = {"new_empty", "new_zeros", "new_ones"}
+_SHARD_SIZED = _NEW_FROM | {"empty", "zeros", "ones", "expand"}
 _PASS_THROUGH = _RESHAPES | {
     "alias",
     "detach",
@@ -346,6 +350,9 @@ class _Tracer(TorchDispatchMode):
         # Tensors that are (views or copies of) a parameter or the model's input; the tensors
         # are held so that their ids stay unique while traced.
         self.params: dict[int, tuple[Any, str]] = {i: (None, n) for i, n in params.items()}
+        # Tensors computed from parameters (id -> tensor): in training they carry a gradient
+        # back to the weights (see `carries`).
+        self.carrying: dict[int, torch.Tensor] = {}
         self.inputs: dict[int, torch.Tensor] = {}
         self.quiet = 0  # > 0 inside a hooked module or a whole-op rule: ops there are not ours
         # Integer attributes of modules read by each running forward, innermost last:
@@ -360,6 +367,8 @@ class _Tracer(TorchDispatchMode):
         # Sizes of split dims read off split tensors since the last op (`x.shape`): a count
         # taken so is each shard's own.
         self.shapes_read: set[int] = set()
+        # The same sizes -> the split they were read off (dim, outer, n, inner, sources).
+        self.shape_splits: dict[int, Split] = {}
         self.embedding_calls: list[str] = []  # the Embedding modules whose forward is running
         # Per running Embedding forward: the tensors linear in its lookup's rows (id ->
         # tensor), and the first op that was not linear in them.
@@ -385,7 +394,14 @@ class _Tracer(TorchDispatchMode):
     # ---- bookkeeping ------------------------------------------------------------------
     def split_of(self, t: Any) -> Split | None:
         entry = self.splits.get(id(t)) if isinstance(t, torch.Tensor) else None
-        return entry[1] if entry is not None and entry[0] is t else None
+        if entry is None or entry[0] is not t:
+            return None
+        # Once every layer behind a split has had it end somewhere, none of them will stay
+        # split (each is kept whole or gathered), so what follows sees whole tensors: a
+        # normed latent (DeepSeek's q_a_proj) does not tie the next layer into its region.
+        if all(src in self.trace.broken for src in entry[1].sources):
+            return None
+        return entry[1]
 
     def mark(self, t: torch.Tensor, split: Split, op: str) -> None:
         self.splits[id(t)] = (t, split)
@@ -428,6 +444,29 @@ class _Tracer(TorchDispatchMode):
             return None
         return name, 0
 
+    def carries(self, t: Any) -> bool:
+        """True when `t` is computed from parameters, so that training sends a gradient
+        through it to the weights (the trace itself runs without autograd)."""
+        if not isinstance(t, torch.Tensor):
+            return False
+        entry = self.carrying.get(id(t))
+        return (entry is not None and entry is t) or self.param_of(t) is not None
+
+    def side_input(self, t: torch.Tensor, s: Split, op: str) -> None:
+        """An unsplit tensor computed from the weights (not a parameter: those get rules of
+        their own) meeting split features inside a region, broadcast across them: on each
+        rank its gradient sums over that rank's features only, and no collective adds the
+        ranks' partial sums, so the weights behind it would train wrong. Experts modules
+        are exempt: their style sums the gradients of everything they are given."""
+        if not self.carries(t) or self.param_of(t) is not None or self.vector_view(t):
+            return
+        if any(src in self.expert_params for src in s.sources):
+            return
+        raise _Break(
+            f"{op} meets an unsplit tensor computed from the weights (broadcast over the split "
+            "dim): its gradient would be each rank's partial sum, with nothing to add them up"
+        )
+
     def partial_of(self, t: Any) -> frozenset[str] | None:
         entry = self.partials.get(id(t)) if isinstance(t, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0] is t else None
@@ -449,6 +488,7 @@ class _Tracer(TorchDispatchMode):
             # before the reshape are still fresh at its view
             self.fresh.clear()
             self.shapes_read.clear()
+            self.shape_splits.clear()
         return out
 
     def note_rows(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -490,6 +530,10 @@ class _Tracer(TorchDispatchMode):
         splits = [s for s in (self.split_of(t) for t in ins) if s is not None]
         sources = frozenset().union(*(s.sources for s in splits))
         a = _named(func, args, kwargs)
+        if name not in _METADATA and any(self.carries(t) for t in ins):
+            for o in outs:
+                if o.is_floating_point():
+                    self.carrying[id(o)] = o
         if self.expert_params:
             self.note_views(name, a, ins, outs)
             partial = [p for p in (self.partial_of(t) for t in ins) if p is not None]
@@ -513,8 +557,10 @@ class _Tracer(TorchDispatchMode):
                 return
         self.note_vectors(func, name, a, ins, outs)
         self.note_params(name, ins, outs, sources)
-        if not splits:
-            self.note_unsplit_sizes(name, args, kwargs)
+        if not splits or name in _NEW_FROM:
+            # `x.new_empty(...)` reads nothing of x but its dtype and device
+            if not self.sized_by_a_shard(name, ins, outs):
+                self.note_unsplit_sizes(name, args, kwargs)
             return
         if not outs:
             if func.namespace != "prim" and name not in _METADATA:
@@ -527,6 +573,43 @@ class _Tracer(TorchDispatchMode):
             return
         for t, s in results:
             self.mark(t, s, name)
+
+    def sized_by_a_shard(
+        self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> bool:
+        """A tensor made to the size of a split dim read just before (`x.shape[1]`), with
+        values that are the same along that dim: a new buffer (`x.new_empty(*x.shape[:-1],
+        d)`, filled in afterwards) or an unsplit tensor broadcast to it (`k.expand(-1,
+        x.shape[1], -1, -1)`). On each rank it takes the shard's size, and any slice of it
+        along that dim is the rank's own: it is split like the tensor read."""
+        if name not in _SHARD_SIZED or len(outs) != 1 or not self.shape_splits:
+            return False
+        out = outs[0]
+        if name == "expand":
+            grown = [
+                d
+                for d in range(out.dim())
+                if ins[0].shape[d - out.dim() + ins[0].dim()] == 1
+                and d - out.dim() + ins[0].dim() >= 0
+                and out.shape[d] != 1
+            ]
+        else:
+            grown = list(range(out.dim()))
+        dims = [d for d in grown if out.shape[d] in self.shape_splits]
+        if len(dims) != 1:
+            return False  # no size read off a split, or ambiguous: leave it whole
+        (d,) = dims
+        s = self.shape_splits[out.shape[d]]
+        if name == "expand" and self.carries(ins[0]) and self.param_of(ins[0]) is None:
+            # each rank would broadcast it over its own share only: its gradient is partial
+            self.trace.break_(
+                s.sources,
+                "expand: it broadcasts an unsplit tensor computed from the weights to the split "
+                "size; its gradient would be each rank's partial sum, with nothing to add them up",
+            )
+            return True
+        self.mark(out, Split(d, s.outer, s.n, s.inner, s.sources), name)
+        return True
 
     def note_unsplit_sizes(self, name: str, args: Any, kwargs: Any) -> None:
         """Attributes read to size an op on tensors that are not split: dividing them for a
@@ -1043,8 +1126,10 @@ class _Tracer(TorchDispatchMode):
             result = _merge([sx, sy], [0, 0])
         elif sx is not None and sx.dim == row:
             result = sx
+            self.side_input(a[y], sx, "it")
         elif sy is not None and sy.dim == col:
             result = sy
+            self.side_input(a[x], sy, "it")
         else:
             raise _Break("it contracts or batches over the split dim against an unsplit operand")
         if name in ("addmm", "baddbmm"):
@@ -1078,6 +1163,7 @@ class _Tracer(TorchDispatchMode):
                 if vector is not None:
                     self.trace.whole_params.add(vector[0])
                 self.check_broadcast(t, result, nd)
+                self.side_input(t, result, "it")
         if func._schema.is_mutable and self.split_of(args[0]) is None:
             raise _Break("it writes split values into an unsplit tensor in place")
         return [(o, result) for o in outs if o.dim() == nd]
@@ -1146,8 +1232,10 @@ class _Attention(TorchFunctionMode):
             if split is not None:
                 if isinstance(out, int) and _norm_dim(args[1], args[0].dim()) == split.dim:
                     self.tracer.shapes_read.add(out)
+                    self.tracer.shape_splits[out] = split
                 elif isinstance(out, tuple):
                     self.tracer.shapes_read.add(out[split.dim])
+                    self.tracer.shape_splits[out[split.dim]] = split
             return out
         if func in _VIEWS:
             sizes = args[1:]
@@ -1178,12 +1266,15 @@ class _Attention(TorchFunctionMode):
         finally:
             t.quiet -= 1
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        if any(t.carries(x) for x in qkv):
+            t.carrying[id(out)] = out
         try:
             q = _attention_split(qkv, splits)
             if isinstance(mask, torch.Tensor):
                 ms = t.split_of(mask)
                 if ms is None:
                     t.check_broadcast(mask, q, out.dim())
+                    t.side_input(mask, q, "its mask")
                 elif (
                     not ms.same_cut(Split(ms.dim, q.outer, q.n, q.inner, q.sources))
                     or ms.dim != q.dim
@@ -1347,6 +1438,8 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
 
     def after(mod: nn.Module, args: Any, out: Any) -> None:
         tracer.quiet -= 1
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            tracer.carrying[id(out)] = out  # computed from the module's weight
         if isinstance(module, nn.Embedding):
             tracer.embedding_calls.pop()
             rows, bent = tracer.looked_up.pop()
