@@ -121,7 +121,7 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
             owner[name] = i
             problems.extend(_check_module(i, rule, name, modules[name], tp_size))
     problems.extend(_check_tied(plan, owner, model))
-    flagged = {p.module for p in problems if p.kind == "divisibility"}
+    flagged = {p.module for p in problems if p.kind == "divisibility" and p.module}
     problems.extend(_check_regions(plan, matched, model, tp_size, flagged))
     problems.extend(_check_attributes(plan, names, modules, tp_size))
     problems.extend(_check_fingerprint(plan, model))
