@@ -417,3 +417,16 @@ class GatedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.blk(self.inp(x))
+
+
+def albert(seed: int = 0) -> nn.Module:
+    """One layer's weights shared by every layer: its first call takes the output of
+    embedding_hidden_mapping_in (a Linear whose output is normed whole), the next ones
+    its own output."""
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    cfg = AlbertConfig(
+        vocab_size=VOCAB, embedding_size=32, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    return _build(AlbertForMaskedLM, cfg, seed)

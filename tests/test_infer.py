@@ -18,6 +18,7 @@ from infer_models import (
     SinkAttention,
     SinkBlock,
     WidthFromShard,
+    albert,
     bart,
     block,
     deepseek_v3,
@@ -375,6 +376,25 @@ def test_a_gate_computed_from_the_weights_keeps_the_split_from_training_wrong() 
     assert styles(plan, model)["blk.up"] == ("colwise", "replicate")
     assert "its gradient would be each rank's partial sum" in rule_for(plan, model, "blk.up").why
     assert_parity(model, plan, 2, x)
+
+
+def test_albert_shared_layer_splits_once_the_projection_before_it_is_whole() -> None:
+    """The first pass ties ALBERT's shared layer to embedding_hidden_mapping_in (its first
+    call reads that layer's split output), whose split ends at a norm: a plan keeps it whole,
+    so the trace runs again with its output whole, and the shared layer splits like any
+    attention and MLP. check_plan sees the same settled trace."""
+    model = albert()
+    plan = tpplan.infer_plan(model)
+    prefix = "albert.encoder.albert_layer_groups.0.albert_layers.0."
+    assert rule_for(plan, model, prefix + "attention.query").style == "colwise"
+    assert rule_for(plan, model, prefix + "attention.dense").style == "rowwise"
+    assert rule_for(plan, model, prefix + "ffn_output").style == "rowwise"
+    mapping = rule_for(plan, model, "albert.encoder.embedding_hidden_mapping_in")
+    assert mapping.output == "replicate" or mapping.style == "replicate"
+    assert "native_layer_norm" in mapping.why
+    assert tpplan.check_plan(plan, model, tp_size=2) == []
+    for tp in (2, 4):
+        assert_parity(model, plan, tp, _tokens())
 
 
 def test_mlp() -> None:

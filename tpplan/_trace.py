@@ -354,6 +354,9 @@ class _Tracer(TorchDispatchMode):
         # back to the weights (see `carries`).
         self.carrying: dict[int, torch.Tensor] = {}
         self.inputs: dict[int, torch.Tensor] = {}
+        # Layers an earlier pass found could not stay split (see `_settled`): their outputs
+        # are whole from the start, with the reasons that pass gave.
+        self.whole: dict[str, list[str]] = {}
         self.quiet = 0  # > 0 inside a hooked module or a whole-op rule: ops there are not ours
         # Integer attributes of modules read by each running forward, innermost last:
         # (module, attribute, value). A count or size an op is given was read by the forward
@@ -1449,6 +1452,11 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
         if name in trace.linears and unsplit and isinstance(out, torch.Tensor):
             features = trace.linears[name][1]
             trace.openers[name] = features
+            if name in tracer.whole:
+                # its split ends anyway: its output is whole, so it ties no one to it
+                for reason in tracer.whole[name]:
+                    trace.break_(frozenset({name}), reason)
+                return
             tracer.mark(out, Split(out.dim() - 1, 1, features, 1, frozenset({name})), "linear")
         elif (
             isinstance(module, nn.Embedding)
@@ -1698,6 +1706,36 @@ def _trace(model: nn.Module, example_inputs: Any, shorten: bool) -> Trace:
 
 
 def _trace_once(model: nn.Module, example_inputs: Any, shorten: bool, *, real: bool) -> Trace:
+    """Trace until the regions settle: a layer whose split ends somewhere is kept whole or
+    gathered by any plan, so its output is whole, but in the pass that found it, it may
+    already have reached other layers and tied them into its dead region (ALBERT's shared
+    layer, called first on the split output of the embedding projection). Those layers are
+    traced again with it whole from the start: the next pass judges them on what the
+    sharded model will compute. infer_plan and check_plan both see the settled trace."""
+    whole: dict[str, list[str]] = {}
+    for _ in range(3):
+        trace = _trace_pass(model, example_inputs, shorten, real=real, whole=whole)
+        tied = {
+            src: reasons
+            for src, reasons in trace.broken.items()
+            if src in trace.openers
+            and src not in whole
+            and any(src in group and len(group) > 1 for group in trace.links)
+        }
+        if not tied:
+            break
+        whole = {**whole, **tied}
+    return trace
+
+
+def _trace_pass(
+    model: nn.Module,
+    example_inputs: Any,
+    shorten: bool,
+    *,
+    real: bool,
+    whole: dict[str, list[str]],
+) -> Trace:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
@@ -1706,6 +1744,7 @@ def _trace_once(model: nn.Module, example_inputs: Any, shorten: bool, *, real: b
     copy_.eval()
     params = {id(p): n for n, p in copy_.named_parameters(remove_duplicate=False)}
     tracer = _Tracer(trace, params)
+    tracer.whole = whole
     for name, m in copy_.named_modules():
         if isinstance(m, nn.Linear) and _plain_forward(m, nn.Linear):
             trace.linears[name] = (m.in_features, m.out_features, False)
