@@ -93,7 +93,7 @@ class Spec:
     qk_norm: bool = False
     """RMSNorm over head_dim on queries and keys (Qwen3 style), one weight shared by all heads."""
     layers: int = 2
-    """1 to 3; three identical blocks are traced through a shortened stack."""
+    """1 to 3 (stacks of up to 8 blocks are traced block by block)."""
     vocab: int = 64
     """64 or 128."""
 

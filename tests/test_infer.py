@@ -736,7 +736,7 @@ class _IndexedBlocks(nn.Module):
     """Runs its blocks by index up to a stored layer count (as Gemma 3n does with its
     per-layer inputs), which a copy shortened to a prefix of blocks cannot run."""
 
-    def __init__(self, layers: int = 4) -> None:
+    def __init__(self, layers: int = 10) -> None:  # past 8 blocks, stacks are shortened
         super().__init__()
         torch.manual_seed(0)
         self.n_layers = layers
@@ -755,5 +755,38 @@ def test_a_model_that_indexes_its_blocks_is_traced_whole() -> None:
     model = _IndexedBlocks()
     plan = tpplan.infer_plan(model, example_inputs=_tokens())
     sharded = styles(plan, model)
-    assert all(sharded[f"blocks.{i}.fc1"] == ("colwise", None) for i in range(4))
+    assert all(sharded[f"blocks.{i}.fc1"] == ("colwise", None) for i in range(10))
+    assert_parity(model, plan, 2, _tokens())
+
+
+class _LastBlockExtra(nn.Module):
+    """Identical blocks, but the last one also gets a tensor added to its hidden features
+    (as NeoMME hands value embeddings to its first and last global layers only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.extra = nn.Embedding(128, 32), nn.Embedding(128, Mlp().fc1.out_features)
+        self.blocks = nn.ModuleList(Mlp() for _ in range(3))
+        self.head = nn.Linear(32, 128)
+        self.extra_at = {2}  # chosen once, from the config, as NeoMME does
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for i, blk in enumerate(self.blocks):
+            extra = self.extra(ids) if i in self.extra_at else None
+            h = blk.fc1(x)
+            h = h + extra if extra is not None else h
+            x = x + blk.fc2(torch.relu(h))
+        return self.head(x)
+
+
+def test_a_short_stack_is_traced_block_by_block() -> None:
+    """A prefix of blocks would not show that the last block adds a whole tensor to its
+    split features; up to 8 blocks every block is traced, and that one stays whole."""
+    model = _LastBlockExtra()
+    plan = tpplan.infer_plan(model, example_inputs=_tokens())
+    sharded = styles(plan, model)
+    assert sharded["blocks.0.fc1"] == ("colwise", None)
+    assert sharded.get("blocks.2.fc1", ("colwise", "replicate")) == ("colwise", "replicate")
     assert_parity(model, plan, 2, _tokens())

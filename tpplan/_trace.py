@@ -598,7 +598,10 @@ class _Tracer(TorchDispatchMode):
             ]
         else:
             grown = list(range(out.dim()))
-        dims = [d for d in grown if out.shape[d] in self.shape_splits]
+        # a size some attribute read in forward also holds may be that attribute (T5's
+        # `zeros((1, self.n_heads, ...))`, whole on every rank) rather than the shard's
+        read = {v for frame in self.reads for _, _, v in frame}
+        dims = [d for d in grown if out.shape[d] in self.shape_splits and out.shape[d] not in read]
         if len(dims) != 1:
             return False  # no size read off a split, or ambiguous: leave it whole
         (d,) = dims
@@ -1587,12 +1590,20 @@ def _structure(module: nn.Module) -> tuple[Any, ...]:
     return mods, params
 
 
+_WHOLE_STACK = 8  # stacks this short are traced block by block (see `_repeats`)
+
+
 def _repeats(model: nn.Module) -> dict[int, tuple[str, int, dict[int, int]]]:
-    """Outermost ModuleLists worth shortening: id -> (name, blocks kept, {block: first twin})."""
+    """Outermost ModuleLists worth shortening: id -> (name, blocks kept, {block: first twin}).
+
+    A shortened stack assumes that blocks of one structure behave alike, which a forward
+    that hands some layers extra inputs by index breaks (NeoMME gives its value embeddings
+    to its first and last global layers only). Stacks of up to 8 blocks, where tracing
+    every block costs little, are traced whole for that reason."""
     found: dict[int, tuple[str, int, dict[int, int]]] = {}
     taken: list[str] = []
     for name, m in model.named_modules():
-        if not isinstance(m, nn.ModuleList) or len(m) < 3:
+        if not isinstance(m, nn.ModuleList) or len(m) <= _WHOLE_STACK:
             continue
         if any(name.startswith(p + ".") for p in taken):
             continue
