@@ -790,3 +790,39 @@ def test_a_short_stack_is_traced_block_by_block() -> None:
     assert sharded["blocks.0.fc1"] == ("colwise", None)
     assert sharded.get("blocks.2.fc1", ("colwise", "replicate")) == ("colwise", "replicate")
     assert_parity(model, plan, 2, _tokens())
+
+
+class _PaddedMlp(nn.Module):
+    """fc1's features padded by F.pad on the sequence dim (`beside`) or on the features
+    themselves (`on_features`) before fc2 contracts them."""
+
+    def __init__(self, pad: str, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        self.pad = pad
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden + (2 if pad == "on_features" else 0), dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(x))
+        if self.pad == "beside":  # a sequence padded to whole chunks, cut back after
+            return self.fc2(torch.nn.functional.pad(h, (0, 0, 0, 3)))[:, : x.shape[1]]
+        return self.fc2(torch.nn.functional.pad(h, (1, 1)))
+
+
+def test_padding_beside_the_split_dim_keeps_the_split() -> None:
+    model = _PaddedMlp("beside")
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model) == {"fc1": ("colwise", None), "fc2": ("rowwise", None)}
+    assert "constant_pad_nd" in rule_for(plan, model, "fc1").why
+    assert_parity(model, plan, 2, x)
+
+
+def test_padding_the_split_dim_ends_the_split() -> None:
+    model = _PaddedMlp("on_features")
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model)["fc1"] == ("colwise", "replicate")
+    assert "pads the split dim" in rule_for(plan, model, "fc1").why
+    assert_parity(model, plan, 2, x)
+

@@ -870,6 +870,8 @@ class _Tracer(TorchDispatchMode):
             return [(out, Split(d, s.outer, s.n, s.inner, s.sources))]
         if name in ("slice", "select", "narrow"):
             return self.sliced(name, a, args[0], out)
+        if name == "constant_pad_nd":
+            return [(out, self.padded(a["pad"], args[0]))]
         if name == "cat":
             return [(out, self.concatenated(a))]
         if name in _SPLITS:
@@ -1036,6 +1038,18 @@ class _Tracer(TorchDispatchMode):
         if name == "select" and d < s.dim:
             return [(out, Split(s.dim - 1, s.outer, s.n, s.inner, s.sources))]
         return [(out, s)]
+
+    def padded(self, pad: list[int], t: torch.Tensor) -> Split:
+        """`F.pad` pads the last dims, two numbers each, last dim first. Padding dims beside
+        the split (a sequence padded to whole chunks) keeps each rank's features where they
+        were; padding the split dim itself would add features at the ends of the whole dim,
+        which no shard holds."""
+        s = self.only_split(t)
+        nd = t.dim()
+        for i in range(0, len(pad), 2):
+            if nd - 1 - i // 2 == s.dim and (pad[i] or pad[i + 1]):
+                raise _Break("it pads the split dim")
+        return s
 
     def concatenated(self, a: dict[str, Any]) -> Split:
         tensors = [t for t in a["tensors"] if t.numel() or t.dim() > 1]
