@@ -826,3 +826,25 @@ def test_padding_the_split_dim_ends_the_split() -> None:
     assert "pads the split dim" in rule_for(plan, model, "fc1").why
     assert_parity(model, plan, 2, x)
 
+
+class _SmallGate(nn.Module):
+    """A big projection beside a small one whose output is normed over its features: the
+    small one cannot stay split, whatever its size."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.big = nn.Linear(dim, 512)
+        self.small = nn.Linear(dim, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(x) * self.norm(self.small(x)).sum(-1, keepdim=True)
+
+
+def test_a_small_layer_whose_output_cannot_stay_split_still_splits_its_weight() -> None:
+    model = _SmallGate()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model)["small"] == ("colwise", "replicate")
+    assert "normalizes over the split features" in rule_for(plan, model, "small").why
+    assert_parity(model, plan, 2, x)

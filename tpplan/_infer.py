@@ -270,7 +270,6 @@ class _Decider:
         # modules that must stay whole even as gathered layers: tied or shared weights
         self.blocked: set[str] = {n for n in self.tied if n in trace.linears}
         self.blocked |= {n for n in trace.linears if self.used_outside(n)}
-        self.biggest = max((i * o for i, o, _ in trace.linears.values()), default=0)
 
     def used_outside(self, name: str) -> bool:
         params = _own_params(self.modules[name], name)
@@ -697,16 +696,17 @@ class _Decider:
     def gathered(self, name: str, why: str) -> _Decision | None:
         """A layer whose output cannot stay split may still split its weight: colwise with
         the output gathered is exact whatever the model does next (the gathered output is the
-        unsplit one), for one all-gather per call. Worth it for big layers only, and only
-        when nothing but the data flow kept it whole."""
+        unsplit one), for one all-gather per call of its output features, and only when
+        nothing but the data flow kept it whole. Small layers too (a linear attention's
+        per-head gate inputs): the all-gather is of a few features per token, and the memory
+        a plan saves should not depend on a size threshold of ours."""
         t = self.trace
-        in_f, out, transposed = t.linears[name]
+        _, out, transposed = t.linears[name]
         if (
             name in self.blocked
             or name in t.misfits
             or name not in t.called
             or out % self.tp
-            or in_f * out * 8 < self.biggest
         ):
             return None
         reason = why.removeprefix("kept whole: ")
