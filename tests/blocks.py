@@ -368,20 +368,30 @@ def _layout(stored: torch.Tensor, original: torch.Tensor) -> Callable[[torch.Ten
     )
 
 
+def _run(model: nn.Module, x: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+    return _output(model(**x) if isinstance(x, dict) else model(x))
+
+
 def assert_parity(
-    ref: nn.Module, plan: Plan, tp: int, x: torch.Tensor, *, tol: float = TOL
+    ref: nn.Module,
+    plan: Plan,
+    tp: int,
+    x: torch.Tensor | dict[str, torch.Tensor],
+    *,
+    tol: float = TOL,
 ) -> None:
     """Forward output and every parameter's gradient equal the unsharded model's, on each
-    simulated rank. `x` is made before the ranks exist, so every rank gets the same input."""
+    simulated rank. `x` (one input, or keyword inputs) is made before the ranks exist, so
+    every rank gets the same input."""
     ref = copy.deepcopy(ref)
-    want = _output(ref(x))
+    want = _run(ref, x)
     want.float().pow(2).mean().backward()
     params = dict(ref.named_parameters())
     with simulated_ranks(tp) as mesh:
         model = copy.deepcopy(ref)
         model.zero_grad(set_to_none=True)
         tpplan.apply_plan(model, mesh, plan)
-        got = _output(model(x))
+        got = _run(model, x)
         outputs = rank_values(got)
         got.float().pow(2).mean().backward()
         stored = {n: rank_values(_whole(p.detach()))[0] for n, p in model.named_parameters()}

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import time
+import types
 
 import pytest
 import torch
+from blocks import assert_parity as assert_block_parity
 from infer_models import (
     ODD_NAMES,
     PLAIN_NAMES,
@@ -848,3 +850,79 @@ def test_a_small_layer_whose_output_cannot_stay_split_still_splits_its_weight() 
     assert styles(plan, model)["small"] == ("colwise", "replicate")
     assert "normalizes over the split features" in rule_for(plan, model, "small").why
     assert_parity(model, plan, 2, x)
+
+
+class _Tower(nn.Module):
+    """A vision tower written by hand: 4x4 patches, a patch projection plus positions, one MLP
+    block. It has a config naming its image size, as transformers' towers do, unless `config`
+    is False."""
+
+    def __init__(self, *, config: bool = True, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        if config:
+            self.config = types.SimpleNamespace(image_size=8, num_channels=3)
+        self.patch = nn.Linear(3 * 4 * 4, dim)
+        self.positions = nn.Parameter(torch.randn(4, dim) * 0.1)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        b = pixel_values.shape[0]
+        patches = pixel_values.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5)
+        h = self.patch(patches.reshape(b, -1, 3 * 4 * 4)) + self.positions
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+
+
+class _TextAndTower(nn.Module):
+    """Token ids, and optionally pixels whose tower's features go in front of the tokens'.
+    Traced on token ids alone, the tower never runs."""
+
+    def __init__(self, *, tower_config: bool = True, shared: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.mlp = Mlp(32, 48)
+        self.tower = _Tower(config=tower_config)
+        if shared:
+            self.tower.fc2.weight = self.mlp.fc2.weight
+        self.head = nn.Linear(32, 64)
+
+    def forward(
+        self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if pixel_values is not None:
+            h = torch.cat([self.tower(pixel_values), h], dim=1)
+        return self.head(h + self.mlp(h))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_part_the_forward_does_not_call_is_traced_on_its_own(tp: int) -> None:
+    torch.manual_seed(0)
+    model = _TextAndTower()
+    plan = tpplan.infer_plan(model)
+    got = styles(plan, model)
+    assert got["tower.fc1"] == ("colwise", None) and got["tower.fc2"] == ("rowwise", None)
+    assert got["tower.patch"] == ("colwise", "replicate")  # whole positions are added to it
+    assert "traced on its own" in rule_for(plan, model, "tower.fc1").why
+    assert got["mlp.fc1"] == ("colwise", None)  # the text part as before
+    g = torch.Generator().manual_seed(1)
+    x = {
+        "input_ids": torch.randint(0, 64, (2, 5), generator=g),
+        "pixel_values": torch.randn(2, 3, 8, 8, generator=g),
+    }
+    assert_block_parity(model, plan, tp, x)
+
+
+def test_a_part_that_cannot_run_alone_stays_whole_and_says_why() -> None:
+    model = _TextAndTower(tower_config=False)
+    plan = tpplan.infer_plan(model)
+    assert "tower.fc1" not in styles(plan, model)
+    why = rule_for(plan, model, "tower.fc1").why
+    assert "not called in the traced forward" in why and "cannot make up inputs" in why
+
+
+def test_a_part_sharing_a_parameter_with_the_rest_stays_whole() -> None:
+    model = _TextAndTower(shared=True)
+    plan = tpplan.infer_plan(model)
+    assert "tower.fc1" not in styles(plan, model)
+    assert "shares a parameter" in rule_for(plan, model, "tower.fc1").why

@@ -18,6 +18,7 @@ Module names are used only to print patterns and to name partners in `why`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +32,8 @@ from .errors import TpplanError
 from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
 
 __all__ = ["infer_plan"]
+
+_NOT_CALLED = "kept whole: it was not called in the traced forward"
 
 # Ops too plain to count as evidence in `why`.
 _PLAIN_OPS = {
@@ -131,18 +134,9 @@ def infer_plan(
     ):
         raise ValueError(f"tp_size must be a positive integer or None, got {tp_size!r}.")
     tp = tp_size or 2
-    trace = trace_model(model, example_inputs=example_inputs)
-    decisions, attributes = _decide(model, trace, tp, loss_parallel, sequence_parallel, experts)
-    if trace.blocks:
-        spread = _spread(trace, decisions), _spread(trace, attributes)
-        if not _local(trace) or spread[0] is None or spread[1] is None:
-            # a region crossed blocks, or twins disagreed: trace every block
-            trace = trace_model(model, example_inputs=example_inputs, shorten=False)
-            decisions, attributes = _decide(
-                model, trace, tp, loss_parallel, sequence_parallel, experts
-            )
-        else:
-            decisions, attributes = spread  # type: ignore[assignment]
+    decisions, attributes = _infer_decisions(
+        model, example_inputs, tp, loss_parallel, sequence_parallel, experts
+    )
     plan = Plan(
         model=ModelInfo(
             class_=type(model).__name__,
@@ -156,6 +150,105 @@ def infer_plan(
     if sequence_parallel:
         _try_sequence_parallel(model, plan, tp, example_inputs)
     return plan
+
+
+def _infer_decisions(
+    model: nn.Module,
+    example_inputs: Any,
+    tp: int,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+    experts: str,
+) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
+    trace = trace_model(model, example_inputs=example_inputs)
+    decisions, attributes = _decide(model, trace, tp, loss_parallel, sequence_parallel, experts)
+    if trace.blocks:
+        spread = _spread(trace, decisions), _spread(trace, attributes)
+        if not _local(trace) or spread[0] is None or spread[1] is None:
+            # a region crossed blocks, or twins disagreed: trace every block
+            trace = trace_model(model, example_inputs=example_inputs, shorten=False)
+            decisions, attributes = _decide(
+                model, trace, tp, loss_parallel, sequence_parallel, experts
+            )
+        else:
+            decisions, attributes = spread  # type: ignore[assignment]
+    ran = set(trace.ran)
+    for block, twin in trace.stand_ins.items():  # untraced repeats ran as their twins did
+        ran |= {block + n[len(twin) :] for n in trace.ran if n.startswith(twin + ".")}
+    _trace_uncalled(model, decisions, attributes, ran, tp, experts)
+    return decisions, attributes
+
+
+def _uncalled_roots(model: nn.Module, decisions: dict[str, _Decision], ran: set[str]) -> list[str]:
+    """The largest submodules that did not run in the traced forward and hold no layer that
+    did (a multimodal model's vision tower, given text only): the model's own forward says
+    nothing of them."""
+    uncalled = {n for n, d in decisions.items() if d.why == _NOT_CALLED}
+    busy = {""} | ran  # modules that ran, or hold a layer that ran
+    for n in decisions.keys() - uncalled:
+        parts = n.split(".")
+        busy.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    roots = set()
+    for n in uncalled:
+        parts = n.split(".")
+        k = next((k for k in range(1, len(parts) + 1) if ".".join(parts[:k]) not in busy), 0)
+        if k:
+            roots.add(".".join(parts[:k]))
+    return sorted(roots)
+
+
+def _trace_uncalled(
+    model: nn.Module,
+    decisions: dict[str, _Decision],
+    attributes: dict[str, tuple[tuple[str, ...], str]],
+    ran: set[str],
+    tp: int,
+    experts: str,
+) -> None:
+    """Each part of the model its forward did not call is traced on its own, from inputs
+    made for its own forward signature and config (a vision tower's pixel values), and
+    split by what that trace shows. Its outputs are then its own model outputs: whatever
+    splits inside closes inside, so the rest of the model receives whole tensors. A part
+    that cannot run alone is tried child by child (an image embedding that needs image
+    sizes may hold a tower that needs pixels only). A part that shares a parameter with
+    the rest, or that nothing in it can run alone, stays whole with the reason."""
+    owners: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(name)
+
+    def under(root: str) -> list[str]:
+        return [n for n in decisions if n == root or n.startswith(root + ".")]
+
+    def attempt(root: str) -> str | None:
+        """Split what can be split under `root`; the reason its own trace failed, if it did."""
+        part = model.get_submodule(root)
+        prefix = root + "."
+        if any(not o.startswith(prefix) for p in part.parameters() for o in owners[id(p)]):
+            return "it shares a parameter with the rest of the model, so it is not split alone"
+        try:
+            mine, attrs = _infer_decisions(part, None, tp, False, False, experts)
+        except TpplanError as e:
+            # the error's first clause, less its advice to pass inputs, which the caller
+            # of infer_plan cannot do for a part
+            said = re.split(r"[;.] [Pp]ass ", str(e))[0]
+            for child, _ in part.named_children():
+                if any(decisions[n].why == _NOT_CALLED for n in under(prefix + child)):
+                    attempt(prefix + child)
+            return f"traced on its own, it failed: {said}"
+        own = "traced on its own (the model's forward did not call it)"
+        for name, d in mine.items():
+            if decisions.get(prefix + name, d).why == _NOT_CALLED:
+                # what the part's own forward did not call says so already
+                nested = d.why.startswith(_NOT_CALLED)
+                decisions[prefix + name] = d if nested else replace(d, why=f"{d.why}; {own}")
+        attributes.update({prefix + n: a for n, a in attrs.items()})
+        return None
+
+    for root in _uncalled_roots(model, decisions, ran):
+        why = attempt(root)
+        for name in under(root):
+            if why is not None and decisions[name].why == _NOT_CALLED:
+                decisions[name] = replace(decisions[name], why=f"{_NOT_CALLED}; {why}")
 
 
 def _try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs: Any) -> None:
@@ -702,12 +795,7 @@ class _Decider:
         a plan saves should not depend on a size threshold of ours."""
         t = self.trace
         _, out, transposed = t.linears[name]
-        if (
-            name in self.blocked
-            or name in t.misfits
-            or name not in t.called
-            or out % self.tp
-        ):
+        if name in self.blocked or name in t.misfits or name not in t.called or out % self.tp:
             return None
         reason = why.removeprefix("kept whole: ")
         return _Decision(
@@ -779,7 +867,7 @@ class _Decider:
             if name in self.tied and name not in self.trace.called:
                 continue  # holds a tied weight it never uses: no rule; apply re-ties it
             if name not in self.trace.called:
-                why = "kept whole: it was not called in the traced forward"
+                why = _NOT_CALLED
             else:
                 why = self.kept.get(
                     name, "kept whole: its output is not split anywhere the tracer could follow"

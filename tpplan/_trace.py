@@ -85,6 +85,8 @@ class Trace:
 
     called: set[str] = field(default_factory=set)
     """Linear and Embedding modules (and linear-like ones) that ran."""
+    ran: set[str] = field(default_factory=set)
+    """Every module whose forward ran (the model itself is "")."""
     linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     """Linear or linear-like module -> (in features, out features, weight stored (in, out))."""
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -592,8 +594,9 @@ class _Tracer(TorchDispatchMode):
             grown = [
                 d
                 for d in range(out.dim())
-                if ins[0].shape[d - out.dim() + ins[0].dim()] == 1
-                and d - out.dim() + ins[0].dim() >= 0
+                # dims the expand adds in front are grown too, but have no size to read
+                if d - out.dim() + ins[0].dim() >= 0
+                and ins[0].shape[d - out.dim() + ins[0].dim()] == 1
                 and out.shape[d] != 1
             ]
         else:
@@ -1580,6 +1583,7 @@ def _track(tracer: _Tracer, name: str, module: nn.Module) -> None:
 
     def enter(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         tracer.reads.append([])
+        tracer.trace.ran.add(name)
         if name not in tracer.trace.entries:
             # where its first tensor input came in, and which tensor it was
             found: list[tuple[int | str, torch.Tensor]]
