@@ -143,6 +143,74 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
 }
 
+# ---- inputs beyond token ids ---------------------------------------------------------------
+# tpplan's example_inputs makes up token ids, audio features or a batch of images from the
+# forward signature. These forwards need more: patches already cut and packed with the grid
+# they came from, a position per patch, or hidden states of the model they assist. Each is
+# built from the small config, from a generator of its own, and given alike to infer_plan,
+# the unsharded run and the sharded run, so all three follow the same path.
+BATCH, SEQ = 2, 8
+
+
+def _packed_patches(patch_dim: int, g: Any, key: str = "pixel_values") -> dict[str, Any]:
+    """Qwen2-VL-style towers: every image's patches as rows of one 2-D tensor, and each
+    image's (frames, height, width) in patches; 4x4 patches fit a 2x2 spatial merge."""
+    import torch
+
+    grid = torch.tensor([[1, 4, 4]] * BATCH)
+    rows = int(grid.prod(-1).sum())
+    return {key: torch.randn(rows, patch_dim, generator=g), "grid_thw": grid}
+
+
+def _gemma4_vision(config: Any, g: Any) -> dict[str, Any]:
+    """Patchified images and each patch's (x, y); 6x6 patches so the 3x3 pooling kernel
+    leaves 4 soft tokens per image."""
+    import torch
+
+    side = 6
+    xy = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1)
+    return {
+        "pixel_values": torch.rand(BATCH, side * side, 3 * config.patch_size**2, generator=g),
+        "pixel_position_ids": xy.reshape(1, -1, 2).expand(BATCH, -1, -1).clone(),
+    }
+
+
+def _muse_glimmer_assistant(config: Any, g: Any) -> dict[str, Any]:
+    """A draft model: embeddings of the block it denoises, and the target model's hidden
+    states of the tokens before it, one slice per layer it reads."""
+    import torch
+
+    width = config.hidden_size * len(config.target_layer_ids)
+    return {
+        "noise_embeds": torch.randn(BATCH, config.block_size, config.hidden_size, generator=g),
+        "context_hidden_states": torch.randn(BATCH, SEQ, width, generator=g),
+    }
+
+
+def _code_predictor(config: Any, g: Any) -> dict[str, Any]:
+    """One generation step after the first: the step picks the embedding table and head."""
+    import torch
+
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "generation_steps": 1}
+
+
+INPUTS: dict[str, Any] = {
+    # patches with their (x, y), pooled 3x3 into soft tokens
+    "gemma4_vision": _gemma4_vision,
+    # packed patches of 2 frames each (patch_temporal) and their grid
+    "muse_glimmer_vision": lambda c, g: _packed_patches(c.patch_temporal * 3 * c.patch_size**2, g),
+    # packed patches of one frame, under the name hidden_states
+    "ernie4_5_vl_moe_vision": lambda c, g: _packed_patches(
+        c.in_channels * c.patch_size**2, g, key="hidden_states"
+    ),
+    # a speculative draft model: no token ids at all
+    "muse_glimmer_assistant": _muse_glimmer_assistant,
+    # token ids alone leave the generation step None
+    "qwen3_omni_moe_talker_code_predictor": _code_predictor,
+}
+
+
 _TOKEN_IDS = (
     "pad_token_id",
     "bos_token_id",
@@ -580,7 +648,12 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
         except Exception as e:
             res["theirs_error"] = _reason(e)["reason"]
     try:
-        inputs: dict[str, Any] = example_inputs(model, batch=2, seq=8)
+        make = INPUTS.get(model_type)
+        inputs: dict[str, Any] = (
+            make(config, torch.Generator().manual_seed(0))
+            if make
+            else example_inputs(model, batch=BATCH, seq=SEQ)
+        )
         if "use_cache" in inspect.signature(model.forward).parameters:
             inputs["use_cache"] = False  # no cache to fill: not part of the math compared
         # the unsharded run: its output and the gradients of a loss on it
@@ -595,7 +668,8 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
         return fail("reference failed", e)
     try:
         t0 = time.perf_counter()
-        plan = tpplan.infer_plan(model, tp_size=TP)
+        # without a table entry the tracer guesses its own inputs, as a user's call would
+        plan = tpplan.infer_plan(model, tp_size=TP, example_inputs=inputs if make else None)
         res["infer_s"] = round(time.perf_counter() - t0, 3)
     except Exception as e:
         return fail("infer failed", e)
