@@ -141,6 +141,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "step3p5": {"sliding_window": 16},
     # its default leaves layer_types None, which its own modeling code cannot read
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # the pixel shuffle (ratio 0.5) folds 2x2 patches into one of 4 x hidden_size features,
+    # which the adapter's first layer takes as intermediate_size; its second layer is square
+    "llama4_vision_model": {
+        "intermediate_size": 256,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+    },
 }
 
 # ---- inputs beyond token ids ---------------------------------------------------------------
