@@ -120,6 +120,8 @@ MROPE_SECTIONS = {
     "qwen2_vl_text": [2, 3, 3], "qwen2_5_vl_text": [2, 3, 3], "qwen2_5_omni_text": [2, 3, 3],
     "paddleocr_vl_text": [2, 3, 3], "glm4v_text": [2, 3, 3], "glm_image_text": [2, 3, 3],
     "glm_ocr_text": [2, 3, 3], "glm4v_moe_text": [1, 1, 2],
+    # Ernie 4.5 VL: (height, width, time), interleaving height with width, so the first two match
+    "ernie4_5_vl_moe_text": [3, 3, 2],
 }  # fmt: skip
 
 # Per-architecture fixes on top of SMALL, where the generic values do not build.
@@ -141,6 +143,50 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "step3p5": {"sliding_window": 16},
     # its default leaves layer_types None, which its own modeling code cannot read
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # its default names no rope per layer type, which its own modeling code reads (a KeyError
+    # at any size): rope on the sliding layers, none on the full ones, as its config allows
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": None,
+        },
+    },
+    # its default leaves mlp_layer_types None, which its own modeling code indexes per layer:
+    # a dense first layer and a sparse one, as DeepSeek models start
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
+    # its validator wants the adapter's input as wide as the tower (and its output as wide as
+    # the text model's hidden size, here the same 64)
+    "dots3_note_vision_encoder": {"adapter_in_dim": 64, "adapter_out_dim": 64},
+    # its modeling code reads a shared expert's size that the config class does not declare
+    # (checkpoints carry it as an extra field)
+    "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": 64},
+    # its attention layers always build the QSA token indexer, whose fields the default leaves
+    # unset (its validator wants all or none): a small indexer, one key head as it requires
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 4,
+        "indexer_compress_ratio": 2,
+    },
+    # its sparse (DSA) attention takes no rope: the rope part of each head stays 0, which the
+    # generic latent-attention sizes would make 8 and its validator rejects; its linear
+    # attention and indexer heads have names of their own (64 heads of 128 by default)
+    "glm5_next_text": {
+        "qk_rope_head_dim": 0,
+        "head_dim": 0,
+        "linear_num_heads": 4,
+        "linear_head_dim": 16,
+        "index_n_heads": 4,
+        "index_head_dim": 16,
+    },
+    # its audio tower is a pyramid of 4 resolutions, one entry per layer in each list, which
+    # the validator checks: all 4 kept, narrower
+    "muse_spark": {
+        "audio_config": {"num_hidden_layers": 4, "hidden_sizes": [16, 16, 32, 32]},
+        "projector_hidden_size": 64,
+    },
     # the pixel shuffle (ratio 0.5) folds 2x2 patches into one of 4 x hidden_size features,
     # which the adapter's first layer takes as intermediate_size; its second layer is square
     "llama4_vision_model": {
