@@ -187,6 +187,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "audio_config": {"num_hidden_layers": 4, "hidden_sizes": [16, 16, 32, 32]},
         "projector_hidden_size": 64,
     },
+    # halves of an encoder-decoder whose composite config hands them its dropout rate: built
+    # alone, they need it given
+    "t5_gemma_module": {"dropout_rate": 0.0},
+    "t5gemma2_text": {"dropout_rate": 0.0},
+    "t5gemma2_decoder": {"dropout_rate": 0.0},
     # the pixel shuffle (ratio 0.5) folds 2x2 patches into one of 4 x hidden_size features,
     # which the adapter's first layer takes as intermediate_size; its second layer is square
     "llama4_vision_model": {
@@ -435,38 +440,72 @@ def small_config(model_type: str) -> Any:
     return cls(**_small_kwargs(cls(), OVERRIDES.get(model_type, {}), model_type))
 
 
+# Model classes the lookup below cannot find: no class declares the config (T5Gemma's encoder
+# and decoder take the module config but are typed with the composite one).
+MODEL_CLASSES = {"t5_gemma_module": "T5GemmaEncoder"}
+
+
+def _modeling(config: Any) -> Any:
+    """The modeling module of the config's family; None for a family that ships only a
+    config (InternLM 3, IQuest-Coder: transformers builds them with Llama's classes)."""
+    import importlib.util
+
+    name = type(config).__module__.replace(".configuration_", ".modeling_")
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)
+
+
 def model_class(model_type: str, config: Any) -> type:
     """The arch's main task class: seq2seq for encoder-decoders, masked LM for encoders,
     causal LM (or the multimodal one, for a composite config) for decoders, else the base
-    model; for a config no auto class names, a model class of its own modeling module."""
-    import importlib
-
+    model; for a config no auto class names, a model class of its own modeling module; for
+    a family with no modeling module, the class the auto mapping names."""
     import transformers
     from transformers import PreTrainedModel
     from transformers.models.auto import modeling_auto as auto
 
+    modeling = _modeling(config)
+    if model_type in MODEL_CLASSES:
+        return getattr(modeling, MODEL_CLASSES[model_type])
     kinds = ["CAUSAL_LM", "IMAGE_TEXT_TO_TEXT", "MULTIMODAL_LM", "MASKED_LM", ""]
     if model_type in ENCODERS:
         kinds = ["MASKED_LM", ""]
     if getattr(config, "is_encoder_decoder", False):
         kinds = ["SEQ_TO_SEQ_CAUSAL_LM", "SPEECH_SEQ_2_SEQ", *kinds]
+    mapped = []
     for kind in kinds:
         mapping = getattr(
             auto, f"MODEL_FOR_{kind}_MAPPING_NAMES" if kind else "MODEL_MAPPING_NAMES"
         )
         name = mapping.get(model_type)
-        cls = getattr(transformers, name if isinstance(name, str) else name[0]) if name else None
+        name = name if isinstance(name, str) or not name else name[0]
+        # some mapped classes are not exported at the top level (VoxtralRealtimeTextModel)
+        cls = name and (getattr(transformers, name, None) or getattr(modeling, name, None))
         # Llama4ForCausalLM is the causal class of llama4 but takes its text config
-        if cls is not None and isinstance(config, cls.config_class):
+        if cls and isinstance(config, cls.config_class):
             return cls
-    modeling = importlib.import_module(
-        type(config).__module__.replace(".configuration_", ".modeling_")
-    )
+        mapped += [cls] if cls else []
+    if modeling is None:
+        # a config-only family: the class AutoModelForCausalLM would build it with
+        if mapped:
+            return mapped[0]
+        raise LookupError(f"no model class for '{model_type}' and no modeling module")
     found = [
         c for c in vars(modeling).values()
         if isinstance(c, type) and issubclass(c, PreTrainedModel) and c.config_class is type(config)
     ]  # fmt: skip
-    for suffix in ("ForCausalLM", "ForConditionalGeneration", "ForMaskedLM", "Model"):
+    # stand-alone halves of a model (DeepSeek-OCR 2's vision encoder, T5Gemma 2's decoder)
+    # have a class named for the half only
+    suffixes = (
+        "ForCausalLM",
+        "ForConditionalGeneration",
+        "ForMaskedLM",
+        "Model",
+        "Encoder",
+        "Decoder",
+    )
+    for suffix in suffixes:
         for c in found:
             if c.__name__.endswith(suffix) and not c.__name__.endswith("PreTrainedModel"):
                 return c
