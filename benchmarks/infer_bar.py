@@ -9,9 +9,11 @@ The bar comes from the issue "Tracer", and this script reports it rather than as
 1. plan: every model type whose config class ships a non-empty hand-written
    `base_model_tp_plan`, built on CPU from a shrunk config with random weights. For each:
    forward parity at tp 2 of `infer_plan(model, tp_size=2)` applied on simulated ranks against
-   the unsharded model (max abs difference <= 1e-4 in fp32); parameter bytes per rank of our
-   plan against what transformers' hand-written plan would shard; and how many modules our
-   plan gives the same style as theirs, with every disagreement and our `why`.
+   the unsharded model (max abs difference <= 1e-4 in fp32; where the forward needs more than
+   token ids, the tracer and both runs get the benchmark's own inputs, `INPUTS`); parameter
+   bytes per rank of our plan against what transformers' hand-written plan would shard; and
+   how many modules our plan gives the same style as theirs, with every disagreement and our
+   `why`.
 2. noplan: popular architectures that ship no hand-written plan: the same parity, and
    parameter bytes per rank at tp 2 as a fraction of the model (target <= 0.6).
 3. time: `infer_plan` on a Llama-3-405B-sized config on the meta device (target <= 2 s),
@@ -253,6 +255,40 @@ def _code_predictor(config: Any, g: Any) -> dict[str, Any]:
     return {"input_ids": ids, "generation_steps": 1}
 
 
+def _embeds(config: Any, g: Any) -> dict[str, Any]:
+    """Embeddings in place of token ids."""
+    import torch
+
+    return {"inputs_embeds": torch.randn(BATCH, SEQ, config.hidden_size, generator=g)}
+
+
+def _cross_attending(config: Any, g: Any) -> dict[str, Any]:
+    """A decoder alone: its token ids and the encoder output it attends to."""
+    import torch
+
+    return {
+        "input_ids": torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g),
+        "encoder_hidden_states": torch.randn(BATCH, SEQ + 2, config.hidden_size, generator=g),
+    }
+
+
+def _ocr2_encoder(config: Any, g: Any) -> dict[str, Any]:
+    """Image patch embeddings followed by the learned queries: attention is bidirectional
+    over the first num_patches positions and causal after them."""
+    return {**_embeds(config, g), "num_patches": SEQ // 2}
+
+
+def _time_conditioned(config: Any, g: Any) -> dict[str, Any]:
+    """Token ids and the time conditioning the model around it computes (an embedding of
+    the delay, one vector for the batch) and every layer's norm reads."""
+    import torch
+
+    return {
+        "input_ids": torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g),
+        "t_cond": torch.randn(1, 1, config.hidden_size, generator=g),
+    }
+
+
 INPUTS: dict[str, Any] = {
     # patches with their (x, y), pooled 3x3 into soft tokens
     "gemma4_vision": _gemma4_vision,
@@ -262,11 +298,42 @@ INPUTS: dict[str, Any] = {
     "ernie4_5_vl_moe_vision": lambda c, g: _packed_patches(
         c.in_channels * c.patch_size**2, g, key="hidden_states"
     ),
+    # packed patches of one frame, as Qwen2-VL takes them
+    "dots3_note_vision_encoder": lambda c, g: _packed_patches(c.num_channels * c.patch_size**2, g),
     # a speculative draft model: no token ids at all
     "muse_glimmer_assistant": _muse_glimmer_assistant,
+    # fed embeddings by the talker around it: its own token path reads an embed_tokens it
+    # does not have (its table is codec_embedding)
+    "qwen3_omni_moe_talker_text": _embeds,
+    # a decoder built alone attends to an encoder output it must be given
+    "t5gemma2_decoder": _cross_attending,
+    # embeddings of patches and queries, and where the patches end
+    "deepseek_ocr2_encoder": _ocr2_encoder,
+    # its layers' adaptive norms need the time conditioning, which only the outer model makes
+    "voxtral_realtime_text": _time_conditioned,
     # token ids alone leave the generation step None
     "qwen3_omni_moe_talker_code_predictor": _code_predictor,
 }
+
+
+def model_inputs(model_type: str, model: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Keyword inputs for the unsharded and the sharded run, and what to pass infer_plan as
+    example_inputs: the same dict where INPUTS made it, else None (the tracer guesses its
+    own from the forward signature, as a user's call would)."""
+    import inspect
+
+    import torch
+
+    from tpplan._inputs import example_inputs
+
+    make = INPUTS.get(model_type)
+    if make is not None:
+        inputs = make(model.config, torch.Generator().manual_seed(0))
+    else:
+        inputs = example_inputs(model, batch=BATCH, seq=SEQ)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs["use_cache"] = False  # no cache to fill: not part of the math compared
+    return inputs, inputs if make is not None else None
 
 
 _TOKEN_IDS = (
@@ -699,13 +766,11 @@ def _source_hash() -> str:
 
 def _run_one(model_type: str, part: str) -> dict[str, Any]:
     import copy
-    import inspect
 
     import torch
     from transformers.utils import logging as hf_logging
 
     import tpplan
-    from tpplan._inputs import example_inputs
     from tpplan._local import simulated_ranks
     from tpplan._styles import fused_layouts
     from tpplan._tree import first_tensor
@@ -740,14 +805,7 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
         except Exception as e:
             res["theirs_error"] = _reason(e)["reason"]
     try:
-        make = INPUTS.get(model_type)
-        inputs: dict[str, Any] = (
-            make(config, torch.Generator().manual_seed(0))
-            if make
-            else example_inputs(model, batch=BATCH, seq=SEQ)
-        )
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            inputs["use_cache"] = False  # no cache to fill: not part of the math compared
+        inputs, given = model_inputs(model_type, model)
         # the unsharded run: its output and the gradients of a loss on it
         ref = copy.deepcopy(model)
         want = first_tensor(ref(**inputs))
@@ -760,8 +818,7 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
         return fail("reference failed", e)
     try:
         t0 = time.perf_counter()
-        # without a table entry the tracer guesses its own inputs, as a user's call would
-        plan = tpplan.infer_plan(model, tp_size=TP, example_inputs=inputs if make else None)
+        plan = tpplan.infer_plan(model, tp_size=TP, example_inputs=given)
         res["infer_s"] = round(time.perf_counter() - t0, 3)
     except Exception as e:
         return fail("infer failed", e)
