@@ -9,9 +9,11 @@ The bar comes from the issue "Tracer", and this script reports it rather than as
 1. plan: every model type whose config class ships a non-empty hand-written
    `base_model_tp_plan`, built on CPU from a shrunk config with random weights. For each:
    forward parity at tp 2 of `infer_plan(model, tp_size=2)` applied on simulated ranks against
-   the unsharded model (max abs difference <= 1e-4 in fp32); parameter bytes per rank of our
-   plan against what transformers' hand-written plan would shard; and how many modules our
-   plan gives the same style as theirs, with every disagreement and our `why`.
+   the unsharded model (max abs difference <= 1e-4 in fp32; where the forward needs more than
+   token ids, the tracer and both runs get the benchmark's own inputs, `INPUTS`); parameter
+   bytes per rank of our plan against what transformers' hand-written plan would shard; and
+   how many modules our plan gives the same style as theirs, with every disagreement and our
+   `why`.
 2. noplan: popular architectures that ship no hand-written plan: the same parity, and
    parameter bytes per rank at tp 2 as a fraction of the model (target <= 0.6).
 3. time: `infer_plan` on a Llama-3-405B-sized config on the meta device (target <= 2 s),
@@ -120,6 +122,8 @@ MROPE_SECTIONS = {
     "qwen2_vl_text": [2, 3, 3], "qwen2_5_vl_text": [2, 3, 3], "qwen2_5_omni_text": [2, 3, 3],
     "paddleocr_vl_text": [2, 3, 3], "glm4v_text": [2, 3, 3], "glm_image_text": [2, 3, 3],
     "glm_ocr_text": [2, 3, 3], "glm4v_moe_text": [1, 1, 2],
+    # Ernie 4.5 VL: (height, width, time), interleaving height with width, so the first two match
+    "ernie4_5_vl_moe_text": [3, 3, 2],
 }  # fmt: skip
 
 # Per-architecture fixes on top of SMALL, where the generic values do not build.
@@ -141,7 +145,196 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "step3p5": {"sliding_window": 16},
     # its default leaves layer_types None, which its own modeling code cannot read
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # its default names no rope per layer type, which its own modeling code reads (a KeyError
+    # at any size): rope on the sliding layers, none on the full ones, as its config allows
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": None,
+        },
+    },
+    # its default leaves mlp_layer_types None, which its own modeling code indexes per layer:
+    # a dense first layer and a sparse one, as DeepSeek models start
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
+    # its validator wants the adapter's input as wide as the tower (and its output as wide as
+    # the text model's hidden size, here the same 64)
+    "dots3_note_vision_encoder": {"adapter_in_dim": 64, "adapter_out_dim": 64},
+    # its modeling code reads a shared expert's size that the config class does not declare
+    # (checkpoints carry it as an extra field)
+    "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": 64},
+    # its attention layers always build the QSA token indexer, whose fields the default leaves
+    # unset (its validator wants all or none): a small indexer, one key head as it requires
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 4,
+        "indexer_compress_ratio": 2,
+    },
+    # its sparse (DSA) attention takes no rope: the rope part of each head stays 0, which the
+    # generic latent-attention sizes would make 8 and its validator rejects; its linear
+    # attention and indexer heads have names of their own (64 heads of 128 by default)
+    "glm5_next_text": {
+        "qk_rope_head_dim": 0,
+        "head_dim": 0,
+        "linear_num_heads": 4,
+        "linear_head_dim": 16,
+        "index_n_heads": 4,
+        "index_head_dim": 16,
+    },
+    # its audio tower is a pyramid of 4 resolutions, one entry per layer in each list, which
+    # the validator checks: all 4 kept, narrower
+    "muse_spark": {
+        "audio_config": {"num_hidden_layers": 4, "hidden_sizes": [16, 16, 32, 32]},
+        "projector_hidden_size": 64,
+    },
+    # halves of an encoder-decoder whose composite config hands them its dropout rate: built
+    # alone, they need it given
+    "t5_gemma_module": {"dropout_rate": 0.0},
+    "t5gemma2_text": {"dropout_rate": 0.0},
+    "t5gemma2_decoder": {"dropout_rate": 0.0},
+    # the pixel shuffle (ratio 0.5) folds 2x2 patches into one of 4 x hidden_size features,
+    # which the adapter's first layer takes as intermediate_size; its second layer is square
+    "llama4_vision_model": {
+        "intermediate_size": 256,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+    },
 }
+
+# ---- inputs beyond token ids ---------------------------------------------------------------
+# tpplan's example_inputs makes up token ids, audio features or a batch of images from the
+# forward signature. These forwards need more: patches already cut and packed with the grid
+# they came from, a position per patch, or hidden states of the model they assist. Each is
+# built from the small config, from a generator of its own, and given alike to infer_plan,
+# the unsharded run and the sharded run, so all three follow the same path.
+BATCH, SEQ = 2, 8
+
+
+def _packed_patches(patch_dim: int, g: Any, key: str = "pixel_values") -> dict[str, Any]:
+    """Qwen2-VL-style towers: every image's patches as rows of one 2-D tensor, and each
+    image's (frames, height, width) in patches; 4x4 patches fit a 2x2 spatial merge."""
+    import torch
+
+    grid = torch.tensor([[1, 4, 4]] * BATCH)
+    rows = int(grid.prod(-1).sum())
+    return {key: torch.randn(rows, patch_dim, generator=g), "grid_thw": grid}
+
+
+def _gemma4_vision(config: Any, g: Any) -> dict[str, Any]:
+    """Patchified images and each patch's (x, y); 6x6 patches so the 3x3 pooling kernel
+    leaves 4 soft tokens per image."""
+    import torch
+
+    side = 6
+    xy = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1)
+    return {
+        "pixel_values": torch.rand(BATCH, side * side, 3 * config.patch_size**2, generator=g),
+        "pixel_position_ids": xy.reshape(1, -1, 2).expand(BATCH, -1, -1).clone(),
+    }
+
+
+def _muse_glimmer_assistant(config: Any, g: Any) -> dict[str, Any]:
+    """A draft model: embeddings of the block it denoises, and the target model's hidden
+    states of the tokens before it, one slice per layer it reads."""
+    import torch
+
+    width = config.hidden_size * len(config.target_layer_ids)
+    return {
+        "noise_embeds": torch.randn(BATCH, config.block_size, config.hidden_size, generator=g),
+        "context_hidden_states": torch.randn(BATCH, SEQ, width, generator=g),
+    }
+
+
+def _code_predictor(config: Any, g: Any) -> dict[str, Any]:
+    """One generation step after the first: the step picks the embedding table and head."""
+    import torch
+
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "generation_steps": 1}
+
+
+def _embeds(config: Any, g: Any) -> dict[str, Any]:
+    """Embeddings in place of token ids."""
+    import torch
+
+    return {"inputs_embeds": torch.randn(BATCH, SEQ, config.hidden_size, generator=g)}
+
+
+def _cross_attending(config: Any, g: Any) -> dict[str, Any]:
+    """A decoder alone: its token ids and the encoder output it attends to."""
+    import torch
+
+    return {
+        "input_ids": torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g),
+        "encoder_hidden_states": torch.randn(BATCH, SEQ + 2, config.hidden_size, generator=g),
+    }
+
+
+def _ocr2_encoder(config: Any, g: Any) -> dict[str, Any]:
+    """Image patch embeddings followed by the learned queries: attention is bidirectional
+    over the first num_patches positions and causal after them."""
+    return {**_embeds(config, g), "num_patches": SEQ // 2}
+
+
+def _time_conditioned(config: Any, g: Any) -> dict[str, Any]:
+    """Token ids and the time conditioning the model around it computes (an embedding of
+    the delay, one vector for the batch) and every layer's norm reads."""
+    import torch
+
+    return {
+        "input_ids": torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g),
+        "t_cond": torch.randn(1, 1, config.hidden_size, generator=g),
+    }
+
+
+INPUTS: dict[str, Any] = {
+    # patches with their (x, y), pooled 3x3 into soft tokens
+    "gemma4_vision": _gemma4_vision,
+    # packed patches of 2 frames each (patch_temporal) and their grid
+    "muse_glimmer_vision": lambda c, g: _packed_patches(c.patch_temporal * 3 * c.patch_size**2, g),
+    # packed patches of one frame, under the name hidden_states
+    "ernie4_5_vl_moe_vision": lambda c, g: _packed_patches(
+        c.in_channels * c.patch_size**2, g, key="hidden_states"
+    ),
+    # packed patches of one frame, as Qwen2-VL takes them
+    "dots3_note_vision_encoder": lambda c, g: _packed_patches(c.num_channels * c.patch_size**2, g),
+    # a speculative draft model: no token ids at all
+    "muse_glimmer_assistant": _muse_glimmer_assistant,
+    # fed embeddings by the talker around it: its own token path reads an embed_tokens it
+    # does not have (its table is codec_embedding)
+    "qwen3_omni_moe_talker_text": _embeds,
+    # a decoder built alone attends to an encoder output it must be given
+    "t5gemma2_decoder": _cross_attending,
+    # embeddings of patches and queries, and where the patches end
+    "deepseek_ocr2_encoder": _ocr2_encoder,
+    # its layers' adaptive norms need the time conditioning, which only the outer model makes
+    "voxtral_realtime_text": _time_conditioned,
+    # token ids alone leave the generation step None
+    "qwen3_omni_moe_talker_code_predictor": _code_predictor,
+}
+
+
+def model_inputs(model_type: str, model: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Keyword inputs for the unsharded and the sharded run, and what to pass infer_plan as
+    example_inputs: the same dict where INPUTS made it, else None (the tracer guesses its
+    own from the forward signature, as a user's call would)."""
+    import inspect
+
+    import torch
+
+    from tpplan._inputs import example_inputs
+
+    make = INPUTS.get(model_type)
+    if make is not None:
+        inputs = make(model.config, torch.Generator().manual_seed(0))
+    else:
+        inputs = example_inputs(model, batch=BATCH, seq=SEQ)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs["use_cache"] = False  # no cache to fill: not part of the math compared
+    return inputs, inputs if make is not None else None
+
 
 _TOKEN_IDS = (
     "pad_token_id",
@@ -314,38 +507,72 @@ def small_config(model_type: str) -> Any:
     return cls(**_small_kwargs(cls(), OVERRIDES.get(model_type, {}), model_type))
 
 
+# Model classes the lookup below cannot find: no class declares the config (T5Gemma's encoder
+# and decoder take the module config but are typed with the composite one).
+MODEL_CLASSES = {"t5_gemma_module": "T5GemmaEncoder"}
+
+
+def _modeling(config: Any) -> Any:
+    """The modeling module of the config's family; None for a family that ships only a
+    config (InternLM 3, IQuest-Coder: transformers builds them with Llama's classes)."""
+    import importlib.util
+
+    name = type(config).__module__.replace(".configuration_", ".modeling_")
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)
+
+
 def model_class(model_type: str, config: Any) -> type:
     """The arch's main task class: seq2seq for encoder-decoders, masked LM for encoders,
     causal LM (or the multimodal one, for a composite config) for decoders, else the base
-    model; for a config no auto class names, a model class of its own modeling module."""
-    import importlib
-
+    model; for a config no auto class names, a model class of its own modeling module; for
+    a family with no modeling module, the class the auto mapping names."""
     import transformers
     from transformers import PreTrainedModel
     from transformers.models.auto import modeling_auto as auto
 
+    modeling = _modeling(config)
+    if model_type in MODEL_CLASSES:
+        return getattr(modeling, MODEL_CLASSES[model_type])
     kinds = ["CAUSAL_LM", "IMAGE_TEXT_TO_TEXT", "MULTIMODAL_LM", "MASKED_LM", ""]
     if model_type in ENCODERS:
         kinds = ["MASKED_LM", ""]
     if getattr(config, "is_encoder_decoder", False):
         kinds = ["SEQ_TO_SEQ_CAUSAL_LM", "SPEECH_SEQ_2_SEQ", *kinds]
+    mapped = []
     for kind in kinds:
         mapping = getattr(
             auto, f"MODEL_FOR_{kind}_MAPPING_NAMES" if kind else "MODEL_MAPPING_NAMES"
         )
         name = mapping.get(model_type)
-        cls = getattr(transformers, name if isinstance(name, str) else name[0]) if name else None
+        name = name if isinstance(name, str) or not name else name[0]
+        # some mapped classes are not exported at the top level (VoxtralRealtimeTextModel)
+        cls = name and (getattr(transformers, name, None) or getattr(modeling, name, None))
         # Llama4ForCausalLM is the causal class of llama4 but takes its text config
-        if cls is not None and isinstance(config, cls.config_class):
+        if cls and isinstance(config, cls.config_class):
             return cls
-    modeling = importlib.import_module(
-        type(config).__module__.replace(".configuration_", ".modeling_")
-    )
+        mapped += [cls] if cls else []
+    if modeling is None:
+        # a config-only family: the class AutoModelForCausalLM would build it with
+        if mapped:
+            return mapped[0]
+        raise LookupError(f"no model class for '{model_type}' and no modeling module")
     found = [
         c for c in vars(modeling).values()
         if isinstance(c, type) and issubclass(c, PreTrainedModel) and c.config_class is type(config)
     ]  # fmt: skip
-    for suffix in ("ForCausalLM", "ForConditionalGeneration", "ForMaskedLM", "Model"):
+    # stand-alone halves of a model (DeepSeek-OCR 2's vision encoder, T5Gemma 2's decoder)
+    # have a class named for the half only
+    suffixes = (
+        "ForCausalLM",
+        "ForConditionalGeneration",
+        "ForMaskedLM",
+        "Model",
+        "Encoder",
+        "Decoder",
+    )
+    for suffix in suffixes:
         for c in found:
             if c.__name__.endswith(suffix) and not c.__name__.endswith("PreTrainedModel"):
                 return c
@@ -539,13 +766,11 @@ def _source_hash() -> str:
 
 def _run_one(model_type: str, part: str) -> dict[str, Any]:
     import copy
-    import inspect
 
     import torch
     from transformers.utils import logging as hf_logging
 
     import tpplan
-    from tpplan._inputs import example_inputs
     from tpplan._local import simulated_ranks
     from tpplan._styles import fused_layouts
     from tpplan._tree import first_tensor
@@ -580,9 +805,7 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
         except Exception as e:
             res["theirs_error"] = _reason(e)["reason"]
     try:
-        inputs: dict[str, Any] = example_inputs(model, batch=2, seq=8)
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            inputs["use_cache"] = False  # no cache to fill: not part of the math compared
+        inputs, given = model_inputs(model_type, model)
         # the unsharded run: its output and the gradients of a loss on it
         ref = copy.deepcopy(model)
         want = first_tensor(ref(**inputs))
@@ -595,7 +818,7 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
         return fail("reference failed", e)
     try:
         t0 = time.perf_counter()
-        plan = tpplan.infer_plan(model, tp_size=TP)
+        plan = tpplan.infer_plan(model, tp_size=TP, example_inputs=given)
         res["infer_s"] = round(time.perf_counter() - t0, 3)
     except Exception as e:
         return fail("infer failed", e)

@@ -62,17 +62,6 @@ def moe_archs() -> list[str]:
     return out
 
 
-def _inputs(model: Any) -> dict[str, Any]:
-    import inspect
-
-    from tpplan._inputs import example_inputs
-
-    inputs: dict[str, Any] = example_inputs(model, batch=2, seq=8)
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        inputs["use_cache"] = False
-    return inputs
-
-
 def _collectives(run: Any) -> tuple[Any, int]:
     """run() and the number of collectives it issued (waits not counted). torch's
     CommDebugMode counts the same, but its module tracker fails on some models."""
@@ -96,7 +85,9 @@ def _collectives(run: Any) -> tuple[Any, int]:
     return out, Count.n
 
 
-def _ours(model: Any, inputs: dict[str, Any], want: Any, mode: str, total: int) -> dict[str, Any]:
+def _ours(
+    model: Any, inputs: dict[str, Any], given: Any, want: Any, mode: str, total: int
+) -> dict[str, Any]:
     import copy
 
     import torch
@@ -107,7 +98,7 @@ def _ours(model: Any, inputs: dict[str, Any], want: Any, mode: str, total: int) 
 
     row: dict[str, Any] = {}
     try:
-        plan = tpplan.infer_plan(model, tp_size=TP, experts=mode)
+        plan = tpplan.infer_plan(model, tp_size=TP, experts=mode, example_inputs=given)
     except Exception as e:
         return {"error": infer_bar._reason(e)["reason"]}
     rules = [r for r in plan.rules if r.style == "experts"]
@@ -218,13 +209,14 @@ def _run_one(model_type: str) -> dict[str, Any]:
         return {**res, "status": "build failed", **infer_bar._reason(e)}
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
-        inputs = _inputs(model)
+        # infer_bar's inputs, so a forward that needs more than token ids runs here too
+        inputs, given = infer_bar.model_inputs(model_type, model)
         with torch.no_grad():
             want = first_tensor(copy.deepcopy(model)(**inputs)).detach()
     except Exception as e:
         return {**res, "status": "reference failed", **infer_bar._reason(e)}
     for mode in MODES:
-        res[mode] = _ours(model, inputs, want, mode, total)
+        res[mode] = _ours(model, inputs, given, want, mode, total)
     if getattr(type(config), "base_model_tp_plan", None):
         res["theirs"] = _theirs(model, inputs, want, total)
     res["status"] = "ok"
