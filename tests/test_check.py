@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from models import tiny_llama
+from torch import nn
 
 from tpplan import Plan, Problem, check_plan, load_plan
 from tpplan._fingerprint import fingerprint, parameter_shapes
@@ -241,3 +243,38 @@ def test_a_head_dim_smaller_than_the_models_heads_is_caught_by_the_trace() -> No
     assert problems[0].fix == (
         "use a tp size among 1, 2, or keep this module replicated; its head_dim is 8."
     )
+
+
+class _Wrapped(nn.Module):
+    """A layer inside a wrapper of its own (`q.linear`), as some vision towers write them."""
+
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class _WrappedMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = _Wrapped(8, 16)
+        self.down = _Wrapped(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # no inputs tpplan can make up
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_the_structural_check_looks_past_wrappers() -> None:
+    model = nn.Sequential()
+    model.add_module("mlp", _WrappedMlp())
+    plan = Plan.from_yaml(
+        "tpplan: 1\nrules:\n"
+        "  - {match: mlp.up.linear, style: colwise, why: opens}\n"
+        "  - {match: mlp.down.linear, style: rowwise, why: closes}\n"
+    )
+    assert check_plan(plan, model, tp_size=2) == []
+    half = plan.model_copy(update={"rules": plan.rules[:1]})
+    p = _only(check_plan(half, model, tp_size=2), "unclosed_region")
+    assert "no rowwise module under mlp takes it back" in p.message

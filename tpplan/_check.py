@@ -383,7 +383,7 @@ def _check_regions(
     try:
         trace = trace_model(model)
     except TpplanError:
-        return _check_regions_by_structure(plan, openers, closers)
+        return _check_regions_by_structure(plan, openers, closers, model)
     return _check_regions_by_flow(plan, openers, closers, trace) + _check_heads(
         plan, openers, trace, tp, flagged
     )
@@ -495,13 +495,19 @@ def _check_regions_by_flow(
 
 
 def _check_regions_by_structure(
-    plan: Plan, openers: list[tuple[int, str]], closers: list[tuple[int, str]]
+    plan: Plan, openers: list[tuple[int, str]], closers: list[tuple[int, str]], model: nn.Module
 ) -> list[Problem]:
     """Without a trace: the closing layer must sit under the same parent module as the
-    opening one (q_proj and o_proj under one attention module)."""
+    opening one (q_proj and o_proj under one attention module). A parent that holds the
+    layer and nothing else (`q_proj.linear` inside a `q_proj` wrapper) is no parent of
+    its own: the one above it is."""
+    owned = {n: {id(p) for p in m.parameters()} for n, m in model.named_modules()}
 
     def parent(name: str) -> str:
-        return name.rpartition(".")[0]
+        up = name.rpartition(".")[0]
+        while up and owned.get(up) == owned.get(name):
+            name, up = up, up.rpartition(".")[0]
+        return up
 
     def under(root: str, name: str) -> bool:
         # At the top level only a top-level sibling counts: an output head is not closed by
