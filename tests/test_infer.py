@@ -926,3 +926,27 @@ def test_a_part_sharing_a_parameter_with_the_rest_stays_whole() -> None:
     plan = tpplan.infer_plan(model)
     assert "tower.fc1" not in styles(plan, model)
     assert "shares a parameter" in rule_for(plan, model, "tower.fc1").why
+
+
+class _ClassToken(nn.Module):
+    """A 1-D class embedding expanded to (batch, 1, width) with the width read off the
+    projection's split output, then put in front of the patches (Llama 4's vision tower)."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.patch = nn.Linear(dim, dim)
+        self.cls = nn.Parameter(torch.randn(dim))
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patch(x)
+        cls = self.cls.expand(h.shape[0], 1, h.shape[-1])
+        return self.fc(torch.cat([h, cls], dim=1))
+
+
+def test_an_expand_that_adds_leading_dims_to_a_vector_is_traced() -> None:
+    model = _ClassToken()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model)["patch"] == ("colwise", "replicate")
+    assert_parity(model, plan, 2, x)
