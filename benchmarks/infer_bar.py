@@ -202,6 +202,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "projector_output_dim": 64,
     },
 }
+# the same tower inside the multimodal model (traced on its own there: see infer_plan)
+OVERRIDES["llama4"] = {"vision_config": OVERRIDES["llama4_vision_model"]}
 
 # ---- inputs beyond token ids ---------------------------------------------------------------
 # tpplan's example_inputs makes up token ids, audio features or a batch of images from the
