@@ -950,3 +950,29 @@ def test_an_expand_that_adds_leading_dims_to_a_vector_is_traced() -> None:
     plan = tpplan.infer_plan(model, example_inputs=x)
     assert styles(plan, model)["patch"] == ("colwise", "replicate")
     assert_parity(model, plan, 2, x)
+
+
+class _StackedRotary(nn.Module):
+    """Heads rotated pairwise with `stack((-x2, x1), -1)` (an interleaved rotary), then
+    merged back and contracted."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.fc1 = nn.Linear(dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.fc1(x).view(b, t, -1, self.head_dim)
+        turned = torch.stack((-h[..., 1::2], h[..., ::2]), dim=-1).flatten(-2)
+        return self.fc2((0.6 * h + 0.8 * turned).reshape(b, t, -1))
+
+
+def test_tensors_stacked_alike_stay_split() -> None:
+    model = _StackedRotary()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert styles(plan, model) == {"fc1": ("colwise", None), "fc2": ("rowwise", None)}
+    assert "stack" in rule_for(plan, model, "fc1").why
+    assert_parity(model, plan, 2, x)

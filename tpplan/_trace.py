@@ -877,6 +877,8 @@ class _Tracer(TorchDispatchMode):
             return [(out, self.padded(a["pad"], args[0]))]
         if name == "cat":
             return [(out, self.concatenated(a))]
+        if name == "stack":
+            return [(out, self.stacked(a, out))]
         if name in _SPLITS:
             return self.split_apart(name, a, args[0], out)
         if name in _SAME_SHAPE_OVER_DIM:
@@ -1068,6 +1070,19 @@ class _Tracer(TorchDispatchMode):
             if self.split_of(t) is None and not self.split_param(t, merged, nd):
                 raise _Break("it joins split and unsplit tensors")
         return merged
+
+    def stacked(self, a: dict[str, Any], out: torch.Tensor) -> Split:
+        """Tensors of one shape stacked along a new dim (a rotary's `stack((-x2, x1), -1)`):
+        split alike, they stay split, the new dim moving the split one up when it comes
+        before; an unsplit one among them would have the whole size where the others have
+        a shard's."""
+        splits = [self.split_of(t) for t in a["tensors"]]
+        if any(s is None for s in splits):
+            raise _Break("it stacks split and unsplit tensors")
+        merged = _merge(splits, [s.dim for s in splits if s is not None])  # type: ignore[misc]
+        d = _norm_dim(a.get("dim", 0), out.dim())
+        k = merged.dim + 1 if d <= merged.dim else merged.dim
+        return Split(k, merged.outer, merged.n, merged.inner, merged.sources)
 
     def split_apart(
         self, name: str, a: dict[str, Any], t: torch.Tensor, out: Any
