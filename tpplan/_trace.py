@@ -1076,10 +1076,10 @@ class _Tracer(TorchDispatchMode):
         split alike, they stay split, the new dim moving the split one up when it comes
         before; an unsplit one among them would have the whole size where the others have
         a shard's."""
-        splits = [self.split_of(t) for t in a["tensors"]]
-        if any(s is None for s in splits):
+        splits = [s for s in (self.split_of(t) for t in a["tensors"]) if s is not None]
+        if len(splits) != len(a["tensors"]):
             raise _Break("it stacks split and unsplit tensors")
-        merged = _merge(splits, [s.dim for s in splits if s is not None])  # type: ignore[misc]
+        merged = _merge(splits, [s.dim for s in splits])
         d = _norm_dim(a.get("dim", 0), out.dim())
         k = merged.dim + 1 if d <= merged.dim else merged.dim
         return Split(k, merged.outer, merged.n, merged.inner, merged.sources)
