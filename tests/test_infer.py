@@ -976,3 +976,31 @@ def test_tensors_stacked_alike_stay_split() -> None:
     assert styles(plan, model) == {"fc1": ("colwise", None), "fc2": ("rowwise", None)}
     assert "stack" in rule_for(plan, model, "fc1").why
     assert_parity(model, plan, 2, x)
+
+
+class _GatedHeads(nn.Module):
+    """A per-head output gate viewed with `view_as` the attention output (Beam): its count
+    of heads comes from the other tensor's shape, read in C++, and is each shard's own."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.v = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        v = self.v(x).view(b, t, -1, self.head_dim)
+        gated = v * torch.sigmoid(self.gate(x).view_as(v))
+        return self.o(gated.reshape(b, t, -1))
+
+
+def test_a_view_as_a_split_tensor_keeps_the_split() -> None:
+    model = _GatedHeads()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    want = {"v": ("colwise", None), "gate": ("colwise", None), "o": ("rowwise", None)}
+    assert styles(plan, model) == want
+    for tp in (2, 4):
+        assert_parity(model, plan, tp, x)

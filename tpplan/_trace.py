@@ -980,6 +980,9 @@ class _Tracer(TorchDispatchMode):
             for src in s.sources:
                 self.trace.counts.setdefault(src, set()).add(held[0])
             return
+        fresh = {v for _, _, v in self.fresh}
+        if sizes[k] in self.shapes_read and sizes[k] not in fresh:
+            return  # the count was read off a split tensor just before: the shard's own
         if sizes[k] != -1:
             doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
             count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
@@ -1247,6 +1250,7 @@ def _named(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
 # rank's slice of each piece, with no size to divide.
 _CHUNKS = (torch.Tensor.chunk, torch.chunk)
 _VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+_VIEWS_AS = (torch.Tensor.view_as, torch.Tensor.reshape_as)
 _SHAPES = (torch.Tensor.size, torch.Tensor.shape.__get__)  # type: ignore[attr-defined]
 
 
@@ -1275,6 +1279,19 @@ class _Attention(TorchFunctionMode):
                     self.tracer.shapes_read.add(out[split.dim])
                     self.tracer.shape_splits[out[split.dim]] = split
             return out
+        if func in _VIEWS_AS and not self.tracer.quiet:
+            # the sizes come from the other tensor's shape, read in C++ where `_SHAPES`
+            # does not see it: a split dim's size read so is each shard's own
+            other = args[1]
+            split = self.tracer.split_of(other)
+            if split is not None:
+                self.tracer.shapes_read.add(other.shape[split.dim])
+                self.tracer.shape_splits[other.shape[split.dim]] = split
+            self.tracer.asked.append(tuple(other.shape))
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.tracer.asked.pop()
         if func in _VIEWS:
             sizes = args[1:]
             if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
