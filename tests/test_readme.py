@@ -5,7 +5,10 @@ that makes them disagree fails here instead of going unnoticed."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -24,3 +27,27 @@ def test_the_no_plan_bar_count_is_the_saved_results() -> None:
     within = [r for r in rows if r["status"] == "ok" and r["ours_fraction"] <= 0.6]
     claim = f"at most 0.6 of the parameters per rank on {len(within)} of the {len(rows)} popular"
     assert claim in _one_line(README)
+
+
+def _shipped_table() -> dict[str, str]:
+    """{name: class} from the README's shipped-plans table (the rows of `| `name` | Class |`)."""
+    section = README.split("\n## Shipped plans\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \| (\w+) \|", section, flags=re.M)
+    assert rows, "no rows found in the README's shipped-plans table"
+    table = dict(rows)
+    assert len(table) == len(rows), "a plan is listed twice"
+    return table
+
+
+def test_the_shipped_plans_table_lists_every_plan_file_and_its_class() -> None:
+    """One row per file in plans/ (recursive, as tpplan finds them), each with the class the
+    file is written for: a plan added, renamed or regenerated for another class fails here."""
+    files = {p.stem: p for p in sorted((ROOT / "plans").rglob("*.yaml"))}
+    assert files, "no plan files in plans/"
+    classes = {name: yaml.safe_load(p.read_text())["model"]["class"] for name, p in files.items()}
+    assert _shipped_table() == classes
+
+
+def test_the_shipped_plan_count_is_the_number_of_files() -> None:
+    count = len(list((ROOT / "plans").rglob("*.yaml")))
+    assert f"holds a plan for each of {count} popular families" in _one_line(README)
