@@ -4,6 +4,7 @@ that makes them disagree fails here instead of going unnoticed."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -51,3 +52,28 @@ def test_the_shipped_plans_table_lists_every_plan_file_and_its_class() -> None:
 def test_the_shipped_plan_count_is_the_number_of_files() -> None:
     count = len(list((ROOT / "plans").rglob("*.yaml")))
     assert f"holds a plan for each of {count} popular families" in _one_line(README)
+
+
+def test_the_benchmark_scripts_nox_runs_are_the_ones_named() -> None:
+    """`nox -s benchmarks` runs the default list in noxfile.py's benchmarks session; the README
+    names those scripts, and every other script in benchmarks/ as run by hand."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    [session] = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "benchmarks"]
+    [default] = [n for n in ast.walk(session) if isinstance(n, ast.BoolOp)]
+    # `session.posargs or [...]`: the list is what runs when no script is named
+    by_nox = [ast.literal_eval(e) for e in default.values[1].elts]
+    assert by_nox
+    text = _one_line(README.split("\n## Tests\n", 1)[1])
+    named = ", ".join(f"`{name}`" for name in by_nox)
+    assert (
+        f"`nox -s benchmarks` runs {_count(len(by_nox))} of the CPU benchmark scripts ({named};"
+        in text
+    )
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
+    by_hand = scripts - set(by_nox)
+    assert by_hand and all(f"`{name}.py`" in text for name in by_hand)
+
+
+def _count(n: int) -> str:
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    return words[n] if n < len(words) else str(n)
