@@ -72,11 +72,13 @@ class Moe(nn.Module):
     """Tokens -> router -> experts (+ a residual) -> vocab. Dense experts get every expert's
     routing score; sparse ones (`sparse`) get the chosen two experts and their weights."""
 
-    def __init__(self, experts: nn.Module | None = None, *, bent: bool = False) -> None:
+    def __init__(
+        self, experts: nn.Module | None = None, *, bent: bool = False, routes: int = 4
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(64, 16)
-        self.router = nn.Linear(16, 4, bias=False)
+        self.router = nn.Linear(16, routes, bias=False)
         self.sparse = experts is not None
         self.experts = experts if experts is not None else DenseExperts(bent=bent)
         self.out = nn.Linear(16, 64, bias=False)
@@ -117,6 +119,57 @@ class SparseExperts(nn.Module):
         if self.late:
             out = out + self.bias[flat]
         return out.view(-1, k, hidden).sum(1)
+
+
+class Passing(nn.Module):
+    """No weights: hands its tokens back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class LoopExperts(nn.Module):
+    """Written by hand, names meaning nothing: `n` experts with weights (gate|up fused in
+    `g`, down in `d`) and `m` that hand their tokens back through `z` (LongCat's zero
+    experts), run in a loop over the experts and summed with index_add_. `first` gives the
+    passing experts the lowest ids; `gated` scales what `z` returns by a sigmoid of itself
+    (not linear in it); `inline` adds the tokens without `z`."""
+
+    def __init__(
+        self,
+        n: int = 4,
+        m: int = 2,
+        hidden: int = 16,
+        inner: int = 8,
+        *,
+        first: bool = False,
+        gated: bool = False,
+        inline: bool = False,
+    ) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(n, 2 * inner, hidden) * 0.3)
+        self.d = nn.Parameter(torch.randn(n, hidden, inner) * 0.3)
+        self.z = Passing()
+        self.n, self.m = n, m
+        self.first, self.gated, self.inline = first, gated, inline
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.n + self.m):
+            tok, k = torch.where(ids == e)
+            if tok.numel() == 0:
+                continue
+            passing = e < self.m if self.first else e >= self.n
+            if passing:
+                y = x[tok] if self.inline else self.z(x[tok])
+                if self.gated:
+                    y = y * torch.sigmoid(y)
+            else:
+                j = e - self.m if self.first else e
+                gate, up = nn.functional.linear(x[tok], self.g[j]).chunk(2, dim=-1)
+                y = nn.functional.linear(nn.functional.silu(gate) * up, self.d[j])
+            out.index_add_(0, tok, y * weights[tok, k, None])
+        return out
 
 
 def _ids() -> torch.Tensor:
@@ -168,6 +221,20 @@ def test_experts_whose_output_is_not_linear_in_the_sum_stay_whole() -> None:
     rule = rule_for(plan, model, "experts")
     assert rule.style == "replicate"
     assert "tanh is not linear in the experts' partial sums" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+# ---- experts that add their tokens whole (identity experts) -----------------------------------
+@pytest.mark.parametrize("first", [False, True])
+def test_tokens_added_whole_without_a_submodule_stay_whole(first: bool) -> None:
+    """Each rank would add them whole into its partial sum, counted tp times by the
+    all-reduce: refused, with the reason, also when they start the sum (that order was
+    split before, its in-place add into zeros taken for a sum of nothing)."""
+    model = Moe(LoopExperts(inline=True, first=first), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    rule = rule_for(plan, model, "experts")
+    assert rule.style == "replicate"
+    assert "made without the split weights (the same on every rank" in rule.why
     assert_parity(model, plan, 2, _ids())
 
 

@@ -553,7 +553,11 @@ class _Tracer(TorchDispatchMode):
                 and self.routing.get(id(ins[0])) is ins[0]
             ):
                 self.routing[id(outs[0])] = outs[0]
-            if any(partial):
+            # an accumulator of nothing yet (zeros) changed in place by anything but a zero
+            # fill must be judged too: `acc.index_add_(0, i, x)` with a whole x first would
+            # otherwise leave it looking like a sum of nothing
+            into_empty = partial and not zeros and name.endswith("_")
+            if any(partial) or into_empty:
                 self.follow_partial(func, name, a, ins, outs, frozenset().union(*partial))
                 return
             if name in ("_grouped_mm", "bmm", "mm") and self.expert_product(name, a, out):
@@ -825,6 +829,16 @@ class _Tracer(TorchDispatchMode):
                     self.trace.after_sum[b[0]] = b[0].rpartition(".")[0]
                     if any(self.weighted.get(id(t)) is t for t in partial):
                         self.trace.after_weighting.add(b[0])
+            if not ok and others and all(self.split_of(t) is None for t in others):
+                self.trace.break_(
+                    sources,
+                    f"{name} adds to the experts' partial sums a tensor made without the split "
+                    "weights (the same on every rank, so the all-reduce would count it tp "
+                    "times)",
+                )
+                for t in partial:
+                    self.partials.pop(id(t), None)
+                return
         elif name in ("masked_fill", "masked_fill_", "where"):
             value = a.get("value", a.get("other"))
             ok = not others and (not isinstance(value, (int, float)) or value == 0)
