@@ -238,6 +238,19 @@ def test_tokens_added_whole_without_a_submodule_stay_whole(first: bool) -> None:
     assert_parity(model, plan, 2, _ids())
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_output_added_whole_is_scaled_once_per_rank(tp: int) -> None:
+    """Written by hand: `z`'s tokens are added whole into every rank's partial sum;
+    added_whole scales them by 1/tp on each rank, so the all-reduce counts them once."""
+    model = Moe(LoopExperts(), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    rule = Rule(
+        match="experts", style="experts", why="hand-written", shard={"g": 1, "d": 2},
+        fused={"g": [8, 8]}, added_whole=["z"],
+    )  # fmt: skip
+    assert_parity(model, _with(plan, rule), tp, _ids())
+
+
 # ---- expert-parallel experts ------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("tp", "implementation"), [(2, "grouped_mm"), (4, "grouped_mm"), (2, "eager")]
@@ -348,6 +361,28 @@ def test_experts_rules_need_schema_version_3() -> None:
     text = "tpplan: 2\nrules:\n  - {match: experts, style: experts, why: x, shard: {w: 0}}\n"
     with pytest.raises(tpplan.TpplanError, match="need schema version 3"):
         Plan.from_yaml(text)
+
+
+def test_added_whole_needs_schema_version_5_and_mode_tensor() -> None:
+    rule = "{match: experts, style: experts, why: x, shard: {w: 1}, added_whole: [z]"
+    with pytest.raises(tpplan.TpplanError, match="added_whole need schema version 5"):
+        Plan.from_yaml(f"tpplan: 4\nrules:\n  - {rule}}}\n")
+    with pytest.raises(tpplan.TpplanError, match="takes no fused, after_sum or added_whole"):
+        Plan.from_yaml(f"tpplan: 5\nrules:\n  - {rule.replace('1', '0')}, mode: expert}}\n")
+    assert Plan.from_yaml(f"tpplan: 5\nrules:\n  - {rule}}}\n").rules[0].added_whole == ["z"]
+
+
+def test_an_added_whole_submodule_the_module_lacks_is_named() -> None:
+    model = Moe(LoopExperts(), routes=6)
+    rule = Rule(
+        match="experts", style="experts", why="hand-written", shard={"g": 1, "d": 2},
+        added_whole=["y"],
+    )  # fmt: skip
+    plan = _with(tpplan.infer_plan(model, example_inputs=_ids()), rule)
+    (problem,) = tpplan.check_plan(plan, model, tp_size=2)
+    assert "added_whole names y, which LoopExperts does not hold (its submodules: z)" in (
+        problem.message
+    )
 
 
 def test_full_state_dict_of_split_experts_is_the_unsharded_one() -> None:
