@@ -172,6 +172,19 @@ class LoopExperts(nn.Module):
         return out
 
 
+def longcat_flash() -> nn.Module:
+    """LongCat-Flash, one layer: 4 experts with weights and 2 zero (identity) experts."""
+    cfg = transformers.LongcatFlashConfig(
+        vocab_size=128, hidden_size=64, num_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, ffn_hidden_size=96, expert_ffn_hidden_size=32,
+        n_routed_experts=4, zero_expert_num=2, moe_topk=2, kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LongcatFlashForCausalLM(cfg).eval()
+
+
 def _ids() -> torch.Tensor:
     return _tokens() % 64
 
@@ -226,6 +239,31 @@ def test_experts_whose_output_is_not_linear_in_the_sum_stay_whole() -> None:
 
 # ---- experts that add their tokens whole (identity experts) -----------------------------------
 @pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_experts_passing_tokens_through_are_counted_once(tp: int, first: bool) -> None:
+    """Every rank adds the passing experts' tokens whole into its partial sum: the plan
+    scales `z`'s output by 1/tp, so the all-reduce counts them once. With the passing
+    experts first, their tokens start the sum before any partial sum is in it."""
+    model = Moe(LoopExperts(first=first), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids(), tp_size=tp)
+    rule = rule_for(plan, model, "experts")
+    assert (rule.style, rule.mode) == ("experts", "tensor")
+    assert rule.shard == {"g": 1, "d": 2} and rule.added_whole == ["z"]
+    assert "z's output (made without the split weights" in rule.why
+    assert_parity(model, plan, tp, _ids())
+
+
+def test_an_output_added_whole_and_also_used_otherwise_stays_whole() -> None:
+    """sigmoid(y) * y is not linear in y: scaling y by 1/tp would not scale the sum so."""
+    model = Moe(LoopExperts(gated=True), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    rule = rule_for(plan, model, "experts")
+    assert rule.style == "replicate"
+    assert "z's output is added whole to the experts' partial sums, but sigmoid" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+@pytest.mark.parametrize("first", [False, True])
 def test_tokens_added_whole_without_a_submodule_stay_whole(first: bool) -> None:
     """Each rank would add them whole into its partial sum, counted tp times by the
     all-reduce: refused, with the reason, also when they start the sum (that order was
@@ -235,7 +273,28 @@ def test_tokens_added_whole_without_a_submodule_stay_whole(first: bool) -> None:
     rule = rule_for(plan, model, "experts")
     assert rule.style == "replicate"
     assert "made without the split weights (the same on every rank" in rule.why
+    assert "not as the output of a parameter-free submodule" in rule.why
     assert_parity(model, plan, 2, _ids())
+
+
+def test_expert_parallel_refuses_experts_passing_tokens_through() -> None:
+    model = Moe(LoopExperts(), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids(), experts="expert")
+    rule = rule_for(plan, model, "experts")
+    assert rule.mode == "tensor" and rule.added_whole == ["z"]
+    assert "not expert parallel: z's output is added whole" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_longcat_flash_zero_experts_are_counted_once(tp: int) -> None:
+    model = longcat_flash()
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    rule = rule_for(plan, model, "model.layers.0.mlp.experts")
+    assert (rule.style, rule.mode) == ("experts", "tensor")
+    assert rule.shard == {"gate_up_proj": 1, "down_proj": 2}
+    assert rule.added_whole == ["identity_expert"]
+    assert_parity(model, plan, tp, _tokens())
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -56,6 +56,7 @@ class _Decision:
     shard: tuple[tuple[str, int], ...] = ()  # experts, split_params: (parameter, dim)
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # experts: (parameter, pieces)
     after_sum: tuple[str, ...] = ()  # experts
+    added_whole: tuple[str, ...] = ()  # experts: submodules whose output is scaled 1/tp
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
@@ -88,6 +89,8 @@ class _Decision:
                 extra["fused"] = {k: list(v) for k, v in self.fused}
             if self.after_sum:
                 extra["after_sum"] = list(self.after_sum)
+            if self.added_whole:
+                extra["added_whole"] = list(self.added_whole)
         return Rule(match=match, style=self.style, why=self.why, **extra)
 
 
@@ -490,17 +493,24 @@ class _Decider:
             )
         if t.counts.get(owner) or any(t.counts.get(o) for o in openers):
             reasons.append("its forward reads attributes to size the split features")
+        prefix = owner + "."
+        whole = sorted(c.removeprefix(prefix) for c, o in t.added_whole.items() if o == owner)
+        for c in whole:
+            if prefix + c in t.bent_whole:
+                reasons.append(
+                    f"{c}'s output is added whole to the experts' partial sums, but "
+                    f"{t.bent_whole[prefix + c]} too, so it cannot be scaled by 1/tp"
+                )
         if reasons:
             self.kept_experts[owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
             return
         assert module is not None
         own = dict(module.named_parameters(recurse=False))
-        prefix = owner + "."
         after = sorted(p.removeprefix(prefix) for p, o in t.after_sum.items() if o == owner)
         n_experts = {own[m.removeprefix(prefix)].shape[0] for m in members}
         ops = sorted({op for o in openers for op in t.ops.get(o, ())} - _PLAIN_OPS)
         path = f" through {', '.join(ops)}" if ops else ""
-        ep_why = self.expert_parallel_refusal(owner, n_experts) if mode == "expert" else ""
+        ep_why = self.expert_parallel_refusal(owner, n_experts, whole) if mode == "expert" else ""
         if mode == "expert" and not ep_why:
             ((attr_module, attr, value),) = t.expert_counts[owner]
             self.attributes[attr_module] = (
@@ -543,22 +553,37 @@ class _Decider:
             )
             for o, p in pieces.items()
         )
-        bias = f"; {_join(after)} is added after that sum, 1/tp on each rank" if after else ""
+        added = f"; {_join(after)} is added after that sum, 1/tp on each rank" if after else ""
+        if whole:
+            added += (
+                f"; {_join(whole)}'s output (made without the split weights, the same on every "
+                "rank) is added whole to that sum, so each rank scales it by 1/tp and the "
+                "all-reduce counts it once"
+            )
         refused = f" (not expert parallel: {ep_why})" if ep_why else ""
         self.decisions[owner] = _Decision(
             "experts",
             f"per-expert matmuls on the unsplit tokens (the router's choice): {what}; they flow"
             f"{path} to {_join(sorted(short[c] for c in closers))}, which contracts them, so every "
             "expert is split like a dense MLP and the experts' output is a partial sum, one "
-            f"all-reduce{bias}{refused}",
+            f"all-reduce{added}{refused}",
             mode="tensor",
             shard=tuple(sorted(shard.items())),
             fused=tuple(sorted(fused.items())),
             after_sum=tuple(after),
+            added_whole=tuple(whole),
         )
 
-    def expert_parallel_refusal(self, owner: str, n_experts: set[int]) -> str:
+    def expert_parallel_refusal(self, owner: str, n_experts: set[int], whole: list[str]) -> str:
         t = self.trace
+        if whole:
+            # made without any expert's weights, it belongs to no rank's experts; which
+            # tokens reach it is decided inside forward, so with the routing renumbered per
+            # rank several ranks might add it, or none
+            return (
+                f"{_join(whole)}'s output is added whole to the experts' sum, made without any "
+                "expert's weights: splitting by experts does not decide which one rank adds it"
+            )
         if t.expert_routing.get(owner):
             return str(t.expert_routing[owner])
         counts = t.expert_counts.get(owner, set())
