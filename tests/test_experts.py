@@ -172,6 +172,33 @@ class LoopExperts(nn.Module):
         return out
 
 
+class Twice(nn.Module):
+    """Two experts modules of one structure in a row, each with its own router over 4
+    experts with weights and 2 passing ones. `order` biases the routers: "weights, passing"
+    sends every token of the first to experts with weights and every token of the second
+    to passing ones; "passing, weights" the other way round."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.routers = nn.ModuleList([nn.Linear(16, 6) for _ in range(2)])
+        self.experts = nn.ModuleList([LoopExperts(), LoopExperts()])
+        self.out = nn.Linear(16, 64, bias=False)
+        with torch.no_grad():
+            for router, kind in zip(self.routers, order.split(", "), strict=True):
+                # a logit 50 below or above the others: softmax gives those ids ~e-22
+                passing = -50.0 if kind == "weights" else 50.0
+                router.bias.copy_(torch.tensor([0.0] * 4 + [passing] * 2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).reshape(-1, 16)
+        for router, experts in zip(self.routers, self.experts, strict=True):
+            weights, chosen = router(x).softmax(-1).topk(2, dim=-1)
+            x = x + experts(x, chosen, weights)
+        return self.out(x).reshape(*ids.shape, -1)
+
+
 def longcat_flash() -> nn.Module:
     """LongCat-Flash, one layer: 4 experts with weights and 2 zero (identity) experts."""
     cfg = transformers.LongcatFlashConfig(
@@ -251,6 +278,33 @@ def test_experts_passing_tokens_through_are_counted_once(tp: int, first: bool) -
     assert rule.shard == {"g": 1, "d": 2} and rule.added_whole == ["z"]
     assert "z's output (made without the split weights" in rule.why
     assert_parity(model, plan, tp, _ids())
+
+
+def test_experts_modules_of_one_structure_pool_what_their_routing_showed() -> None:
+    """Traced on its own weights, the first module runs only experts with weights and the
+    second only passing ones. Each alone would be planned wrong for other routing (the
+    first without scaling `z`, the second not split at all); the plan holds for both once
+    the routers' biases are gone and each module reaches both kinds."""
+    model = Twice("weights, passing")
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    (rule,) = [r for r in plan.rules if r.style == "experts"]
+    assert rule.match == "experts.*" and rule.added_whole == ["z"]
+    assert "the 2 modules of this structure share it, 1 of which ran no expert" in rule.why
+    with torch.no_grad():
+        for router in model.routers:
+            router.bias.zero_()
+    reached: list[set[bool]] = []  # per module: reached passing experts (True), others
+    hooks = [
+        experts.register_forward_pre_hook(
+            lambda mod, args: reached.append({e >= 4 for e in args[1].flatten().tolist()})
+        )
+        for experts in model.experts
+    ]
+    model(_ids())
+    for hook in hooks:
+        hook.remove()
+    assert reached == [{False, True}, {False, True}]
+    assert_parity(model, plan, 2, _ids())
 
 
 def test_an_output_added_whole_and_also_used_otherwise_stays_whole() -> None:

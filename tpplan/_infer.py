@@ -26,7 +26,7 @@ from torch import nn
 from ._check import tied_groups, weight_split
 from ._fingerprint import fingerprint, parameter_shapes
 from ._patterns import collapse, wildcard
-from ._trace import Trace, trace_model
+from ._trace import Trace, _structure, trace_model
 from .errors import TpplanError
 from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
 
@@ -274,6 +274,15 @@ class _Decider:
         self.blocked: set[str] = {n for n in self.tied if n in trace.linears}
         self.blocked |= {n for n in trace.linears if self.used_outside(n)}
         self.biggest = max((i * o for i, o, _ in trace.linears.values()), default=0)
+        # experts module -> the experts modules of its structure, itself included (see
+        # `pool_experts`)
+        self.alike: dict[str, list[str]] = {}
+        groups: dict[Any, list[str]] = {}
+        for owner in sorted(trace.expert_exits):
+            if owner in self.modules:
+                groups.setdefault(_structure(self.modules[owner]), []).append(owner)
+        for group in groups.values():
+            self.alike.update(dict.fromkeys(group, group))
 
     def used_outside(self, name: str) -> bool:
         params = _own_params(self.modules[name], name)
@@ -494,13 +503,17 @@ class _Decider:
         if t.counts.get(owner) or any(t.counts.get(o) for o in openers):
             reasons.append("its forward reads attributes to size the split features")
         prefix = owner + "."
-        whole = sorted(c.removeprefix(prefix) for c, o in t.added_whole.items() if o == owner)
+        # pooled over the modules of its structure (see `pool_experts`)
+        alike = self.alike.get(owner, [owner])
+        whole = sorted({c.removeprefix(o + ".") for c, o in t.added_whole.items() if o in alike})
         for c in whole:
-            if prefix + c in t.bent_whole:
+            bent = [t.bent_whole[f"{o}.{c}"] for o in alike if f"{o}.{c}" in t.bent_whole]
+            if bent:
                 reasons.append(
                     f"{c}'s output is added whole to the experts' partial sums, but "
-                    f"{t.bent_whole[prefix + c]} too, so it cannot be scaled by 1/tp"
+                    f"{bent[0]} too, so it cannot be scaled by 1/tp"
                 )
+        reasons += [t.sum_breaks[o] for o in alike if o in t.sum_breaks]
         if reasons:
             self.kept_experts[owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
             return
@@ -596,6 +609,41 @@ class _Decider:
         if late:
             return f"{_join(late)} is added after the routing weights scale the experts' outputs"
         return ""
+
+    def pool_experts(self) -> None:
+        """A forward traced on the model's own weights runs only the code its routing
+        reaches (an eager loop over the experts hit): one experts module may have sent no
+        token to its experts with weights, another none to its identity experts. Modules of
+        one structure (class, parameter shapes, submodules) run one forward, so what any of
+        them shows holds for all: a reason one is kept whole for keeps all whole, and one
+        whose experts with weights never ran takes the decision of one whose did. (`experts`
+        pools the outputs added whole and their other uses the same way.)"""
+        t = self.trace
+        for group in {id(g): g for g in self.alike.values()}.values():
+            for o in group:
+                if o not in self.decisions and o not in self.kept_experts and o in t.sum_breaks:
+                    self.kept_experts[o] = f"kept whole: {t.sum_breaks[o]}"
+            kept = [o for o in group if o in self.kept_experts]
+            split = [o for o in group if o in self.decisions and o not in self.kept_experts]
+            unseen = [o for o in group if o not in self.decisions and o not in self.kept_experts]
+            if kept:
+                why = self.kept_experts[kept[0]]
+                for o in split + unseen:
+                    if self.decisions.pop(o, _Decision("replicate", "")).mode == "expert":
+                        self.attributes.pop(o, None)  # its number of experts, divided
+                    self.kept_experts[o] = f"{why} (seen in {kept[0]}, of the same structure)"
+            elif split and unseen:
+                first = self.decisions[split[0]]
+                pooled = replace(
+                    first,
+                    why=f"{first.why}; the {len(group)} modules of this structure share it, "
+                    f"{len(unseen)} of which ran no expert with weights on the traced tokens "
+                    "(the routing decides)",
+                )
+                for o in split + unseen:
+                    self.decisions[o] = pooled
+                    if split[0] in self.attributes:
+                        self.attributes[o] = self.attributes[split[0]]
 
     def unsplit_experts(self) -> None:
         """Modules holding expert weights that no region split: replicated, with the reason."""
@@ -836,6 +884,7 @@ def _decide(
             d.experts(members, experts)
         else:
             d.region(members)
+    d.pool_experts()
     d.unsplit_experts()
     d.head(d.embeddings())
     d.tie(model)

@@ -144,6 +144,10 @@ class Trace:
     bent_whole: dict[str, str] = field(default_factory=dict)
     """Such a submodule -> how its output is also used other than added to the partial sums
     (then scaling it by 1/tp would change more than the sum)."""
+    sum_breaks: dict[str, str] = field(default_factory=dict)
+    """Module holding 3-D expert weights -> why something its forward did to its sum before
+    any partial sum was in it cannot be split (seen where the routing reached no expert
+    with weights: no weight's split ends there, so the module holds the reason)."""
     whole_params: set[str] = field(default_factory=set)
     """1-D parameters also met whole by split tensors (broadcast along the split dim)."""
     split_params: dict[str, set[str]] = field(default_factory=dict)
@@ -399,6 +403,7 @@ class _Tracer(TorchDispatchMode):
         # is scaled 1/tp by the plan; `whole_owner`: submodule -> its experts module.
         self.wholes: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
         self.whole_owner: dict[str, str] = {}
+        self.running: list[str] = []  # experts modules whose forward is running, innermost last
         # Routing weights an experts module was given, and views of them; partial sums they
         # scaled (id -> tensor).
         # Views of 1-D parameters (`sinks.view(1, -1, 1)`): id -> (view, parameter, the dim
@@ -560,7 +565,9 @@ class _Tracer(TorchDispatchMode):
             zeros = name in ("zeros_like", "new_zeros", "zeros", "zero_") or (
                 name in _PASS_THROUGH and len(ins) == 1 and partial == [frozenset()]
             )
-            if zeros and len(outs) == 1:
+            # a sum is floating point: integer zeros start a count or a mask (`one_hot`)
+            zeros = zeros and len(outs) == 1 and outs[0].is_floating_point()
+            if zeros:
                 self.partials[id(outs[0])] = (outs[0], frozenset())
             if (
                 not any(partial)
@@ -573,7 +580,7 @@ class _Tracer(TorchDispatchMode):
             # an accumulator of nothing yet (zeros) changed in place by anything but a zero
             # fill must be judged too: `acc.index_add_(0, i, x)` with a whole x first would
             # otherwise leave it looking like a sum of nothing
-            into_empty = partial and not zeros and name.endswith("_")
+            into_empty = name.endswith("_") and not zeros and self.partial_of(ins[0]) == frozenset()
             if any(partial) or into_empty:
                 self.follow_partial(func, name, a, ins, outs, frozenset().union(*partial))
                 return
@@ -859,15 +866,14 @@ class _Tracer(TorchDispatchMode):
                 for child in frozenset().union(*(w for w in wholes if w is not None)):
                     self.trace.added_whole[child] = self.whole_owner[child]
             elif others and all(self.split_of(t) is None for t in others):
-                self.trace.break_(
+                self.end_partial(
                     sources,
+                    partial,
                     f"{name} adds to the experts' partial sums a tensor made without the split "
                     "weights (the same on every rank, so the all-reduce would count it tp "
                     "times), and not as the output of a parameter-free submodule, which the "
                     "plan could scale by 1/tp",
                 )
-                for t in partial:
-                    self.partials.pop(id(t), None)
                 return
         elif name in ("masked_fill", "masked_fill_", "where"):
             value = a.get("value", a.get("other"))
@@ -875,12 +881,11 @@ class _Tracer(TorchDispatchMode):
         else:
             ok = False
         if not ok:
-            self.trace.break_(
+            self.end_partial(
                 sources,
+                partial,
                 f"{name} is not linear in the experts' partial sums (the all-reduce after them would change it)",
             )
-            for t in partial:
-                self.partials.pop(id(t), None)
             return
         scaled = any(self.weighted.get(id(t)) is t for t in partial)
         for o in outs:
@@ -888,6 +893,15 @@ class _Tracer(TorchDispatchMode):
                 self.partials[id(o)] = (o, sources)
                 if scaled:
                     self.weighted[id(o)] = o
+
+    def end_partial(self, sources: frozenset[str], partial: list[torch.Tensor], why: str) -> None:
+        self.trace.break_(sources, why)
+        if not sources and self.running:
+            # a sum no expert with weights has reached yet: no weight to blame, so the
+            # experts module running holds the reason (`Trace.sum_breaks`)
+            self.trace.sum_breaks.setdefault(self.running[-1], why)
+        for t in partial:
+            self.partials.pop(id(t), None)
 
     def bend_whole(self, wholes: list[frozenset[str] | None], why: str) -> None:
         for w in wholes:
@@ -1567,6 +1581,7 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
     experts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
 
     def before(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        tracer.running.append(name)
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(tracer.split_of(t) is not None for t in leaves):
             trace.expert_exits[name] = "its input arrives split"
@@ -1583,6 +1598,7 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
         )
 
     def after(mod: nn.Module, args: Any, out: Any) -> None:
+        tracer.running.pop()
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         outs = [t for t in outs if t.is_floating_point()]
         sums = [tracer.partial_of(t) for t in outs]
