@@ -72,11 +72,13 @@ class Moe(nn.Module):
     """Tokens -> router -> experts (+ a residual) -> vocab. Dense experts get every expert's
     routing score; sparse ones (`sparse`) get the chosen two experts and their weights."""
 
-    def __init__(self, experts: nn.Module | None = None, *, bent: bool = False) -> None:
+    def __init__(
+        self, experts: nn.Module | None = None, *, bent: bool = False, routes: int = 4
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(64, 16)
-        self.router = nn.Linear(16, 4, bias=False)
+        self.router = nn.Linear(16, routes, bias=False)
         self.sparse = experts is not None
         self.experts = experts if experts is not None else DenseExperts(bent=bent)
         self.out = nn.Linear(16, 64, bias=False)
@@ -117,6 +119,97 @@ class SparseExperts(nn.Module):
         if self.late:
             out = out + self.bias[flat]
         return out.view(-1, k, hidden).sum(1)
+
+
+class Passing(nn.Module):
+    """No weights: hands its tokens back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class LoopExperts(nn.Module):
+    """Written by hand, names meaning nothing: `n` experts with weights (gate|up fused in
+    `g`, down in `d`) and `m` that hand their tokens back through `z` (LongCat's zero
+    experts), run in a loop over the experts and summed with index_add_. `first` gives the
+    passing experts the lowest ids; `gated` scales what `z` returns by a sigmoid of itself
+    (not linear in it); `inline` adds the tokens without `z`."""
+
+    def __init__(
+        self,
+        n: int = 4,
+        m: int = 2,
+        hidden: int = 16,
+        inner: int = 8,
+        *,
+        first: bool = False,
+        gated: bool = False,
+        inline: bool = False,
+    ) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(n, 2 * inner, hidden) * 0.3)
+        self.d = nn.Parameter(torch.randn(n, hidden, inner) * 0.3)
+        self.z = Passing()
+        self.n, self.m = n, m
+        self.first, self.gated, self.inline = first, gated, inline
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.n + self.m):
+            tok, k = torch.where(ids == e)
+            if tok.numel() == 0:
+                continue
+            passing = e < self.m if self.first else e >= self.n
+            if passing:
+                y = x[tok] if self.inline else self.z(x[tok])
+                if self.gated:
+                    y = y * torch.sigmoid(y)
+            else:
+                j = e - self.m if self.first else e
+                gate, up = nn.functional.linear(x[tok], self.g[j]).chunk(2, dim=-1)
+                y = nn.functional.linear(nn.functional.silu(gate) * up, self.d[j])
+            out.index_add_(0, tok, y * weights[tok, k, None])
+        return out
+
+
+class Twice(nn.Module):
+    """Two experts modules of one structure in a row, each with its own router over 4
+    experts with weights and 2 passing ones. `order` biases the routers: "weights, passing"
+    sends every token of the first to experts with weights and every token of the second
+    to passing ones; "passing, weights" the other way round."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.routers = nn.ModuleList([nn.Linear(16, 6) for _ in range(2)])
+        self.experts = nn.ModuleList([LoopExperts(), LoopExperts()])
+        self.out = nn.Linear(16, 64, bias=False)
+        with torch.no_grad():
+            for router, kind in zip(self.routers, order.split(", "), strict=True):
+                # a logit 50 below or above the others: softmax gives those ids ~e-22
+                passing = -50.0 if kind == "weights" else 50.0
+                router.bias.copy_(torch.tensor([0.0] * 4 + [passing] * 2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).reshape(-1, 16)
+        for router, experts in zip(self.routers, self.experts, strict=True):
+            weights, chosen = router(x).softmax(-1).topk(2, dim=-1)
+            x = x + experts(x, chosen, weights)
+        return self.out(x).reshape(*ids.shape, -1)
+
+
+def longcat_flash() -> nn.Module:
+    """LongCat-Flash, one layer: 4 experts with weights and 2 zero (identity) experts."""
+    cfg = transformers.LongcatFlashConfig(
+        vocab_size=128, hidden_size=64, num_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, ffn_hidden_size=96, expert_ffn_hidden_size=32,
+        n_routed_experts=4, zero_expert_num=2, moe_topk=2, kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LongcatFlashForCausalLM(cfg).eval()
 
 
 def _ids() -> torch.Tensor:
@@ -169,6 +262,106 @@ def test_experts_whose_output_is_not_linear_in_the_sum_stay_whole() -> None:
     assert rule.style == "replicate"
     assert "tanh is not linear in the experts' partial sums" in rule.why
     assert_parity(model, plan, 2, _ids())
+
+
+# ---- experts that add their tokens whole (identity experts) -----------------------------------
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_experts_passing_tokens_through_are_counted_once(tp: int, first: bool) -> None:
+    """Every rank adds the passing experts' tokens whole into its partial sum: the plan
+    scales `z`'s output by 1/tp, so the all-reduce counts them once. With the passing
+    experts first, their tokens start the sum before any partial sum is in it."""
+    model = Moe(LoopExperts(first=first), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids(), tp_size=tp)
+    rule = rule_for(plan, model, "experts")
+    assert (rule.style, rule.mode) == ("experts", "tensor")
+    assert rule.shard == {"g": 1, "d": 2} and rule.added_whole == ["z"]
+    assert "z's output (made without the split weights" in rule.why
+    assert_parity(model, plan, tp, _ids())
+
+
+def test_experts_modules_of_one_structure_pool_what_their_routing_showed() -> None:
+    """Traced on its own weights, the first module runs only experts with weights and the
+    second only passing ones. Each alone would be planned wrong for other routing (the
+    first without scaling `z`, the second not split at all); the plan holds for both once
+    the routers' biases are gone and each module reaches both kinds."""
+    model = Twice("weights, passing")
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    (rule,) = [r for r in plan.rules if r.style == "experts"]
+    assert rule.match == "experts.*" and rule.added_whole == ["z"]
+    assert "the 2 modules of this structure share it, 1 of which ran no expert" in rule.why
+    with torch.no_grad():
+        for router in model.routers:
+            router.bias.zero_()
+    reached: list[set[bool]] = []  # per module: reached passing experts (True), others
+    hooks = [
+        experts.register_forward_pre_hook(
+            lambda mod, args: reached.append({e >= 4 for e in args[1].flatten().tolist()})
+        )
+        for experts in model.experts
+    ]
+    model(_ids())
+    for hook in hooks:
+        hook.remove()
+    assert reached == [{False, True}, {False, True}]
+    assert_parity(model, plan, 2, _ids())
+
+
+def test_an_output_added_whole_and_also_used_otherwise_stays_whole() -> None:
+    """sigmoid(y) * y is not linear in y: scaling y by 1/tp would not scale the sum so."""
+    model = Moe(LoopExperts(gated=True), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    rule = rule_for(plan, model, "experts")
+    assert rule.style == "replicate"
+    assert "z's output is added whole to the experts' partial sums, but sigmoid" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_tokens_added_whole_without_a_submodule_stay_whole(first: bool) -> None:
+    """Each rank would add them whole into its partial sum, counted tp times by the
+    all-reduce: refused, with the reason, also when they start the sum (that order was
+    split before, its in-place add into zeros taken for a sum of nothing)."""
+    model = Moe(LoopExperts(inline=True, first=first), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    rule = rule_for(plan, model, "experts")
+    assert rule.style == "replicate"
+    assert "made without the split weights (the same on every rank" in rule.why
+    assert "not as the output of a parameter-free submodule" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+def test_expert_parallel_refuses_experts_passing_tokens_through() -> None:
+    model = Moe(LoopExperts(), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids(), experts="expert")
+    rule = rule_for(plan, model, "experts")
+    assert rule.mode == "tensor" and rule.added_whole == ["z"]
+    assert "not expert parallel: z's output is added whole" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_longcat_flash_zero_experts_are_counted_once(tp: int) -> None:
+    model = longcat_flash()
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    rule = rule_for(plan, model, "model.layers.0.mlp.experts")
+    assert (rule.style, rule.mode) == ("experts", "tensor")
+    assert rule.shard == {"gate_up_proj": 1, "down_proj": 2}
+    assert rule.added_whole == ["identity_expert"]
+    assert_parity(model, plan, tp, _tokens())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_output_added_whole_is_scaled_once_per_rank(tp: int) -> None:
+    """Written by hand: `z`'s tokens are added whole into every rank's partial sum;
+    added_whole scales them by 1/tp on each rank, so the all-reduce counts them once."""
+    model = Moe(LoopExperts(), routes=6)
+    plan = tpplan.infer_plan(model, example_inputs=_ids())
+    rule = Rule(
+        match="experts", style="experts", why="hand-written", shard={"g": 1, "d": 2},
+        fused={"g": [8, 8]}, added_whole=["z"],
+    )  # fmt: skip
+    assert_parity(model, _with(plan, rule), tp, _ids())
 
 
 # ---- expert-parallel experts ------------------------------------------------------------------
@@ -281,6 +474,28 @@ def test_experts_rules_need_schema_version_3() -> None:
     text = "tpplan: 2\nrules:\n  - {match: experts, style: experts, why: x, shard: {w: 0}}\n"
     with pytest.raises(tpplan.TpplanError, match="need schema version 3"):
         Plan.from_yaml(text)
+
+
+def test_added_whole_needs_schema_version_5_and_mode_tensor() -> None:
+    rule = "{match: experts, style: experts, why: x, shard: {w: 1}, added_whole: [z]"
+    with pytest.raises(tpplan.TpplanError, match="added_whole need schema version 5"):
+        Plan.from_yaml(f"tpplan: 4\nrules:\n  - {rule}}}\n")
+    with pytest.raises(tpplan.TpplanError, match="takes no fused, after_sum or added_whole"):
+        Plan.from_yaml(f"tpplan: 5\nrules:\n  - {rule.replace('1', '0')}, mode: expert}}\n")
+    assert Plan.from_yaml(f"tpplan: 5\nrules:\n  - {rule}}}\n").rules[0].added_whole == ["z"]
+
+
+def test_an_added_whole_submodule_the_module_lacks_is_named() -> None:
+    model = Moe(LoopExperts(), routes=6)
+    rule = Rule(
+        match="experts", style="experts", why="hand-written", shard={"g": 1, "d": 2},
+        added_whole=["y"],
+    )  # fmt: skip
+    plan = _with(tpplan.infer_plan(model, example_inputs=_ids()), rule)
+    (problem,) = tpplan.check_plan(plan, model, tp_size=2)
+    assert "added_whole names y, which LoopExperts does not hold (its submodules: z)" in (
+        problem.message
+    )
 
 
 def test_full_state_dict_of_split_experts_is_the_unsharded_one() -> None:

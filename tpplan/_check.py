@@ -268,8 +268,30 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
     return out
 
 
+def _check_added_whole(i: int, rule: Rule, name: str, module: nn.Module) -> list[Problem]:
+    """Every submodule an experts rule scales by 1/tp exists under the matched module."""
+    have = {n for n, _ in module.named_modules() if n}
+    missing = [c for c in rule.added_whole or () if c not in have]
+    if not missing:
+        return []
+    return [
+        Problem(
+            "module_type",
+            _where(i, rule),
+            name,
+            f"added_whole names {', '.join(missing)}, which {type(module).__name__} does not "
+            f"hold (its submodules: {', '.join(sorted(have)) or 'none'}).",
+            "name submodules of the matched module by their dotted names under it.",
+        )
+    ]
+
+
 def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
-    if rule.style in ("experts", "split_params"):
+    if rule.style == "experts":
+        return _check_own_params(i, rule, name, module, tp) + _check_added_whole(
+            i, rule, name, module
+        )
+    if rule.style == "split_params":
         return _check_own_params(i, rule, name, module, tp)
     out: list[Problem] = []
     types = _TYPES[rule.style]

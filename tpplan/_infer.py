@@ -27,7 +27,7 @@ from torch import nn
 from ._check import tied_groups, weight_split
 from ._fingerprint import fingerprint, parameter_shapes
 from ._patterns import collapse, wildcard
-from ._trace import Trace, trace_model
+from ._trace import Trace, _structure, trace_model
 from .errors import TpplanError
 from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
 
@@ -59,6 +59,7 @@ class _Decision:
     shard: tuple[tuple[str, int], ...] = ()  # experts, split_params: (parameter, dim)
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # experts: (parameter, pieces)
     after_sum: tuple[str, ...] = ()  # experts
+    added_whole: tuple[str, ...] = ()  # experts: submodules whose output is scaled 1/tp
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
@@ -91,6 +92,8 @@ class _Decision:
                 extra["fused"] = {k: list(v) for k, v in self.fused}
             if self.after_sum:
                 extra["after_sum"] = list(self.after_sum)
+            if self.added_whole:
+                extra["added_whole"] = list(self.added_whole)
         return Rule(match=match, style=self.style, why=self.why, **extra)
 
 
@@ -363,6 +366,15 @@ class _Decider:
         # modules that must stay whole even as gathered layers: tied or shared weights
         self.blocked: set[str] = {n for n in self.tied if n in trace.linears}
         self.blocked |= {n for n in trace.linears if self.used_outside(n)}
+        # experts module -> the experts modules of its structure, itself included (see
+        # `pool_experts`)
+        self.alike: dict[str, list[str]] = {}
+        groups: dict[Any, list[str]] = {}
+        for owner in sorted(trace.expert_exits):
+            if owner in self.modules:
+                groups.setdefault(_structure(self.modules[owner]), []).append(owner)
+        for group in groups.values():
+            self.alike.update(dict.fromkeys(group, group))
 
     def used_outside(self, name: str) -> bool:
         params = _own_params(self.modules[name], name)
@@ -582,17 +594,28 @@ class _Decider:
             )
         if t.counts.get(owner) or any(t.counts.get(o) for o in openers):
             reasons.append("its forward reads attributes to size the split features")
+        prefix = owner + "."
+        # pooled over the modules of its structure (see `pool_experts`)
+        alike = self.alike.get(owner, [owner])
+        whole = sorted({c.removeprefix(o + ".") for c, o in t.added_whole.items() if o in alike})
+        for c in whole:
+            bent = [t.bent_whole[f"{o}.{c}"] for o in alike if f"{o}.{c}" in t.bent_whole]
+            if bent:
+                reasons.append(
+                    f"{c}'s output is added whole to the experts' partial sums, but "
+                    f"{bent[0]} too, so it cannot be scaled by 1/tp"
+                )
+        reasons += [t.sum_breaks[o] for o in alike if o in t.sum_breaks]
         if reasons:
             self.kept_experts[owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
             return
         assert module is not None
         own = dict(module.named_parameters(recurse=False))
-        prefix = owner + "."
         after = sorted(p.removeprefix(prefix) for p, o in t.after_sum.items() if o == owner)
         n_experts = {own[m.removeprefix(prefix)].shape[0] for m in members}
         ops = sorted({op for o in openers for op in t.ops.get(o, ())} - _PLAIN_OPS)
         path = f" through {', '.join(ops)}" if ops else ""
-        ep_why = self.expert_parallel_refusal(owner, n_experts) if mode == "expert" else ""
+        ep_why = self.expert_parallel_refusal(owner, n_experts, whole) if mode == "expert" else ""
         if mode == "expert" and not ep_why:
             ((attr_module, attr, value),) = t.expert_counts[owner]
             self.attributes[attr_module] = (
@@ -635,22 +658,37 @@ class _Decider:
             )
             for o, p in pieces.items()
         )
-        bias = f"; {_join(after)} is added after that sum, 1/tp on each rank" if after else ""
+        added = f"; {_join(after)} is added after that sum, 1/tp on each rank" if after else ""
+        if whole:
+            added += (
+                f"; {_join(whole)}'s output (made without the split weights, the same on every "
+                "rank) is added whole to that sum, so each rank scales it by 1/tp and the "
+                "all-reduce counts it once"
+            )
         refused = f" (not expert parallel: {ep_why})" if ep_why else ""
         self.decisions[owner] = _Decision(
             "experts",
             f"per-expert matmuls on the unsplit tokens (the router's choice): {what}; they flow"
             f"{path} to {_join(sorted(short[c] for c in closers))}, which contracts them, so every "
             "expert is split like a dense MLP and the experts' output is a partial sum, one "
-            f"all-reduce{bias}{refused}",
+            f"all-reduce{added}{refused}",
             mode="tensor",
             shard=tuple(sorted(shard.items())),
             fused=tuple(sorted(fused.items())),
             after_sum=tuple(after),
+            added_whole=tuple(whole),
         )
 
-    def expert_parallel_refusal(self, owner: str, n_experts: set[int]) -> str:
+    def expert_parallel_refusal(self, owner: str, n_experts: set[int], whole: list[str]) -> str:
         t = self.trace
+        if whole:
+            # made without any expert's weights, it belongs to no rank's experts; which
+            # tokens reach it is decided inside forward, so with the routing renumbered per
+            # rank several ranks might add it, or none
+            return (
+                f"{_join(whole)}'s output is added whole to the experts' sum, made without any "
+                "expert's weights: splitting by experts does not decide which one rank adds it"
+            )
         if t.expert_routing.get(owner):
             return str(t.expert_routing[owner])
         counts = t.expert_counts.get(owner, set())
@@ -663,6 +701,41 @@ class _Decider:
         if late:
             return f"{_join(late)} is added after the routing weights scale the experts' outputs"
         return ""
+
+    def pool_experts(self) -> None:
+        """A forward traced on the model's own weights runs only the code its routing
+        reaches (an eager loop over the experts hit): one experts module may have sent no
+        token to its experts with weights, another none to its identity experts. Modules of
+        one structure (class, parameter shapes, submodules) run one forward, so what any of
+        them shows holds for all: a reason one is kept whole for keeps all whole, and one
+        whose experts with weights never ran takes the decision of one whose did. (`experts`
+        pools the outputs added whole and their other uses the same way.)"""
+        t = self.trace
+        for group in {id(g): g for g in self.alike.values()}.values():
+            for o in group:
+                if o not in self.decisions and o not in self.kept_experts and o in t.sum_breaks:
+                    self.kept_experts[o] = f"kept whole: {t.sum_breaks[o]}"
+            kept = [o for o in group if o in self.kept_experts]
+            split = [o for o in group if o in self.decisions and o not in self.kept_experts]
+            unseen = [o for o in group if o not in self.decisions and o not in self.kept_experts]
+            if kept:
+                why = self.kept_experts[kept[0]]
+                for o in split + unseen:
+                    if self.decisions.pop(o, _Decision("replicate", "")).mode == "expert":
+                        self.attributes.pop(o, None)  # its number of experts, divided
+                    self.kept_experts[o] = f"{why} (seen in {kept[0]}, of the same structure)"
+            elif split and unseen:
+                first = self.decisions[split[0]]
+                pooled = replace(
+                    first,
+                    why=f"{first.why}; the {len(group)} modules of this structure share it, "
+                    f"{len(unseen)} of which ran no expert with weights on the traced tokens "
+                    "(the routing decides)",
+                )
+                for o in split + unseen:
+                    self.decisions[o] = pooled
+                    if split[0] in self.attributes:
+                        self.attributes[o] = self.attributes[split[0]]
 
     def unsplit_experts(self) -> None:
         """Modules holding expert weights that no region split: replicated, with the reason."""
@@ -899,6 +972,7 @@ def _decide(
             d.experts(members, experts)
         else:
             d.region(members)
+    d.pool_experts()
     d.unsplit_experts()
     d.head(d.embeddings())
     d.tie(model)

@@ -311,7 +311,10 @@ class Experts(ParallelStyle):
     - the output is each rank's partial sum, all-reduced into the whole (Megatron's `g`);
     - mode `tensor`: the `shard` weights are split by features (gate|up `fused` pieces rank
       by rank), so each rank's experts compute a slice of every expert's hidden layer; a
-      parameter added after the down projection (`after_sum`) is added as 1/tp per rank;
+      parameter added after the down projection (`after_sum`) is added as 1/tp per rank,
+      and so is the output of a parameter-free submodule added whole to the experts' sum
+      (`added_whole`, an identity expert): each rank makes it in full, without the split
+      weights, so unscaled the all-reduce would count it tp times;
     - mode `expert`: the weights are split by experts; each rank renumbers the routing to its
       own experts and zeroes the routing weight of tokens sent to other ranks' experts.
 
@@ -326,12 +329,14 @@ class Experts(ParallelStyle):
         shard: dict[str, int],
         fused: dict[str, list[int]] | None = None,
         after_sum: list[str] | None = None,
+        added_whole: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.mode = mode
         self.shard = dict(shard)
         self.fused = {k: tuple(v) for k, v in (fused or {}).items()}
         self.after_sum = tuple(after_sum or ())
+        self.added_whole = tuple(added_whole or ())
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         mesh = device_mesh
@@ -352,6 +357,12 @@ class Experts(ParallelStyle):
                 added = owner is module and pname in self.after_sum
                 held.append((owner, pname, "after_sum" if added else "replicated"))
         n_experts = getattr(module, next(iter(self.shard))).shape[0]
+        for child in self.added_whole:
+            # the submodule is called inside the module's forward only, on local tensors;
+            # its gradient is scaled alike, and the ranks' shares are summed at the inputs
+            module.get_submodule(child).register_forward_hook(
+                lambda mod, args, out: _tree_map_tensors(lambda x: x / tp, out)
+            )
 
         def before(mod: nn.Module, args: Any, kwargs: Any) -> Any:
             for owner, pname, how in held:
@@ -385,7 +396,7 @@ class Experts(ParallelStyle):
     def __repr__(self) -> str:
         return (
             f"Experts(mode={self.mode}, shard={self.shard}, fused={self.fused}, "
-            f"after_sum={self.after_sum})"
+            f"after_sum={self.after_sum}, added_whole={self.added_whole})"
         )
 
 
@@ -485,6 +496,7 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
             shard=rule.shard,
             fused=rule.fused,
             after_sum=rule.after_sum,
+            added_whole=rule.added_whole,
         )
     return None  # replicate
 

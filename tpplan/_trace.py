@@ -139,6 +139,17 @@ class Trace:
     bias's dim that holds the features)."""
     after_sum: dict[str, str] = field(default_factory=dict)
     """Per-expert bias added to the closing matmul's partial sums -> its module."""
+    added_whole: dict[str, str] = field(default_factory=dict)
+    """Parameter-free submodule of a module holding 3-D expert weights, whose output (made
+    without the split weights, so the same on every rank: an identity expert) is added to
+    the closing matmuls' partial sums -> that module."""
+    bent_whole: dict[str, str] = field(default_factory=dict)
+    """Such a submodule -> how its output is also used other than added to the partial sums
+    (then scaling it by 1/tp would change more than the sum)."""
+    sum_breaks: dict[str, str] = field(default_factory=dict)
+    """Module holding 3-D expert weights -> why something its forward did to its sum before
+    any partial sum was in it cannot be split (seen where the routing reached no expert
+    with weights: no weight's split ends there, so the module holds the reason)."""
     whole_params: set[str] = field(default_factory=set)
     """1-D parameters also met whole by split tensors (broadcast along the split dim)."""
     split_params: dict[str, set[str]] = field(default_factory=dict)
@@ -388,6 +399,13 @@ class _Tracer(TorchDispatchMode):
         # and what is linear in them): id -> (tensor, sources). Zeros are a partial sum of
         # nothing (empty sources): an accumulator they start may take partial sums.
         self.partials: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        # Outputs of parameter-free submodules of experts modules made without the split
+        # weights (an identity expert's tokens), and what is linear in them: id -> (tensor,
+        # the submodules). Each rank computes them whole, so one added to the partial sums
+        # is scaled 1/tp by the plan; `whole_owner`: submodule -> its experts module.
+        self.wholes: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        self.whole_owner: dict[str, str] = {}
+        self.running: list[str] = []  # experts modules whose forward is running, innermost last
         # Routing weights an experts module was given, and views of them; partial sums they
         # scaled (id -> tensor).
         # Views of 1-D parameters (`sinks.view(1, -1, 1)`): id -> (view, parameter, the dim
@@ -476,6 +494,10 @@ class _Tracer(TorchDispatchMode):
         entry = self.partials.get(id(t)) if isinstance(t, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0] is t else None
 
+    def whole_of(self, t: Any) -> frozenset[str] | None:
+        entry = self.wholes.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0] is t else None
+
     # ---- the dispatch hook ------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -545,7 +567,9 @@ class _Tracer(TorchDispatchMode):
             zeros = name in ("zeros_like", "new_zeros", "zeros", "zero_") or (
                 name in _PASS_THROUGH and len(ins) == 1 and partial == [frozenset()]
             )
-            if zeros and len(outs) == 1:
+            # a sum is floating point: integer zeros start a count or a mask (`one_hot`)
+            zeros = zeros and len(outs) == 1 and outs[0].is_floating_point()
+            if zeros:
                 self.partials[id(outs[0])] = (outs[0], frozenset())
             if (
                 not any(partial)
@@ -555,9 +579,15 @@ class _Tracer(TorchDispatchMode):
                 and self.routing.get(id(ins[0])) is ins[0]
             ):
                 self.routing[id(outs[0])] = outs[0]
-            if any(partial):
+            # an accumulator of nothing yet (zeros) changed in place by anything but a zero
+            # fill must be judged too: `acc.index_add_(0, i, x)` with a whole x first would
+            # otherwise leave it looking like a sum of nothing
+            into_empty = name.endswith("_") and not zeros and self.partial_of(ins[0]) == frozenset()
+            if any(partial) or into_empty:
                 self.follow_partial(func, name, a, ins, outs, frozenset().union(*partial))
                 return
+            if self.wholes and any(self.whole_of(t) is not None for t in ins):
+                self.follow_whole(func, name, ins, outs)
             if name in ("_grouped_mm", "bmm", "mm") and self.expert_product(name, a, out):
                 return
         self.note_vectors(func, name, a, ins, outs)
@@ -810,9 +840,12 @@ class _Tracer(TorchDispatchMode):
         floats = [t for t in ins if t.is_floating_point()]
         partial = [t for t in floats if self.partial_of(t) is not None]
         others = [t for t in floats if self.partial_of(t) is None]
+        wholes = [self.whole_of(t) for t in others]
         ok = True
         if name in _METADATA or func.namespace == "prim":
             return
+        if name not in _ADDS:
+            self.bend_whole(wholes, f"{name} combines it with the experts' partial sums")
         if name in _LINEAR_IN_PARTIAL:
             ok = ins[0] is partial[0] and not others
         elif name in ("mul", "div", "mul_", "div_"):
@@ -822,24 +855,40 @@ class _Tracer(TorchDispatchMode):
                 self.weighted.update((id(o), o) for o in outs)
         elif name in _ADDS:
             biases = [self.expert_view(t) for t in others]
-            ok = all(b is not None for b in biases) and len(partial) >= 1
+            # per-expert biases and outputs of parameter-free submodules (identity experts)
+            # are whole on every rank: the plan adds each as 1/tp per rank
+            ok = len(partial) >= 1 and all(
+                b is not None or w is not None for b, w in zip(biases, wholes, strict=True)
+            )
             for b in biases:
                 if b is not None:
                     self.trace.after_sum[b[0]] = b[0].rpartition(".")[0]
                     if any(self.weighted.get(id(t)) is t for t in partial):
                         self.trace.after_weighting.add(b[0])
+            if ok:
+                for child in frozenset().union(*(w for w in wholes if w is not None)):
+                    self.trace.added_whole[child] = self.whole_owner[child]
+            elif others and all(self.split_of(t) is None for t in others):
+                self.end_partial(
+                    sources,
+                    partial,
+                    f"{name} adds to the experts' partial sums a tensor made without the split "
+                    "weights (the same on every rank, so the all-reduce would count it tp "
+                    "times), and not as the output of a parameter-free submodule, which the "
+                    "plan could scale by 1/tp",
+                )
+                return
         elif name in ("masked_fill", "masked_fill_", "where"):
             value = a.get("value", a.get("other"))
             ok = not others and (not isinstance(value, (int, float)) or value == 0)
         else:
             ok = False
         if not ok:
-            self.trace.break_(
+            self.end_partial(
                 sources,
+                partial,
                 f"{name} is not linear in the experts' partial sums (the all-reduce after them would change it)",
             )
-            for t in partial:
-                self.partials.pop(id(t), None)
             return
         scaled = any(self.weighted.get(id(t)) is t for t in partial)
         for o in outs:
@@ -847,6 +896,49 @@ class _Tracer(TorchDispatchMode):
                 self.partials[id(o)] = (o, sources)
                 if scaled:
                     self.weighted[id(o)] = o
+
+    def end_partial(self, sources: frozenset[str], partial: list[torch.Tensor], why: str) -> None:
+        self.trace.break_(sources, why)
+        if not sources and self.running:
+            # a sum no expert with weights has reached yet: no weight to blame, so the
+            # experts module running holds the reason (`Trace.sum_breaks`)
+            self.trace.sum_breaks.setdefault(self.running[-1], why)
+        for t in partial:
+            self.partials.pop(id(t), None)
+
+    def bend_whole(self, wholes: list[frozenset[str] | None], why: str) -> None:
+        for w in wholes:
+            for child in w or ():
+                self.trace.bent_whole.setdefault(child, why)
+
+    def follow_whole(
+        self, func: Any, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> None:
+        """Outputs of parameter-free submodules of an experts module stay such through ops
+        linear in them (a view, the routing weight), until added to the partial sums
+        (`follow_partial`). The plan scales the submodule's output by 1/tp, which is right
+        only when every use of it is linear and ends in that sum: any other use bends it."""
+        if name in _METADATA or func.namespace == "prim":
+            return
+        floats = [t for t in ins if t.is_floating_point()]
+        mine = [t for t in floats if self.whole_of(t) is not None]
+        others = [t for t in floats if self.whole_of(t) is None]
+        children = frozenset().union(*(self.whole_of(t) or () for t in mine))
+        if name in _LINEAR_IN_PARTIAL:
+            ok = ins[0] is mine[0] and not others
+        elif name in ("mul", "div", "mul_", "div_"):
+            ok = len(mine) == 1 and (name.startswith("mul") or ins[0] is mine[0])
+            ok = ok and all(self.split_of(t) is None for t in others)
+        elif name in _ADDS:
+            ok = not others
+        else:
+            ok = False
+        if not ok:
+            self.bend_whole([children], f"{name} takes it")
+            return
+        for o in outs:
+            if o.is_floating_point():
+                self.wholes[id(o)] = (o, children)
 
     # ---- op rules: each returns [(output tensor, its Split)] or raises _Break ----------
     def follow(
@@ -1538,6 +1630,7 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
     experts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
 
     def before(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        tracer.running.append(name)
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(tracer.split_of(t) is not None for t in leaves):
             trace.expert_exits[name] = "its input arrives split"
@@ -1554,6 +1647,7 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
         )
 
     def after(mod: nn.Module, args: Any, out: Any) -> None:
+        tracer.running.pop()
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         outs = [t for t in outs if t.is_floating_point()]
         sums = [tracer.partial_of(t) for t in outs]
@@ -1570,9 +1664,39 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
         for k, (_, sources) in list(tracer.partials.items()):
             if sources & own or not sources:
                 del tracer.partials[k]  # summed by the all-reduce at the module's output
+        for k, (_, children) in list(tracer.wholes.items()):
+            if any(tracer.whole_owner.get(c) == name for c in children):
+                del tracer.wholes[k]
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after)
+    for child, m in module.named_modules():
+        if child and next(m.parameters(), None) is None:
+            _whole_output(tracer, f"{name}.{child}" if name else child, name, m)
+
+
+def _whole_output(tracer: _Tracer, name: str, owner: str, module: nn.Module) -> None:
+    """Watch a parameter-free submodule of an experts module: an output it makes whole
+    (not split, not a partial sum) is the same on every rank, and if it is added to the
+    experts' partial sums, the plan scales it by 1/tp (`Trace.added_whole`)."""
+
+    def after(mod: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(tracer.whole_of(t) is not None for t in ins):
+            return None  # made from another's whole output: that one is scaled already
+        if tracer.split_of(out) is not None or tracer.partial_of(out) is not None:
+            return None
+        if any(out is t for t in ins):
+            # an identity hands back its input: mark a view of it, so that other uses of
+            # the input are not taken for uses of this output
+            out = out.view_as(out)
+        tracer.wholes[id(out)] = (out, frozenset({name}))
+        tracer.whole_owner[name] = owner
+        return out
+
+    module.register_forward_hook(after, with_kwargs=True)
 
 
 _READS = "_tpplan_reads"

@@ -34,11 +34,15 @@ __all__ = [
     "plan_json_schema",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 # What each version added: a file naming any of these needs at least that version.
-_ADDED_FIELDS = {2: ("parts", "transposed"), 3: ("mode", "shard", "fused", "after_sum")}
+_ADDED_FIELDS = {
+    2: ("parts", "transposed"),
+    3: ("mode", "shard", "fused", "after_sum"),
+    5: ("added_whole",),
+}
 _ADDED_STYLES = {3: ("experts",), 4: ("split_params",)}
 _ADDED_MODEL_FIELDS = {4: ("command",)}
 
@@ -75,7 +79,7 @@ _STYLE_FIELDS: dict[str, frozenset[str]] = {
     ),
     "replicate": frozenset(),
     "replicate_grad_sum": frozenset(),
-    "experts": frozenset({"mode", "shard", "fused", "after_sum"}),
+    "experts": frozenset({"mode", "shard", "fused", "after_sum", "added_whole"}),
     "split_params": frozenset({"shard"}),
 }
 
@@ -200,6 +204,11 @@ class Rule(_Strict):
     """experts, mode tensor: parameters added to the experts' output after the down
     projection's partial sum (its bias): each rank adds its 1/tp share, so the all-reduce
     adds it once."""
+    added_whole: list[str] | None = None
+    """experts, mode tensor: submodules of the matched module (by their dotted names under
+    it) whose output its forward adds whole to the experts' partial sums, made the same on
+    every rank without the split weights (an identity expert passing its tokens through):
+    each rank scales their output by 1/tp, so the all-reduce adds it once."""
 
     @field_validator("style", mode="before")
     @classmethod
@@ -282,10 +291,12 @@ def _check_experts(rule: Rule) -> None:
                     else "a parameter added after the sum is whole on every rank."
                 )
             )
-    if rule.mode == "expert" and (rule.fused or rule.after_sum or set(rule.shard.values()) != {0}):
+    if rule.mode == "expert" and (
+        rule.fused or rule.after_sum or rule.added_whole or set(rule.shard.values()) != {0}
+    ):
         raise ValueError(
             "experts with mode expert splits every expert weight on dim 0 (the experts) and "
-            "takes no fused or after_sum; use shard: {name: 0} for each."
+            "takes no fused, after_sum or added_whole; use shard: {name: 0} for each."
         )
 
 
@@ -329,7 +340,7 @@ class AttributeRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4] = 4  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5] = 5  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None
