@@ -846,10 +846,21 @@ class _SmallGate(nn.Module):
 def test_a_small_layer_whose_output_cannot_stay_split_still_splits_its_weight() -> None:
     model = _SmallGate()
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
-    plan = tpplan.infer_plan(model, example_inputs=x)
+    plan = tpplan.infer_plan(model, example_inputs=x, tp_size=2)
     assert styles(plan, model)["small"] == ("colwise", "replicate")
     assert "normalizes over the split features" in rule_for(plan, model, "small").why
     assert_parity(model, plan, 2, x)
+
+
+def test_without_a_tp_size_only_layers_that_divide_by_8_are_gathered() -> None:
+    """A plan inferred for no tp size must not refuse tp 4 or 8 for a 4-feature gate."""
+    model = _SmallGate()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x)
+    assert "small" not in styles(plan, model)
+    assert styles(plan, model)["big"] == ("colwise", "replicate")  # 512 features divide by 8
+    for tp in (2, 4, 8):
+        assert tpplan.check_plan(plan, model, tp_size=tp) == []
 
 
 class _Tower(nn.Module):

@@ -33,6 +33,7 @@ from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
 
 __all__ = ["infer_plan"]
 
+_ANY_TP = 8  # see infer_plan: the tp sizes a plan inferred without one should serve
 _NOT_CALLED = "kept whole: it was not called in the traced forward"
 
 # Ops too plain to count as evidence in `why`.
@@ -137,8 +138,11 @@ def infer_plan(
     ):
         raise ValueError(f"tp_size must be a positive integer or None, got {tp_size!r}.")
     tp = tp_size or 2
+    # A plan inferred for no particular tp size serves tp 2, 4 and 8 where its heads allow:
+    # the layers it gathers must divide by 8 too (a router over 6 experts stays whole).
+    gather_tp = tp_size or _ANY_TP
     decisions, attributes = _infer_decisions(
-        model, example_inputs, tp, loss_parallel, sequence_parallel, experts
+        model, example_inputs, tp, loss_parallel, sequence_parallel, experts, gather_tp
     )
     plan = Plan(
         model=ModelInfo(
@@ -162,23 +166,26 @@ def _infer_decisions(
     loss_parallel: bool,
     sequence_parallel: bool,
     experts: str,
+    gather_tp: int,
 ) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
     trace = trace_model(model, example_inputs=example_inputs)
-    decisions, attributes = _decide(model, trace, tp, loss_parallel, sequence_parallel, experts)
+    decisions, attributes = _decide(
+        model, trace, tp, loss_parallel, sequence_parallel, experts, gather_tp
+    )
     if trace.blocks:
         spread = _spread(trace, decisions), _spread(trace, attributes)
         if not _local(trace) or spread[0] is None or spread[1] is None:
             # a region crossed blocks, or twins disagreed: trace every block
             trace = trace_model(model, example_inputs=example_inputs, shorten=False)
             decisions, attributes = _decide(
-                model, trace, tp, loss_parallel, sequence_parallel, experts
+                model, trace, tp, loss_parallel, sequence_parallel, experts, gather_tp
             )
         else:
             decisions, attributes = spread  # type: ignore[assignment]
     ran = set(trace.ran)
     for block, twin in trace.stand_ins.items():  # untraced repeats ran as their twins did
         ran |= {block + n[len(twin) :] for n in trace.ran if n.startswith(twin + ".")}
-    _trace_uncalled(model, decisions, attributes, ran, tp, experts)
+    _trace_uncalled(model, decisions, attributes, ran, tp, experts, gather_tp)
     return decisions, attributes
 
 
@@ -207,6 +214,7 @@ def _trace_uncalled(
     ran: set[str],
     tp: int,
     experts: str,
+    gather_tp: int,
 ) -> None:
     """Each part of the model its forward did not call is traced on its own, from inputs
     made for its own forward signature and config (a vision tower's pixel values), and
@@ -229,7 +237,7 @@ def _trace_uncalled(
         if any(not o.startswith(prefix) for p in part.parameters() for o in owners[id(p)]):
             return "it shares a parameter with the rest of the model, so it is not split alone"
         try:
-            mine, attrs = _infer_decisions(part, None, tp, False, False, experts)
+            mine, attrs = _infer_decisions(part, None, tp, False, False, experts, gather_tp)
         except TpplanError as e:
             # the error's first clause, less its advice to pass inputs, which the caller
             # of infer_plan cannot do for a part
@@ -352,8 +360,11 @@ def _own_params(module: nn.Module, name: str) -> list[str]:
 class _Decider:
     """The decisions for one traced model; see the module docstring for the rules."""
 
-    def __init__(self, model: nn.Module, trace: Trace, tp: int, loss_parallel: bool) -> None:
+    def __init__(
+        self, model: nn.Module, trace: Trace, tp: int, loss_parallel: bool, gather_tp: int = 2
+    ) -> None:
         self.loss_parallel = loss_parallel
+        self.gather_tp = gather_tp
         self.modules = dict(model.named_modules())
         self.trace = trace
         self.tp = tp
@@ -868,7 +879,12 @@ class _Decider:
         a plan saves should not depend on a size threshold of ours."""
         t = self.trace
         _, out, transposed = t.linears[name]
-        if name in self.blocked or name in t.misfits or name not in t.called or out % self.tp:
+        if (
+            name in self.blocked
+            or name in t.misfits
+            or name not in t.called
+            or out % self.gather_tp
+        ):
             return None
         reason = why.removeprefix("kept whole: ")
         return _Decision(
@@ -965,8 +981,9 @@ def _decide(
     loss_parallel: bool,
     sequence_parallel: bool = False,
     experts: str = "tensor",
+    gather_tp: int = 2,
 ) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
-    d = _Decider(model, trace, tp, loss_parallel)
+    d = _Decider(model, trace, tp, loss_parallel, gather_tp)
     for members in _regions(trace):
         if any(m in trace.expert_roles for m in members):
             d.experts(members, experts)
