@@ -1015,3 +1015,26 @@ def test_a_view_as_a_split_tensor_keeps_the_split() -> None:
     assert styles(plan, model) == want
     for tp in (2, 4):
         assert_parity(model, plan, tp, x)
+
+
+class _ScaledInPlace(nn.Module):
+    """A layer's output normed over its features (so gathered), scaled in place first."""
+
+    def __init__(self, dim: int = 32, hidden: int = 48) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h.mul_(2.0)
+        return self.fc2(self.norm(h))
+
+
+def test_a_gathered_output_may_be_changed_in_place_while_training() -> None:
+    model = _ScaledInPlace()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x, tp_size=2)
+    assert styles(plan, model)["fc1"] == ("colwise", "replicate")
+    assert_parity(model, plan, 2, x)

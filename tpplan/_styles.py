@@ -180,6 +180,10 @@ def _output(
         dim = out.dim() - 1
         whole = unfuse(out.to_local(), (dim, parts, mesh.size()))
         return whole if local else DTensor.from_local(whole, mesh, layouts, run_check=False)
+    if local and isinstance(layouts[0], Replicate) and torch.is_grad_enabled():
+        # a gathered output handed back as its own tensor, so that the model may change it
+        # in place (Gemma 3n); see `Rowwise`
+        return out.to_local().clone()
     return out.to_local() if local else out
 
 
@@ -474,7 +478,7 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
             kw["input_layouts"] = Replicate()
         if rule.output is not None:
             kw["output_layouts"] = placement(rule.output)
-        if rule.style == "colwise" and (rule.parts or rule.transposed):
+        if rule.style == "colwise" and (rule.parts or rule.transposed or rule.output):
             return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
         if rule.style == "rowwise":
             return Rowwise(transposed=bool(rule.transposed), **kw)
