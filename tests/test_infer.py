@@ -1017,14 +1017,8 @@ def test_a_view_as_a_split_tensor_keeps_the_split() -> None:
         assert_parity(model, plan, tp, x)
 
 
-class _ScaledInPlace(nn.Module):
+class _ScaledInPlace(NormedMlp):
     """A layer's output normed over its features (so gathered), scaled in place first."""
-
-    def __init__(self, dim: int = 32, hidden: int = 48) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.norm = nn.LayerNorm(hidden)
-        self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
