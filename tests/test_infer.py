@@ -1032,3 +1032,41 @@ def test_a_gathered_output_may_be_changed_in_place_while_training() -> None:
     plan = tpplan.infer_plan(model, example_inputs=x, tp_size=2)
     assert styles(plan, model)["fc1"] == ("colwise", "replicate")
     assert_parity(model, plan, 2, x)
+
+
+class _TwoPaths(nn.Module):
+    """Token ids through one MLP; with `extra` features, a second MLP of the same structure
+    runs on those too. Traced on token ids alone, the second one never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.text_mlp = Mlp(32, 48)
+        self.other_mlp = Mlp(32, 48)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids)
+        h = h + self.text_mlp(h)
+        if extra is not None:
+            h = torch.cat([self.other_mlp(extra), h], dim=1)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_part_that_did_not_run_takes_the_decisions_of_its_twin_that_did(tp: int) -> None:
+    torch.manual_seed(0)
+    model = _TwoPaths()
+    plan = tpplan.infer_plan(model)
+    got = styles(plan, model)
+    assert got["other_mlp.fc1"] == ("colwise", None) and got["other_mlp.fc2"] == ("rowwise", None)
+    assert (
+        "as text_mlp, which has the same structure and ran"
+        in rule_for(plan, model, "other_mlp.fc1").why
+    )
+    g = torch.Generator().manual_seed(1)
+    x = {
+        "input_ids": torch.randint(0, 64, (2, 5), generator=g),
+        "extra": torch.randn(2, 3, 32, generator=g),
+    }
+    assert_block_parity(model, plan, tp, x)

@@ -185,8 +185,62 @@ def _infer_decisions(
     ran = set(trace.ran)
     for block, twin in trace.stand_ins.items():  # untraced repeats ran as their twins did
         ran |= {block + n[len(twin) :] for n in trace.ran if n.startswith(twin + ".")}
+    _copy_from_twins(model, decisions, attributes, trace, ran)
     _trace_uncalled(model, decisions, attributes, ran, tp, experts, gather_tp)
     return decisions, attributes
+
+
+def _copy_from_twins(
+    model: nn.Module,
+    decisions: dict[str, _Decision],
+    attributes: dict[str, tuple[tuple[str, ...], str]],
+    trace: Trace,
+    ran: set[str],
+) -> None:
+    """A part that did not run, called by a module that did, beside a twin that ran: the
+    same module types and parameter shapes (ERNIE 4.5 VL's vision experts beside its text
+    experts, given text only). Same code on the same shapes, so the twin's decisions hold
+    for it, provided every region in the twin opens and closes inside it (its outputs are
+    then whole, whoever uses them) and none of the part's parameters was used directly or
+    is shared with the rest."""
+    modules = dict(model.named_modules())
+    used = trace.params_outside | set(trace.params_in_region)
+    regions = _regions(trace)
+
+    def inside(name: str, root: str) -> bool:
+        return name == root or name.startswith(root + ".")
+
+    def closed(twin: str) -> bool:
+        return not any(inside(o, twin) for o in trace.at_output) and all(
+            all(inside(m, twin) for m in members) or not any(inside(m, twin) for m in members)
+            for members in regions
+        )
+
+    owners: dict[int, set[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(pname)
+    twins: dict[Any, str] = {}
+    for name in sorted(ran):
+        if name and name in modules and next(modules[name].parameters(), None) is not None:
+            twins.setdefault(_structure(modules[name]), name)
+    for name, module in modules.items():
+        if not name or name in ran or name.rpartition(".")[0] not in ran:
+            continue
+        if next(module.parameters(), None) is None or any(inside(p, name) for p in used):
+            continue
+        if any(not inside(o, name) for p in module.parameters() for o in owners[id(p)]):
+            continue  # tied to the rest: apply keeps it with the copy that ran
+        twin = twins.get(_structure(module))
+        if twin is None or not closed(twin):
+            continue
+        why = f"as {twin}, which has the same structure and ran (the model's forward did not call this one)"
+        for n, d in list(decisions.items()):
+            target = name + n[len(twin) :]
+            if inside(n, twin) and decisions.get(target, d).why in (d.why, _NOT_CALLED):
+                decisions[target] = replace(d, why=f"{d.why}; {why}")
+        for n, a in list(attributes.items()):
+            if inside(n, twin):
+                attributes.setdefault(name + n[len(twin) :], a)
 
 
 def _uncalled_roots(model: nn.Module, decisions: dict[str, _Decision], ran: set[str]) -> list[str]:
