@@ -185,9 +185,21 @@ def _infer_decisions(
     ran = set(trace.ran)
     for block, twin in trace.stand_ins.items():  # untraced repeats ran as their twins did
         ran |= {block + n[len(twin) :] for n in trace.ran if n.startswith(twin + ".")}
-    _copy_from_twins(model, decisions, attributes, trace, ran)
-    _trace_uncalled(model, decisions, attributes, ran, tp, experts, gather_tp)
+    shared = _shared_params(model)
+    _copy_from_twins(model, decisions, attributes, trace, ran, shared)
+    _trace_uncalled(model, decisions, attributes, ran, shared, tp, experts, gather_tp)
     return decisions, attributes
+
+
+def _inside(name: str, root: str) -> bool:
+    return name == root or name.startswith(root + ".")
+
+
+def _tied_outside(shared: dict[str, list[str]], root: str) -> bool:
+    """Whether a module under `root` holds a parameter also held by one outside it."""
+    return any(
+        _inside(m, root) and not _inside(o, root) for m, others in shared.items() for o in others
+    )
 
 
 def _copy_from_twins(
@@ -196,6 +208,7 @@ def _copy_from_twins(
     attributes: dict[str, tuple[tuple[str, ...], str]],
     trace: Trace,
     ran: set[str],
+    shared: dict[str, list[str]],
 ) -> None:
     """A part that did not run, called by a module that did, beside a twin that ran: the
     same module types and parameter shapes (ERNIE 4.5 VL's vision experts beside its text
@@ -207,18 +220,12 @@ def _copy_from_twins(
     used = trace.params_outside | set(trace.params_in_region)
     regions = _regions(trace)
 
-    def inside(name: str, root: str) -> bool:
-        return name == root or name.startswith(root + ".")
-
     def closed(twin: str) -> bool:
-        return not any(inside(o, twin) for o in trace.at_output) and all(
-            all(inside(m, twin) for m in members) or not any(inside(m, twin) for m in members)
+        return not any(_inside(o, twin) for o in trace.at_output) and all(
+            all(_inside(m, twin) for m in members) or not any(_inside(m, twin) for m in members)
             for members in regions
         )
 
-    owners: dict[int, set[str]] = {}
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), set()).add(pname)
     twins: dict[Any, str] = {}
     for name in sorted(ran):
         if name and name in modules and next(modules[name].parameters(), None) is not None:
@@ -226,9 +233,9 @@ def _copy_from_twins(
     for name, module in modules.items():
         if not name or name in ran or name.rpartition(".")[0] not in ran:
             continue
-        if next(module.parameters(), None) is None or any(inside(p, name) for p in used):
+        if next(module.parameters(), None) is None or any(_inside(p, name) for p in used):
             continue
-        if any(not inside(o, name) for p in module.parameters() for o in owners[id(p)]):
+        if _tied_outside(shared, name):
             continue  # tied to the rest: apply keeps it with the copy that ran
         twin = twins.get(_structure(module))
         if twin is None or not closed(twin):
@@ -236,10 +243,10 @@ def _copy_from_twins(
         why = f"as {twin}, which has the same structure and ran (the model's forward did not call this one)"
         for n, d in list(decisions.items()):
             target = name + n[len(twin) :]
-            if inside(n, twin) and decisions.get(target, d).why in (d.why, _NOT_CALLED):
+            if _inside(n, twin) and decisions.get(target, d).why in (d.why, _NOT_CALLED):
                 decisions[target] = replace(d, why=f"{d.why}; {why}")
         for n, a in list(attributes.items()):
-            if inside(n, twin):
+            if _inside(n, twin):
                 attributes.setdefault(name + n[len(twin) :], a)
 
 
@@ -266,6 +273,7 @@ def _trace_uncalled(
     decisions: dict[str, _Decision],
     attributes: dict[str, tuple[tuple[str, ...], str]],
     ran: set[str],
+    shared: dict[str, list[str]],
     tp: int,
     experts: str,
     gather_tp: int,
@@ -277,18 +285,15 @@ def _trace_uncalled(
     that cannot run alone is tried child by child (an image embedding that needs image
     sizes may hold a tower that needs pixels only). A part that shares a parameter with
     the rest, or that nothing in it can run alone, stays whole with the reason."""
-    owners: dict[int, set[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), set()).add(name)
 
     def under(root: str) -> list[str]:
-        return [n for n in decisions if n == root or n.startswith(root + ".")]
+        return [n for n in decisions if _inside(n, root)]
 
     def attempt(root: str) -> str | None:
         """Split what can be split under `root`; the reason its own trace failed, if it did."""
         part = model.get_submodule(root)
         prefix = root + "."
-        if any(not o.startswith(prefix) for p in part.parameters() for o in owners[id(p)]):
+        if _tied_outside(shared, root):
             return "it shares a parameter with the rest of the model, so it is not split alone"
         try:
             mine, attrs = _infer_decisions(part, None, tp, False, False, experts, gather_tp)
