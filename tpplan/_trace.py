@@ -846,11 +846,9 @@ class _Tracer(TorchDispatchMode):
             return
         if name not in _ADDS:
             self.bend_whole(wholes, f"{name} combines it with the experts' partial sums")
-        if name in _LINEAR_IN_PARTIAL:
-            ok = ins[0] is partial[0] and not others
-        elif name in ("mul", "div", "mul_", "div_"):
-            ok = len(partial) == 1 and (name.startswith("mul") or ins[0] is partial[0])
-            ok = ok and all(self.split_of(t) is None for t in others)
+        linear = self.linear_in(name, ins, partial, others)
+        if linear is not None:
+            ok = linear
             if ok and any(self.routing.get(id(t)) is t for t in others):
                 self.weighted.update((id(o), o) for o in outs)
         elif name in _ADDS:
@@ -911,6 +909,26 @@ class _Tracer(TorchDispatchMode):
             for child in w or ():
                 self.trace.bent_whole.setdefault(child, why)
 
+    def linear_in(
+        self,
+        name: str,
+        ins: list[torch.Tensor],
+        mine: list[torch.Tensor],
+        others: list[torch.Tensor],
+    ) -> bool | None:
+        """Whether the op's output is linear in `mine` (the tensors followed), given the
+        `others`: views and copies of the first input, a product with (or a quotient by) one
+        unsplit tensor. None for any other op: sums are each caller's to judge."""
+        if name in _LINEAR_IN_PARTIAL:
+            return ins[0] is mine[0] and not others
+        if name in ("mul", "div", "mul_", "div_"):
+            return (
+                len(mine) == 1
+                and (name.startswith("mul") or ins[0] is mine[0])
+                and all(self.split_of(t) is None for t in others)
+            )
+        return None
+
     def follow_whole(
         self, func: Any, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]
     ) -> None:
@@ -924,15 +942,9 @@ class _Tracer(TorchDispatchMode):
         mine = [t for t in floats if self.whole_of(t) is not None]
         others = [t for t in floats if self.whole_of(t) is None]
         children = frozenset().union(*(self.whole_of(t) or () for t in mine))
-        if name in _LINEAR_IN_PARTIAL:
-            ok = ins[0] is mine[0] and not others
-        elif name in ("mul", "div", "mul_", "div_"):
-            ok = len(mine) == 1 and (name.startswith("mul") or ins[0] is mine[0])
-            ok = ok and all(self.split_of(t) is None for t in others)
-        elif name in _ADDS:
-            ok = not others
-        else:
-            ok = False
+        ok = self.linear_in(name, ins, mine, others)
+        if ok is None:
+            ok = name in _ADDS and not others
         if not ok:
             self.bend_whole([children], f"{name} takes it")
             return
