@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from blocks import assert_parity as assert_block_parity
 from infer_models import (
     ODD_NAMES,
@@ -924,12 +925,21 @@ def test_a_part_the_forward_does_not_call_is_traced_on_its_own(tp: int) -> None:
     assert_block_parity(model, plan, tp, x)
 
 
-def test_a_part_that_cannot_run_alone_stays_whole_and_says_why() -> None:
+def test_a_part_that_cannot_run_alone_is_traced_layer_by_layer() -> None:
+    """No config names the tower's image size: its layers are traced one by one, each on
+    features as wide as it takes, so each is split and its output gathered."""
+    torch.manual_seed(0)
     model = _TextAndTower(tower_config=False)
-    plan = tpplan.infer_plan(model)
-    assert "tower.fc1" not in styles(plan, model)
-    why = rule_for(plan, model, "tower.fc1").why
-    assert "not called in the traced forward" in why and "cannot make up inputs" in why
+    plan = tpplan.infer_plan(model, tp_size=2)
+    got = styles(plan, model)
+    assert got["tower.fc1"] == got["tower.fc2"] == ("colwise", "replicate")
+    assert "traced on its own" in rule_for(plan, model, "tower.fc1").why
+    g = torch.Generator().manual_seed(1)
+    x = {
+        "input_ids": torch.randint(0, 64, (2, 5), generator=g),
+        "pixel_values": torch.randn(2, 3, 8, 8, generator=g),
+    }
+    assert_block_parity(model, plan, 2, x)
 
 
 def test_a_part_sharing_a_parameter_with_the_rest_stays_whole() -> None:
@@ -937,6 +947,87 @@ def test_a_part_sharing_a_parameter_with_the_rest_stays_whole() -> None:
     plan = tpplan.infer_plan(model)
     assert "tower.fc1" not in styles(plan, model)
     assert "shares a parameter" in rule_for(plan, model, "tower.fc1").why
+
+
+class _PackedTower(nn.Module):
+    """A tower fed patches packed as rows, with each image's (frames, height, width) in
+    patches (Qwen2-VL's way): one attention block over all of them. (Its width differs from
+    the 32 rows two images make, so the trace cannot take one for the other.)"""
+
+    def __init__(self, dim: int = 24, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.patch = nn.Linear(2 * 3 * 4 * 4, dim)  # 2 frames of 3 channels of 4x4 pixels
+        self.positions = nn.Embedding(16, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        n = pixel_values.shape[0]
+        where = torch.arange(n) % (grid_thw[0, 1] * grid_thw[0, 2])
+        h = (self.patch(pixel_values) + self.positions(where)).unsqueeze(0)  # (1, n, dim)
+        x = self.norm(h)
+        q, k, v = (p(x).view(1, n, -1, self.head_dim).transpose(1, 2) for p in self.qkv)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        return (h + self.proj(a.reshape(1, n, -1)))[0]
+
+
+class _Projector(nn.Module):
+    def __init__(self, dim: int = 24, hidden: int = 64, out: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _TextAndPackedTower(nn.Module):
+    """Token ids, and optionally packed patches: the tower's features, projected, go in front
+    of each sequence's tokens. Given token ids alone, neither the tower nor the projector runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.tower = _PackedTower()
+        self.projector = _Projector()
+        self.mlp = Mlp(32, 48)
+        self.head = nn.Linear(32, 64)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if pixel_values is not None:
+            v = self.projector(self.tower(pixel_values, image_grid_thw))
+            h = torch.cat([v.view(h.shape[0], -1, h.shape[-1]), h], dim=1)
+        return self.head(h + self.mlp(h))
+
+
+def test_a_packed_patch_tower_and_its_projector_are_traced_on_their_own() -> None:
+    """Inputs made up for the parts text does not reach: packed patches with their grid for
+    the tower, features as wide as its first layer takes for the projector."""
+    torch.manual_seed(0)
+    model = _TextAndPackedTower()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    got = styles(plan, model)
+    assert got["tower.qkv.0"] == ("colwise", None) and got["tower.proj"] == ("rowwise", None)
+    assert got["projector.fc1"] == ("colwise", None)
+    assert got["projector.fc2"] == ("rowwise", None)
+    for name in ("tower.qkv.0", "projector.fc1"):
+        assert "traced on its own" in rule_for(plan, model, name).why
+    g = torch.Generator().manual_seed(1)
+    grid = torch.tensor([[1, 2, 2], [1, 2, 2]])
+    x = {
+        "input_ids": torch.randint(0, 64, (2, 5), generator=g),
+        "pixel_values": torch.randn(8, 2 * 3 * 4 * 4, generator=g),
+        "image_grid_thw": grid,
+    }
+    assert_block_parity(model, plan, 2, x)
 
 
 class _ClassToken(nn.Module):

@@ -8,6 +8,7 @@ Start at `example_inputs`.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from .errors import TpplanError
 
-__all__ = ["InputsError", "example_inputs"]
+__all__ = ["InputsError", "example_inputs", "features_input"]
 
 
 class InputsError(TpplanError, ValueError):
@@ -39,6 +40,18 @@ def _get(config: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+def _patch_width(model: nn.Module) -> int | None:
+    """The width of one packed patch: what the first layer with weights takes per row (a
+    Linear's in_features; a convolution's channels times its kernel, the view a packed row
+    is cut into). A guess that only picks the inputs to run: a wrong one fails to run."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            return m.in_features
+        if isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1:
+            return math.prod(m.weight.shape[1:])
+    return None
+
+
 def example_inputs(
     model: nn.Module,
     *,
@@ -53,6 +66,7 @@ def example_inputs(
     config = _config(model)
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
+    grid = next((n for n in params if n.endswith("grid_thw")), None)
 
     def tokens(n: int) -> torch.Tensor:
         vocab = _get(config, "vocab_size", default=None)
@@ -74,6 +88,15 @@ def example_inputs(
         mels = _get(config, "num_mel_bins", default=80)
         frames = 2 * _get(config, "max_source_positions", default=seq)
         out["input_features"] = torch.randn(batch, mels, frames, generator=g).to(device)
+    elif grid is not None and (width := _patch_width(model)) is not None:
+        # a tower fed packed patches (Qwen2-VL and its kin): every image's patches as rows
+        # of one 2-D tensor, and each image's (frames, height, width) in patches; a 4x4 grid
+        # fits a spatial merge of 1, 2 or 4
+        thw = torch.tensor([[1, 4, 4]] * batch)
+        out[next(iter(params))] = torch.randn(int(thw.prod(-1).sum()), width, generator=g).to(
+            device
+        )
+        out[grid] = thw.to(device)
     elif "pixel_values" in params and config is not None:
         size = _get(config, "image_size", default=32)
         size = size if isinstance(size, int) else size[0]
@@ -88,3 +111,20 @@ def example_inputs(
             "pass example_inputs (a tensor, a tuple of them, or a dict of keyword inputs)."
         )
     return out
+
+
+def features_input(model: nn.Module, *, batch: int = 2, seq: int = 16) -> torch.Tensor | None:
+    """For a part of a model whose forward takes one tensor of features (a projector on a
+    vision tower's output): a (batch, seq, width) tensor, width what its first layer with
+    weights takes per row. None when its forward needs more than one argument. A guess that
+    only picks the inputs to run: a wrong one fails to run."""
+    params = inspect.signature(model.forward).parameters.values()
+    needed = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    width = _patch_width(model)
+    if len(needed) != 1 or width is None:
+        return None
+    return torch.randn(batch, seq, width, generator=torch.Generator().manual_seed(0))
