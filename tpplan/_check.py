@@ -400,15 +400,55 @@ def _check_regions(
 
     openers = [(i, n) for i, r in enumerate(plan.rules) if _opens_region(r) for n in matched[i]]
     closers = [(i, n) for i, r in enumerate(plan.rules) if _closes_region(r) for n in matched[i]]
-    if not openers and not closers:
+    tables = [
+        (i, n) for i, r in enumerate(plan.rules) if r.style == "vocab_parallel" for n in matched[i]
+    ]
+    if not openers and not closers and not tables:
         return []
     try:
         trace = trace_model(model)
     except TpplanError:
         return _check_regions_by_structure(plan, openers, closers, model)
-    return _check_regions_by_flow(plan, openers, closers, trace) + _check_heads(
-        plan, openers, trace, tp, flagged
+    return (
+        _check_regions_by_flow(plan, openers, closers, trace)
+        + _check_heads(plan, openers, trace, tp, flagged)
+        + _check_lookups(plan, tables, trace)
     )
+
+
+def _check_lookups(plan: Plan, tables: list[tuple[int, str]], trace: Trace) -> list[Problem]:
+    """A vocab-parallel table whose own forward does what is not linear in the looked-up rows
+    (a norm) must sum them at the lookup (`sum_at: lookup`), and that needs its lookups made
+    through nn.Embedding's forward, where the sum is put."""
+    out: list[Problem] = []
+    for i, name in tables:
+        rule, t = plan.rules[i], _traced(trace, name)
+        bent, slot = trace.bent_lookups.get(t), trace.lookup_slots.get(t)
+        if bent and rule.sum_at is None:
+            message = (
+                f"its forward applies {bent} to the looked-up rows, which is not linear in "
+                "them, but a vocab-parallel lookup's partial rows are summed only after the "
+                "forward, so it would act on partial rows."
+            )
+        elif rule.sum_at is not None and slot is False:
+            message = (
+                "it looks its rows up with an embedding of its own, not through nn.Embedding's "
+                "forward (`super().forward(ids)`), where sum_at: lookup sums them."
+            )
+        else:
+            continue
+        out.append(
+            Problem(
+                "lookup",
+                _where(i, rule),
+                name,
+                message,
+                "add `sum_at: lookup` to the rule."
+                if slot
+                else "keep it whole (style: replicate).",
+            )
+        )
+    return out
 
 
 def _check_heads(

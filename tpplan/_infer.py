@@ -26,6 +26,7 @@ from torch import nn
 
 from ._check import tied_groups, weight_split
 from ._fingerprint import fingerprint, parameter_shapes
+from ._inputs import InputsError, features_input
 from ._patterns import collapse, wildcard
 from ._trace import Trace, _structure, trace_model
 from .errors import TpplanError
@@ -61,6 +62,7 @@ class _Decision:
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # experts: (parameter, pieces)
     after_sum: tuple[str, ...] = ()  # experts
     added_whole: tuple[str, ...] = ()  # experts: submodules whose output is scaled 1/tp
+    sum_at: str | None = None  # vocab_parallel: "lookup"
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
@@ -87,6 +89,8 @@ class _Decision:
             extra["local_output"] = self.local_output
         if self.shard:
             extra["shard"] = dict(self.shard)
+        if self.sum_at is not None:
+            extra["sum_at"] = self.sum_at
         if self.mode is not None:
             extra["mode"] = self.mode
             if self.fused:
@@ -296,7 +300,7 @@ def _trace_uncalled(
         if _tied_outside(shared, root):
             return "it shares a parameter with the rest of the model, so it is not split alone"
         try:
-            mine, attrs = _infer_decisions(part, None, tp, False, False, experts, gather_tp)
+            mine, attrs = _infer_part(part, tp, experts, gather_tp)
         except TpplanError as e:
             # the error's first clause, less its advice to pass inputs, which the caller
             # of infer_plan cannot do for a part
@@ -306,12 +310,13 @@ def _trace_uncalled(
                     attempt(prefix + child)
             return f"traced on its own, it failed: {said}"
         own = "traced on its own (the model's forward did not call it)"
+        full = lambda n: prefix + n if n else root  # noqa: E731 (a lone layer is its own root)
         for name, d in mine.items():
-            if decisions.get(prefix + name, d).why == _NOT_CALLED:
+            if decisions.get(full(name), d).why == _NOT_CALLED:
                 # what the part's own forward did not call says so already
                 nested = d.why.startswith(_NOT_CALLED)
-                decisions[prefix + name] = d if nested else replace(d, why=f"{d.why}; {own}")
-        attributes.update({prefix + n: a for n, a in attrs.items()})
+                decisions[full(name)] = d if nested else replace(d, why=f"{d.why}; {own}")
+        attributes.update({full(n): a for n, a in attrs.items()})
         return None
 
     for root in _uncalled_roots(model, decisions, ran):
@@ -319,6 +324,29 @@ def _trace_uncalled(
         for name in under(root):
             if why is not None and decisions[name].why == _NOT_CALLED:
                 decisions[name] = replace(decisions[name], why=f"{_NOT_CALLED}; {why}")
+
+
+def _infer_part(part: nn.Module, tp: int, experts: str, gather_tp: int) -> Any:
+    """`_infer_decisions` for a part, on inputs its forward signature says how to make up;
+    for a forward of one tensor (a projector), on features as wide as its first layer takes.
+    When that guess does not run either, the reason is still that no inputs could be made."""
+    try:
+        return _infer_decisions(part, None, tp, False, False, experts, gather_tp)
+    except InputsError as no_inputs:
+        guess = features_input(part)
+        if guess is None:
+            raise
+        try:
+            return _infer_decisions(part, guess, tp, False, False, experts, gather_tp)
+        except TpplanError:
+            raise no_inputs from None
+
+
+def _bent_lookup(op: str) -> str:
+    return (
+        f"kept whole: its forward applies {op} to the looked-up rows, which is not linear in "
+        "them; a vocab-parallel lookup's partial rows are summed only after the forward"
+    )
 
 
 def _try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs: Any) -> None:
@@ -829,17 +857,18 @@ class _Decider:
             if name in self.decisions:
                 continue  # split by its columns inside a region
             n = module.num_embeddings
+            bent = self.trace.bent_lookups.get(name)
             if not self.trace.lookups.get(name):
                 self.kept[name] = (
                     "kept whole: its indices are computed inside forward (positions or types), not the input tokens"
                 )
             elif self.used_outside(name):
                 self.kept[name] = "kept whole: its weight is also used outside its own lookup"
-            elif name in self.trace.bent_lookups:
+            elif bent and not self.trace.lookup_slots.get(name):
                 self.kept[name] = (
-                    f"kept whole: its forward applies {self.trace.bent_lookups[name]} to the "
-                    "looked-up rows, which is not linear in them; a vocab-parallel lookup's "
-                    "partial rows are summed only after the forward"
+                    _bent_lookup(bent) + ", and it looks its rows up with an embedding of its "
+                    "own rather than through nn.Embedding's forward, where they could be "
+                    "summed first"
                 )
             elif module.max_norm is not None:
                 self.kept[name] = "kept whole: max_norm renormalizes looked-up rows in place"
@@ -847,10 +876,18 @@ class _Decider:
                 self.kept[name] = f"kept whole: its vocab of {n} does not divide by tp {self.tp}"
             else:
                 vocabs.setdefault(n, name)
-                self.decisions[name] = _Decision(
-                    "vocab_parallel",
+                why = (
                     f"token lookup (its indices are the model's input ids); vocab {n} splits "
-                    "evenly, each rank looks up its rows and one all-reduce sums them",
+                    "evenly, each rank looks up its rows and one all-reduce sums them"
+                )
+                if bent:
+                    why += (
+                        f", right where nn.Embedding's lookup returns them (sum_at: lookup): "
+                        f"its own forward goes on to apply {bent} to the rows, which is not "
+                        "linear in them"
+                    )
+                self.decisions[name] = _Decision(
+                    "vocab_parallel", why, sum_at="lookup" if bent else None
                 )
         return vocabs
 
@@ -960,7 +997,13 @@ class _Decider:
         t = self.trace
         scatter = "; sequence parallel: reduce-scattered onto sequence shards, left a DTensor"
         for name, d in list(self.decisions.items()):
-            if d.style == "vocab_parallel" or (d.style == "rowwise" and d.output is None):
+            if d.sum_at is not None:
+                # its rows are summed inside its forward, whole: nothing there to scatter
+                bent = _bent_lookup(t.bent_lookups[name])
+                self.decisions[name] = _Decision(
+                    "replicate", f"{bent} (where sequence parallel reduce-scatters them)"
+                )
+            elif d.style == "vocab_parallel" or (d.style == "rowwise" and d.output is None):
                 self.decisions[name] = replace(
                     d, output="shard(1)", local_output=False, why=d.why + scatter
                 )

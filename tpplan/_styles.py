@@ -5,6 +5,7 @@
 cases built here on the same classes:
 - `replicate_grad_sum`: `ReplicateGradSum`;
 - `split_params`: `SplitParams`;
+- `vocab_parallel` with `sum_at: lookup`: `SumAtLookup`;
 - fused colwise layers (`parts`): `Colwise` stores each part's rank-r slice next to the
   others', so a rank's output is its own q, k and v (or gate and up) laid end to end;
 - weights stored (in, out) (`transposed`, GPT-2's Conv1D): `Colwise` / `Rowwise` shard the
@@ -56,6 +57,7 @@ __all__ = [
     "ReplicateGradSum",
     "Rowwise",
     "SplitParams",
+    "SumAtLookup",
     "fused_layouts",
     "fused_order",
     "placement",
@@ -263,6 +265,50 @@ class Rowwise(RowwiseParallel):
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._own_output, self.output_layouts, self.use_local_output),
         )
+
+
+# ---- a table whose forward does more than look up -------------------------------------------
+class _SumAtLookup(nn.Embedding):
+    """nn.Embedding's place in a split table's class order: the lookup of this rank's rows,
+    summed over the tp ranks as it returns, so what the subclass's forward does next (a norm,
+    rows overwritten) sees whole rows."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        assert isinstance(weight, DTensor)  # SumAtLookup split it
+        mesh = weight.device_mesh
+        ids = DTensor.from_local(input, mesh, [Replicate()], run_check=False)
+        partial_rows = nn.Embedding.forward(self, ids)
+        assert isinstance(partial_rows, DTensor)
+        rows = partial_rows.redistribute(mesh, [Replicate()]).to_local()
+        # its own tensor while grad is recorded, so the forward may change it in place
+        return rows.clone() if torch.is_grad_enabled() else rows
+
+
+_SUMMED_AT_LOOKUP: dict[type, type] = {}
+
+
+class SumAtLookup(ParallelStyle):
+    """vocab_parallel with `sum_at: lookup`: the weight split by rows like torch's
+    RowwiseParallel on an Embedding, and the module's class given `_SumAtLookup` in the place
+    of nn.Embedding, where the subclass's `super().forward(ids)` looks up (the way torch's
+    parametrizations give a module a class of its own). The module keeps its name, its
+    parameters' names and every other method; its input and output stay plain tensors.
+    tpplan infers it only where the trace saw every lookup of the table made through that
+    place."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TpplanError(
+                f"sum_at: lookup applies to Embedding modules, not {type(module).__name__}."
+            )
+        _distribute(module, "weight", device_mesh, 0, None, self.src_data_rank)
+        cls = type(module)
+        if cls not in _SUMMED_AT_LOOKUP:
+            bases = (_SumAtLookup,) if cls is nn.Embedding else (cls, _SumAtLookup)
+            _SUMMED_AT_LOOKUP[cls] = type(cls.__name__, bases, {})
+        module.__class__ = _SUMMED_AT_LOOKUP[cls]
+        return module
 
 
 # ---- mixture-of-experts ---------------------------------------------------------------------
@@ -482,6 +528,8 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
             return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
         if rule.style == "rowwise":
             return Rowwise(transposed=bool(rule.transposed), **kw)
+        if rule.sum_at == "lookup":
+            return SumAtLookup()
         return ColwiseParallel(**kw) if rule.style == "colwise" else RowwiseParallel(**kw)
     if rule.style == "sequence_parallel":
         _, dim = parse_layout(rule.input or "shard(1)")

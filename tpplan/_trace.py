@@ -131,6 +131,10 @@ class Trace:
     bent_lookups: dict[str, str] = field(default_factory=dict)
     """Embedding whose forward returns something not linear in its looked-up rows -> the op
     that was not linear (a norm inside the embedding module)."""
+    lookup_slots: dict[str, bool] = field(default_factory=dict)
+    """Embedding subclass with a forward of its own -> whether every lookup of its table ran
+    in nn.Embedding.forward's place in its class order (its `super().forward(ids)`), where a
+    vocab-parallel split with `sum_at: lookup` sums the rows."""
     expert_roles: dict[str, tuple[str, int]] = field(default_factory=dict)
     """3-D expert weight -> ("open" | "close", the dim of the stored weight that holds the
     features it makes or contracts), from a batched per-expert matmul (grouped_mm, bmm)."""
@@ -386,6 +390,8 @@ class _Tracer(TorchDispatchMode):
         # The same sizes -> the split they were read off (dim, outer, n, inner, sources).
         self.shape_splits: dict[int, Split] = {}
         self.embedding_calls: list[str] = []  # the Embedding modules whose forward is running
+        self.slots: list[str] = []  # ... of those, whose nn.Embedding.forward is running
+        self.slotted: set[str] = set()  # Embedding subclasses whose forward is their own
         # Per running Embedding forward: the tensors linear in its lookup's rows (id ->
         # tensor), and the first op that was not linear in them.
         self.looked_up: list[tuple[dict[int, torch.Tensor], list[str]]] = []
@@ -549,6 +555,9 @@ class _Tracer(TorchDispatchMode):
         tokens = id(indices) in self.inputs and self.inputs[id(indices)] is indices
         seen = self.trace.lookups.get(module)
         self.trace.lookups[module] = tokens if seen is None else seen and tokens
+        if module in self.slotted:
+            slot = self.trace.lookup_slots
+            slot[module] = slot.get(module, True) and self.slots[-1:] == [module]
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         name = func.overloadpacket.__name__
@@ -1559,6 +1568,34 @@ def _linear_like(module: nn.Module, fake: FakeTensorMode) -> bool | None:
     return None
 
 
+class _LookupSlot(nn.Embedding):
+    """nn.Embedding's place in a traced table's class order: says when a lookup runs there."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        slots, name = self.__dict__["_tpplan_slot"]
+        slots.append(name)
+        try:
+            return nn.Embedding.forward(self, input)
+        finally:
+            slots.pop()
+
+
+def _watch_lookup_slots(copy_: nn.Module, tracer: _Tracer) -> None:
+    """Give each Embedding subclass with a forward of its own (in the traced copy) a class
+    with `_LookupSlot` where nn.Embedding was: the place `SumAtLookup` takes when applied,
+    so the trace sees whether every lookup goes there (a `super().forward(ids)`) or around
+    it (an `F.embedding` of its own)."""
+    made: dict[type, type] = {}
+    for name, m in copy_.named_modules():
+        cls = type(m)
+        if isinstance(m, nn.Embedding) and cls.forward is not nn.Embedding.forward:
+            if cls not in made:
+                made[cls] = type(cls.__name__, (cls, _LookupSlot), {})
+            m.__class__ = made[cls]
+            m.__dict__["_tpplan_slot"] = (tracer.slots, name)
+            tracer.slotted.add(name)
+
+
 def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
     trace = tracer.trace
     arrived: list[Split | None] = []  # the split of each call's input, until the call returns
@@ -1954,6 +1991,7 @@ def _trace_pass(
                 trace.linears[name] = (rows, cols, True) if stored_in_out else (cols, rows, False)
     # after the probes: reads made by a probe's forward are no evidence of the traced one
     _watch_reads(copy_, tracer)
+    _watch_lookup_slots(copy_, tracer)
     for name, m in copy_.named_modules():
         if isinstance(m, (nn.Linear, nn.Embedding)) or name in trace.linears:
             continue

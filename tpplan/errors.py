@@ -54,6 +54,7 @@ ProblemKind = Literal[
     "fingerprint",
     "parts",
     "tied",
+    "lookup",
 ]
 
 

@@ -34,14 +34,15 @@ __all__ = [
     "plan_json_schema",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {
     2: ("parts", "transposed"),
     3: ("mode", "shard", "fused", "after_sum"),
     5: ("added_whole",),
+    6: ("sum_at",),
 }
 _ADDED_STYLES = {3: ("experts",), 4: ("split_params",)}
 _ADDED_MODEL_FIELDS = {4: ("command",)}
@@ -63,7 +64,7 @@ STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 _STYLE_FIELDS: dict[str, frozenset[str]] = {
     "colwise": frozenset({"input", "output", "local_output", "head_dim", "parts", "transposed"}),
     "rowwise": frozenset({"input", "output", "local_output", "head_dim", "transposed"}),
-    "vocab_parallel": frozenset({"input", "output", "local_output"}),
+    "vocab_parallel": frozenset({"input", "output", "local_output", "sum_at"}),
     "sequence_parallel": frozenset({"input", "local_output"}),
     "prepare": frozenset(
         {
@@ -209,6 +210,12 @@ class Rule(_Strict):
     it) whose output its forward adds whole to the experts' partial sums, made the same on
     every rank without the split weights (an identity expert passing its tokens through):
     each rank scales their output by 1/tp, so the all-reduce adds it once."""
+    sum_at: Literal["lookup"] | None = None
+    """vocab_parallel: where each rank's partial rows are summed. By default at the module's
+    output, after its forward. `lookup`: right where nn.Embedding's own lookup hands them
+    back, inside the forward of an Embedding subclass that goes on to do with the rows what
+    is not linear in them (a norm, rows overwritten), so the rest of its forward sees whole
+    rows; its output is then whole and plain."""
 
     @field_validator("style", mode="before")
     @classmethod
@@ -262,6 +269,16 @@ class Rule(_Strict):
             raise ValueError(
                 "split_params needs shard: {parameter: dim} naming the module's own parameters "
                 "it splits (e.g. {sinks: 0})."
+            )
+        if self.sum_at is not None and (
+            (self.input or "replicate") != "replicate"
+            or (self.output or "replicate") != "replicate"
+            or self.local_output is False
+        ):
+            raise ValueError(
+                "vocab_parallel with sum_at: lookup takes the token ids as they are and sums "
+                "the rows inside the module's forward, so its input and output are whole, plain "
+                "tensors; drop input, output and local_output, or drop sum_at."
             )
         if self.style == "colwise" and "partial" in (self.input, self.output):
             raise ValueError(
@@ -340,7 +357,7 @@ class AttributeRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5] = 5  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6] = 6  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None

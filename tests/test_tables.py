@@ -1,0 +1,147 @@
+"""Embedding tables whose own forward does more than look up: rows normed (MuseGlimmer's
+text model) or overwritten in place (T5Gemma 2's end-of-image row). Split by vocab, each
+rank's partial rows must be summed before that, at the lookup (`sum_at: lookup`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from blocks import assert_parity
+from infer_models import Mlp
+from test_infer import rule_for, styles
+from torch import nn
+
+import tpplan
+from tpplan.plan import Plan
+
+SPECIAL = 3  # the token whose rows the table overwrites
+
+
+class _Table(nn.Embedding):
+    """A table that norms the rows it looks up and, with `special`, writes a learned row over
+    one token's rows in place. With `own_lookup` it looks up with F.embedding itself rather
+    than through nn.Embedding's forward."""
+
+    def __init__(self, *, special: bool = False, own_lookup: bool = False) -> None:
+        super().__init__(64, 32)
+        self.special = nn.Parameter(torch.randn(32)) if special else None
+        self.own_lookup = own_lookup
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(input, self.weight) if self.own_lookup else super().forward(input)
+        rows = F.rms_norm(rows, (rows.shape[-1],))
+        if self.special is not None:
+            rows[input == SPECIAL] = self.special
+        return rows
+
+
+class _Model(nn.Module):
+    def __init__(self, **table: bool) -> None:
+        super().__init__()
+        self.embed = _Table(**table)
+        self.mlp = Mlp(32, 48)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        return self.head(h + self.mlp(h))
+
+
+def _ids() -> torch.Tensor:
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids[0, 1] = SPECIAL
+    return ids
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("special", [False, True], ids=["normed", "normed_and_overwritten"])
+def test_a_table_that_norms_its_rows_sums_them_at_the_lookup(tp: int, special: bool) -> None:
+    torch.manual_seed(0)
+    model = _Model(special=special)
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    rule = rule_for(plan, model, "embed")
+    assert (rule.style, rule.sum_at) == ("vocab_parallel", "lookup")
+    assert "right where nn.Embedding's lookup returns them" in rule.why
+    assert styles(plan, model)["mlp.fc1"] == ("colwise", None)  # the rest as before
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, _ids())
+
+
+def test_a_table_split_by_rows_keeps_its_name_and_parameters() -> None:
+    torch.manual_seed(0)
+    model = _Model(special=True)
+    plan = tpplan.infer_plan(model, tp_size=2)
+    from tpplan._local import simulated_ranks
+
+    with simulated_ranks(2) as mesh:
+        tpplan.apply_plan(model, mesh, plan)
+        assert isinstance(model.embed, _Table) and type(model.embed).__name__ == "_Table"
+        assert [n for n, _ in model.embed.named_parameters()] == ["weight", "special"]
+        assert model.embed.weight.to_local().shape == (32, 32)  # type: ignore[attr-defined]
+
+
+def test_a_table_that_looks_up_on_its_own_stays_whole() -> None:
+    model = _Model(own_lookup=True)
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rule = rule_for(plan, model, "embed")
+    assert rule.style == "replicate"
+    assert "looks its rows up with an embedding of its own" in rule.why
+    assert_parity(model, plan, 2, _ids())
+
+
+def _forced(plan: Plan, **fields: object) -> Plan:
+    rules = [
+        r.model_copy(update={"style": "vocab_parallel", **fields}) if r.match == "embed" else r
+        for r in plan.rules
+    ]
+    return Plan.model_validate({**plan.model_dump(exclude_none=True), "rules": rules})
+
+
+def test_check_asks_for_sum_at_lookup_on_a_table_that_norms_its_rows() -> None:
+    model = _Model()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    plain = _forced(plan, sum_at=None)
+    (problem,) = tpplan.check_plan(plain, model, tp_size=2)
+    assert problem.kind == "lookup" and problem.module == "embed"
+    assert "not linear in them" in problem.message and "partial rows" in problem.message
+    assert problem.fix == "add `sum_at: lookup` to the rule."
+
+
+def test_check_refuses_sum_at_lookup_where_the_lookup_is_its_own() -> None:
+    model = _Model(own_lookup=True)
+    plan = _forced(tpplan.infer_plan(model, tp_size=2), sum_at="lookup")
+    (problem,) = tpplan.check_plan(plan, model, tp_size=2)
+    assert problem.kind == "lookup"
+    assert "not through nn.Embedding's forward" in problem.message
+    assert problem.fix == "keep it whole (style: replicate)."
+
+
+def test_sequence_parallel_keeps_such_a_table_whole_and_says_why() -> None:
+    """(Given inputs, infer_plan leaves the trial run to the caller's first forward, which for
+    this residual stream fails loudly, as for any table kept whole.)"""
+    model = _Model()
+    plan = tpplan.infer_plan(model, tp_size=2, sequence_parallel=True, example_inputs=_ids())
+    rule = rule_for(plan, model, "embed")
+    assert rule.style == "replicate" and "sequence parallel reduce-scatters" in rule.why
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ("sum_at: lookup, output: shard(1)", "its input and output are whole, plain tensors"),
+        ("sum_at: lookup, local_output: false", "drop input, output and local_output"),
+        ("sum_at: row", "Input should be 'lookup'"),
+    ],
+)
+def test_a_bad_sum_at_is_named(extra: str, said: str) -> None:
+    text = f"tpplan: 6\nrules:\n  - {{match: embed, style: vocab_parallel, why: w, {extra}}}\n"
+    with pytest.raises(ValueError, match=said):
+        Plan.from_yaml(text)
+
+
+def test_sum_at_needs_schema_version_6() -> None:
+    rule = "{match: embed, style: vocab_parallel, why: w, sum_at: lookup}"
+    with pytest.raises(ValueError, match="sum_at need schema version 6"):
+        Plan.from_yaml(f"tpplan: 5\nrules:\n  - {rule}\n")
+    assert Plan.from_yaml(f"tpplan: 6\nrules:\n  - {rule}\n").rules[0].sum_at == "lookup"
