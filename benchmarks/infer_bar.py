@@ -202,6 +202,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "projector_output_dim": 64,
     },
 }
+# the projector reads the tower's merged patches (64 wide, 2x2 merged); shrunk alike, it
+# would read 64 and fail on any image; and a projector as narrow as the rest
+OVERRIDES["muse_glimmer"] = {"out_hidden_size": 256, "projector_hidden_size": 128}
 # the same tower inside the multimodal model (traced on its own there: see infer_plan)
 OVERRIDES["llama4"] = {"vision_config": OVERRIDES["llama4_vision_model"]}
 
@@ -318,6 +321,30 @@ INPUTS: dict[str, Any] = {
 }
 
 
+def _muse_glimmer_images(config: Any, g: Any) -> dict[str, Any]:
+    """Text with one image per sequence: the image's packed patches and grid, and as many
+    image tokens as the merged patches it yields."""
+    import torch
+
+    vision = config.vision_config
+    patches = _packed_patches(
+        vision.patch_temporal * 3 * vision.patch_size**2, g, key="pixel_values"
+    )
+    patches["image_grid_thw"] = patches.pop("grid_thw")
+    per_image = int(patches["image_grid_thw"][0].prod()) // vision.merge_size**2
+    ids = torch.randint(0, config.text_config.vocab_size, (BATCH, SEQ), generator=g)
+    ids[:, 1 : 1 + per_image] = config.image_token_id
+    return {"input_ids": ids, **patches}
+
+
+# Inputs for the two runs only: infer_plan gets none and traces text alone, as a user's call
+# would. The parts text does not reach (a vision tower and its projector) are then traced on
+# their own, and these inputs check those decisions with numbers.
+RUN_INPUTS: dict[str, Any] = {
+    "muse_glimmer": _muse_glimmer_images,
+}
+
+
 def model_inputs(model_type: str, model: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Keyword inputs for the unsharded and the sharded run, and what to pass infer_plan as
     example_inputs: the same dict where INPUTS made it, else None (the tracer guesses its
@@ -328,14 +355,14 @@ def model_inputs(model_type: str, model: Any) -> tuple[dict[str, Any], dict[str,
 
     from tpplan._inputs import example_inputs
 
-    make = INPUTS.get(model_type)
+    make = INPUTS.get(model_type) or RUN_INPUTS.get(model_type)
     if make is not None:
         inputs = make(model.config, torch.Generator().manual_seed(0))
     else:
         inputs = example_inputs(model, batch=BATCH, seq=SEQ)
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False  # no cache to fill: not part of the math compared
-    return inputs, inputs if make is not None else None
+    return inputs, inputs if model_type in INPUTS else None
 
 
 _TOKEN_IDS = (
