@@ -62,6 +62,7 @@ __all__ = [
     "fused_order",
     "placement",
     "plan_to_torch",
+    "put_in_lookup_place",
     "rule_to_style",
     "unfuse",
 ]
@@ -285,7 +286,18 @@ class _SumAtLookup(nn.Embedding):
         return rows.clone() if torch.is_grad_enabled() else rows
 
 
-_SUMMED_AT_LOOKUP: dict[type, type] = {}
+_LOOKUP_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def put_in_lookup_place(module: nn.Embedding, place: type[nn.Embedding]) -> None:
+    """Give `module` a class of its own (of the same name) with `place`, an nn.Embedding
+    subclass, where nn.Embedding was in its class order: `place.forward` then runs wherever
+    the module's own forward calls `super().forward(ids)`."""
+    cls = type(module)
+    if (cls, place) not in _LOOKUP_CLASSES:
+        bases = (place,) if cls is nn.Embedding else (cls, place)
+        _LOOKUP_CLASSES[cls, place] = type(cls.__name__, bases, {})
+    module.__class__ = _LOOKUP_CLASSES[cls, place]
 
 
 class SumAtLookup(ParallelStyle):
@@ -303,11 +315,7 @@ class SumAtLookup(ParallelStyle):
                 f"sum_at: lookup applies to Embedding modules, not {type(module).__name__}."
             )
         _distribute(module, "weight", device_mesh, 0, None, self.src_data_rank)
-        cls = type(module)
-        if cls not in _SUMMED_AT_LOOKUP:
-            bases = (_SumAtLookup,) if cls is nn.Embedding else (cls, _SumAtLookup)
-            _SUMMED_AT_LOOKUP[cls] = type(cls.__name__, bases, {})
-        module.__class__ = _SUMMED_AT_LOOKUP[cls]
+        put_in_lookup_place(module, _SumAtLookup)
         return module
 
 

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._inputs import example_inputs as _derived_inputs
 from ._local import outside_simulation
+from ._styles import put_in_lookup_place
 from ._tree import tensor_leaves
 from .errors import TpplanError
 
@@ -1585,13 +1586,9 @@ def _watch_lookup_slots(copy_: nn.Module, tracer: _Tracer) -> None:
     with `_LookupSlot` where nn.Embedding was: the place `SumAtLookup` takes when applied,
     so the trace sees whether every lookup goes there (a `super().forward(ids)`) or around
     it (an `F.embedding` of its own)."""
-    made: dict[type, type] = {}
     for name, m in copy_.named_modules():
-        cls = type(m)
-        if isinstance(m, nn.Embedding) and cls.forward is not nn.Embedding.forward:
-            if cls not in made:
-                made[cls] = type(cls.__name__, (cls, _LookupSlot), {})
-            m.__class__ = made[cls]
+        if isinstance(m, nn.Embedding) and type(m).forward is not nn.Embedding.forward:
+            put_in_lookup_place(m, _LookupSlot)
             m.__dict__["_tpplan_slot"] = (tracer.slots, name)
             tracer.slotted.add(name)
 
