@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -77,3 +79,17 @@ def test_the_benchmark_scripts_nox_runs_are_the_ones_named() -> None:
 def _count(n: int) -> str:
     words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     return words[n] if n < len(words) else str(n)
+
+
+def test_the_checkpoint_memory_table_is_the_saved_results() -> None:
+    """benchmarks/README.md shows the table `checkpoint_memory.py --render` prints from
+    benchmarks/results/checkpoint_memory.json: a rerun whose table was not pasted, or a table
+    edited by hand, fails here. (`--render` imports neither torch nor transformers.)"""
+    run = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint_memory.py", "--render"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    table = run.stdout.strip()
+    assert "| tpplan, safetensors | 2 |" in table
+    assert table in (ROOT / "benchmarks" / "README.md").read_text()
