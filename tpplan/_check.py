@@ -406,9 +406,73 @@ def _check_regions(
         trace = trace_model(model)
     except TpplanError:
         return _check_regions_by_structure(plan, openers, closers, model)
-    return _check_regions_by_flow(plan, openers, closers, trace) + _check_heads(
-        plan, openers, trace, tp, flagged
+    return (
+        _check_regions_by_flow(plan, openers, closers, trace)
+        + _check_heads(plan, openers, trace, tp, flagged)
+        + _check_head_dims(plan, [*openers, *closers], trace)
     )
+
+
+def _model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | None:
+    """(head size, how the model's views show it) of a traced opener or closer, read as
+    infer reads it when it writes a rule's head_dim; None where the flow shows no heads."""
+    if closer:
+        s = trace.closers.get(t)
+        if s is None or s.inner <= 1:
+            return None
+        return s.inner, f"its {s.n * s.inner} input features arrive as {s.n} heads of {s.inner}"
+    if t not in trace.openers:
+        return None
+    features, parts = trace.openers[t], trace.parts.get(t)
+    if parts is not None:
+        # fused pieces are cut apart before any view: their head size shows where they meet
+        # again, at the closers' input, merged from (heads, head_dim)
+        links = [g for g in trace.links if t in g]
+        inners = {trace.closers[c].inner for g in links for c in g if c in trace.closers}
+        if len(inners) != 1 or (inner := inners.pop()) <= 1 or any(p % inner for p in parts):
+            return None
+        pieces = " | ".join(map(str, parts))
+        return (
+            inner,
+            f"its {features} output features are fused pieces ({pieces}), each made of heads "
+            f"of {inner}",
+        )
+    heads = trace.heads.get(t)
+    if not heads or features % heads:
+        return None
+    return (
+        features // heads,
+        f"it views its {features} output features as {heads} heads of {features // heads}",
+    )
+
+
+def _check_head_dims(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> list[Problem]:
+    """A rule's head_dim must be the model's own head size, as its views cut the features.
+    The rule's own check only asks that the width be whole heads of the stated size, and 32
+    heads of 64 are also 16 whole heads of 128: a plan written for another model would pass
+    it, and its head counts would be checked against tp sizes with heads the model does not
+    have."""
+    out: list[Problem] = []
+    for i, name in modules:
+        rule = plan.rules[i]
+        if rule.head_dim is None:
+            continue
+        seen = _model_head_dim(trace, _traced(trace, name), closer=_closes_region(rule))
+        if seen is None or seen[0] == rule.head_dim:
+            continue
+        head_dim, view = seen
+        out.append(
+            Problem(
+                "head_dim",
+                _where(i, rule),
+                name,
+                f"the rule states head_dim {rule.head_dim}, but the model's head_dim is "
+                f"{head_dim} ({view}).",
+                f"set head_dim: {head_dim} in the rule, or infer the plan again for this model "
+                "(`tpplan infer`).",
+            )
+        )
+    return out
 
 
 def _check_heads(
@@ -428,17 +492,15 @@ def _check_heads(
         what = f"{heads} heads of {size}" if size else f"{features} features"
         if heads != units:
             what += f", which must stay together in {units} groups"
-        stated = plan.rules[i].head_dim
+        # a head_dim that disagrees with the model's is a problem of its own (_check_head_dims)
         out.append(
             Problem(
                 "divisibility",
                 _where(i, plan.rules[i]),
                 name,
                 f"the model views its {features} output features as {what}: tp size {tp} "
-                "would cut them"
-                + (f" (the rule's head_dim is {stated})." if stated and stated != size else "."),
-                f"use a tp size among {_legal_sizes(units)}, or keep this module replicated"
-                + (f"; its head_dim is {size}." if size and stated not in (None, size) else "."),
+                "would cut them.",
+                f"use a tp size among {_legal_sizes(units)}, or keep this module replicated.",
             )
         )
     return out
