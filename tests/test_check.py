@@ -296,3 +296,22 @@ def test_the_structural_check_looks_past_wrappers() -> None:
     half = plan.model_copy(update={"rules": plan.rules[:1]})
     p = _only(check_plan(half, model, tp_size=2), "unclosed_region")
     assert "no rowwise module under mlp takes it back" in p.message
+
+
+def test_fused_parts_other_than_the_models_name_both() -> None:
+    """Parts that add up to the width pass the rule's own check however they cut it; GPT-2's
+    c_attn cut as 512 | 1024 | 768 would hand each rank the wrong slices of q, k and v (its
+    forward differs from the unsharded one by ~1.6 at tp 2)."""
+    from tpplan._models import build_model
+
+    model = build_model("gpt2", overrides={"n_layer": 2})
+    wrong = Plan.from_yaml(
+        load_plan("gpt2").to_yaml().replace("parts: [768, 768, 768]", "parts: [512, 1024, 768]")
+    )
+    p = _only(check_plan(wrong, model, tp_size=2), "parts")
+    assert str(p) == (
+        "rules[2] (match: transformer.h.*.attn.c_attn), module transformer.h.*.attn.c_attn: "
+        "the rule states parts [512, 1024, 768], but the model cuts its 2304 output features "
+        "into the pieces [768, 768, 768]. Fix: set parts: [768, 768, 768] in the rule, or "
+        "infer the plan again for this model (`tpplan infer`)."
+    )

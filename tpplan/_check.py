@@ -391,7 +391,8 @@ def _check_regions(
     plan: Plan, matched: dict[int, list[str]], model: nn.Module, tp: int, flagged: set[str]
 ) -> list[Problem]:
     """A column-parallel output must reach row-parallel layers only (and the reverse), and
-    split into whole heads as the model itself views them.
+    split into whole heads as the model itself views them; the heads and fused pieces a
+    rule states must be the model's.
 
     The model is traced (tpplan/_trace.py) to see where each layer's output goes; a model
     that cannot be traced (its inputs cannot be guessed) gets the structural check instead.
@@ -400,7 +401,9 @@ def _check_regions(
 
     openers = [(i, n) for i, r in enumerate(plan.rules) if _opens_region(r) for n in matched[i]]
     closers = [(i, n) for i, r in enumerate(plan.rules) if _closes_region(r) for n in matched[i]]
-    if not openers and not closers:
+    # a colwise layer gathered right after is no opener, but its parts must still be right
+    widths = [(i, n) for i, r in enumerate(plan.rules) if r.head_dim or r.parts for n in matched[i]]
+    if not openers and not closers and not widths:
         return []
     try:
         trace = trace_model(model)
@@ -409,7 +412,7 @@ def _check_regions(
     return (
         _check_regions_by_flow(plan, openers, closers, trace)
         + _check_heads(plan, openers, trace, tp, flagged)
-        + _check_head_dims(plan, [*openers, *closers], trace)
+        + _check_widths(plan, widths, trace)
     )
 
 
@@ -446,18 +449,33 @@ def _model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | 
     )
 
 
-def _check_head_dims(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> list[Problem]:
-    """A rule's head_dim must be the model's own head size, as its views cut the features.
-    The rule's own check only asks that the width be whole heads of the stated size, and 32
-    heads of 64 are also 16 whole heads of 128: a plan written for another model would pass
-    it, and its head counts would be checked against tp sizes with heads the model does not
-    have."""
+def _check_widths(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> list[Problem]:
+    """A rule's head_dim and fused parts must be the model's own, as its forward cuts the
+    features. The rule's own checks only ask that the width be whole heads of the stated size
+    and that the parts add up to it; but 32 heads of 64 are also 16 whole heads of 128, and
+    768 | 768 | 768 add up like 512 | 1024 | 768: a plan written for another model would
+    pass them. Wrong parts give each rank the wrong slices (wrong numbers); a wrong head_dim
+    checks tp sizes against heads the model does not have."""
     out: list[Problem] = []
     for i, name in modules:
-        rule = plan.rules[i]
+        rule, t = plan.rules[i], _traced(trace, name)
+        pieces = trace.parts.get(t)
+        if rule.parts and pieces and sum(rule.parts) == sum(pieces) and rule.parts != [*pieces]:
+            # (parts that do not add up to the width are reported by the rule's own check)
+            out.append(
+                Problem(
+                    "parts",
+                    _where(i, rule),
+                    name,
+                    f"the rule states parts {rule.parts}, but the model cuts its "
+                    f"{sum(pieces)} output features into the pieces {[*pieces]}.",
+                    f"set parts: {[*pieces]} in the rule, or infer the plan again for this "
+                    "model (`tpplan infer`).",
+                )
+            )
         if rule.head_dim is None:
             continue
-        seen = _model_head_dim(trace, _traced(trace, name), closer=_closes_region(rule))
+        seen = _model_head_dim(trace, t, closer=_closes_region(rule))
         if seen is None or seen[0] == rule.head_dim:
             continue
         head_dim, view = seen
