@@ -2,9 +2,9 @@
 own hand-written plan applied by transformers' own code, a counter of collectives, and the
 table, plot and provenance helpers.
 
-Used by infer_time.py, memory_tp.py, collectives.py, forward_gloo.py and gpu_overhead.py.
-Nothing here downloads anything: models are built from config fields written below, on the
-meta device when they are big.
+Used by infer_time.py, memory_tp.py, collectives.py, forward_gloo.py, gpu_overhead.py and
+checkpoint_memory.py. Nothing here downloads anything: models are built from config fields
+written below, on the meta device when they are big.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Peak memory per rank while loading a checkpoint into a sharded model, against the model's size.
 
-Run: `python benchmarks/checkpoint_memory.py` (CPU, gloo, a few minutes; `--tp 2 4`, `--layers`).
+Run: `python benchmarks/checkpoint_memory.py` (CPU, gloo, a few minutes; `--tp 2 4`, `--layers`;
+`--render` re-prints benchmarks/results/checkpoint_memory.json without running anything).
 
 It builds a Llama from a small config (about 320 MB in fp32, random weights), saves it with
 save_pretrained into a temporary folder, and then, under torchrun at each tp size, loads it
@@ -17,7 +18,8 @@ load and reads VmHWM after it: the increase is what loading cost that rank, incl
 shards it ends up holding. Pages of the checkpoint that a rank maps while reading count too,
 as they should: they are resident. The target is at most 1/tp of the model plus 10%. After
 measuring, rank 0 saves its logits on fixed tokens; they are compared with the unsharded
-model's. The same file is the worker (`--worker`), started by torchrun.
+model's. The same file is the worker (`--worker`), started by torchrun. The rows go to
+benchmarks/results/checkpoint_memory.json with the revision they were made at.
 """
 
 from __future__ import annotations
@@ -31,9 +33,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common
+
 SEQ = 16
+METHODS = ("tpplan-safetensors", "tpplan-dcp", "transformers-auto")
+LABELS = {
+    "tpplan-safetensors": "tpplan, safetensors",
+    "tpplan-dcp": "tpplan, DCP (saved at tp 2)",
+    "transformers-auto": 'transformers `tp_plan="auto"`',
+}
+MIB = 2**20
 
 
 def _status(field: str) -> int:
@@ -164,91 +177,105 @@ def _torchrun(nproc: int, method: str, folder: Path) -> tuple[list[dict], str]:
     return results, tail
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--worker", nargs=2, metavar=("METHOD", "FOLDER"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker[0], Path(args.worker[1]), Path(args.worker[1]))
-        return
-
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import LlamaForCausalLM
 
     import tpplan
 
     folder = Path(tempfile.mkdtemp(prefix="tpplan-ckpt-bench-"))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(_config(args.layers)).eval()
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    model.save_pretrained(folder / "safetensors")
-    with torch.no_grad():
-        want = model(_tokens()).logits
-    for tp in sorted(set(args.tp) | {2}):
-        with torch.device("meta"):
-            meta = LlamaForCausalLM(_config(args.layers))
-        tpplan.infer_plan(meta, tp_size=tp).save(folder / f"plan-tp{tp}.yaml")
-    del model
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(_config(args.layers)).eval()
+        size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        model.save_pretrained(folder / "safetensors")
+        with torch.no_grad():
+            want = model(_tokens()).logits
+        for tp in sorted(set(args.tp) | {2}):
+            with torch.device("meta"):
+                meta = LlamaForCausalLM(_config(args.layers))
+            tpplan.infer_plan(meta, tp_size=tp).save(folder / f"plan-tp{tp}.yaml")
+        del model
+        print(f"model: Llama, {args.layers} layers, {size / MIB:.0f} MiB in fp32", file=sys.stderr)
 
-    print(f"model: Llama, {args.layers} layers, {size / 2**20:.0f} MiB in fp32; folder {folder}")
-    rows: list[dict] = []
-    notes = []
-    # tpplan-safetensors at tp 2 runs first: it also writes the DCP checkpoint the DCP rows load
-    for tp in args.tp if 2 in args.tp else [2, *args.tp]:
-        for method in ("tpplan-safetensors", "tpplan-dcp", "transformers-auto"):
-            results, tail = _torchrun(tp, method, folder)
-            if tp not in args.tp:
-                continue
-            errors = {r["error"] for r in results if r["error"]} | ({tail} if tail else set())
-            logits_file = folder / f"logits-{method}-tp{tp}.pt"
-            if not results or errors or not logits_file.exists():
-                rows.append({"method": method, "tp": tp})
-                notes.append(f"{method} at tp {tp} failed: {'; '.join(sorted(errors)) or tail}")
-                continue
-            row = {
-                k: max(r[k] for r in results) for k in ("peak", "peak_forward", "held", "seconds")
-            }
-            row |= {"method": method, "tp": tp, "exact": all(r["exact"] for r in results)}
-            row["diff"] = (torch.load(logits_file) - want).abs().max().item()
-            rows.append(row)
-    _print_table(rows, size)
-    if not all(r.get("exact", True) for r in rows):
-        print(
-            "*: the peak counter could not be reset; increase over the earlier peak (a lower bound)"
-        )
-    for note in notes:
-        print("note:", note)
-    shutil.rmtree(folder)
+        rows: list[dict[str, Any]] = []
+        # tpplan-safetensors at tp 2 runs first: it also writes the DCP checkpoint the DCP
+        # rows load
+        for tp in args.tp if 2 in args.tp else [2, *args.tp]:
+            for method in METHODS:
+                results, tail = _torchrun(tp, method, folder)
+                if tp not in args.tp:
+                    continue
+                errors = {r["error"] for r in results if r["error"]} | ({tail} if tail else set())
+                logits_file = folder / f"logits-{method}-tp{tp}.pt"
+                if not results or errors or not logits_file.exists():
+                    error = "; ".join(sorted(errors)) or tail or "no result"
+                    rows.append({"method": method, "tp": tp, "error": error})
+                else:
+                    keys = ("peak", "peak_forward", "held", "seconds")
+                    row = {k: max(r[k] for r in results) for k in keys}
+                    row |= {"method": method, "tp": tp, "exact": all(r["exact"] for r in results)}
+                    row["diff"] = (torch.load(logits_file) - want).abs().max().item()
+                    rows.append(row)
+                print(f"{method} tp {tp}: {'failed' if 'error' in rows[-1] else 'done'}",
+                      file=sys.stderr)  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"meta": _common.versions(), "layers": args.layers, "size": size, "rows": rows}
 
 
-def _print_table(rows: list[dict], size: int) -> None:
-    mib = 2**20
-    cols = (
-        f"{'method':<19} {'tp':>2} {'model/tp':>8} {'params':>7} {'load peak':>10} "
-        f"{'÷ model/tp':>10} {'≤ 1.1':>5} {'+1st fwd':>9} {'load s':>6} {'logits Δ':>8}"
-    )
-    print(cols)
-    print("-" * len(cols))
-    for r in rows:
+def render(results: dict[str, Any]) -> str:
+    size = results["size"]
+    table = []
+    for r in results["rows"]:
         share = size / r["tp"]
-        if "peak" not in r:
-            print(f"{r['method']:<19} {r['tp']:>2} {share / mib:>8.0f}  failed (see note)")
+        head = [LABELS[r["method"]], r["tp"], f"{share / MIB:.0f}"]
+        if "error" in r:
+            table.append([*head, f"failed: {r['error']}", "", "", "", "", "", ""])
             continue
         mark = "" if r["exact"] else "*"
-        ok = "yes" if r["peak"] <= 1.1 * share else "NO"
-        print(
-            f"{r['method']:<19} {r['tp']:>2} {share / mib:>8.0f} {r['held'] / mib:>7.0f} "
-            f"{r['peak'] / mib:>9.0f}{mark:1} {r['peak'] / share:>10.2f} {ok:>5} "
-            f"{r['peak_forward'] / mib:>9.0f} {r['seconds']:>6.1f} {r['diff']:>8.1e}"
+        table.append(
+            [
+                *head,
+                f"{r['held'] / MIB:.0f}",
+                f"{r['peak'] / MIB:.0f}{mark}",
+                f"{r['peak'] / share:.2f}",
+                "yes" if r["peak"] <= 1.1 * share else "NO",
+                f"{r['peak_forward'] / MIB:.0f}",
+                f"{r['seconds']:.1f}",
+                f"{r['diff']:.1e}",
+            ]
         )
-    print(
-        "MiB per rank. params: the local shards a rank holds. load peak: the largest rise of "
-        "VmHWM over the load on any rank, those shards included. +1st fwd: the same through one "
-        "forward pass after it (weights left as views of the mapped file are paid for here). "
-        "logits Δ: largest difference from the unsharded model."
-    )
+    headers = ["method", "tp", "model/tp", "params", "load peak", "÷ model/tp", "≤ 1.1"]
+    headers += ["+1st fwd", "load s", "logits Δ"]
+    out = [
+        f"Llama, {results['layers']} layers, {size / MIB:.0f} MiB in fp32; MiB per rank, the "
+        "worst rank. " + _common.provenance_line(results["meta"]),
+        "",
+        _common.markdown(headers, table),
+    ]
+    if not all(r.get("exact", True) for r in results["rows"]):
+        out += ["", "*: the peak counter could not be reset; increase over the earlier peak "
+                "(a lower bound)."]  # fmt: skip
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--render", action="store_true", help="re-print the saved results")
+    parser.add_argument("--worker", nargs=2, metavar=("METHOD", "FOLDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], Path(args.worker[1]), Path(args.worker[1]))
+        return
+    if args.render:
+        results = _common.load("checkpoint_memory")
+    else:
+        results = measure(args)
+        _common.save("checkpoint_memory", results)
+    print(render(results))
 
 
 if __name__ == "__main__":

@@ -225,7 +225,8 @@ def _plot(results: dict[str, Any]) -> None:
     _common.save_plot(fig, "forward_gloo")
 
 
-def main() -> None:
+def command_line() -> argparse.ArgumentParser:
+    """The command line; a test reads benchmarks/README.md's command back through it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--batch", type=int, default=1)
@@ -235,7 +236,11 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="re-print the saved results")
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = command_line().parse_args()
     if args.worker:
         worker(Path(args.worker), args.batch, args.seq, args.warmup, args.iters)
         return

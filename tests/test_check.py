@@ -233,16 +233,34 @@ def test_a_head_dim_smaller_than_the_models_heads_is_caught_by_the_trace() -> No
         model = LlamaForCausalLM(cfg)
     plan = infer_plan(model)
     wrong = Plan.from_yaml(plan.to_yaml().replace("head_dim: 8", "head_dim: 4"))
-    assert check_plan(wrong, model, tp_size=2) == []  # 2 divides every count: sound
+    # 2 divides every count: only the wrong head_dim itself is a problem at tp 2
+    assert {p.kind for p in check_plan(wrong, model, tp_size=2)} == {"head_dim"}
     problems = [p for p in check_plan(wrong, model, tp_size=4) if p.module.endswith("k_proj")]
-    assert [p.kind for p in problems] == ["divisibility"]
+    assert [p.kind for p in problems] == ["divisibility", "head_dim"]
     assert problems[0].message == (
-        "the model views its 16 output features as 2 heads of 8: tp size 4 would cut them "
-        "(the rule's head_dim is 4)."
+        "the model views its 16 output features as 2 heads of 8: tp size 4 would cut them."
     )
-    assert problems[0].fix == (
-        "use a tp size among 1, 2, or keep this module replicated; its head_dim is 8."
+    assert problems[0].fix == "use a tp size among 1, 2, or keep this module replicated."
+
+
+def test_a_head_dim_other_than_the_models_names_both() -> None:
+    """The shipped llama plan states head_dim 128; a Llama whose heads are 64 wide passes the
+    rule's own check at tp 2 (2048 features are 16 whole "heads" of 128, and 16 divides by
+    2), so only the trace can tell that the plan was written for other heads."""
+    from tpplan._models import build_model
+
+    model = build_model("llama", overrides={"head_dim": 64, "num_hidden_layers": 2})
+    problems = check_plan(load_plan("llama"), model, tp_size=2)
+    assert {p.kind for p in problems} == {"head_dim"}
+    q = next(p for p in problems if p.module == "model.layers.*.self_attn.q_proj")
+    assert str(q) == (
+        "rules[1] (match: model.layers.*.self_attn.q_proj), module "
+        "model.layers.*.self_attn.q_proj: the rule states head_dim 128, but the model's "
+        "head_dim is 64 (it views its 2048 output features as 32 heads of 64). Fix: set "
+        "head_dim: 64 in the rule, or infer the plan again for this model (`tpplan infer`)."
     )
+    o = next(p for p in problems if p.module == "model.layers.*.self_attn.o_proj")
+    assert "(its 2048 input features arrive as 32 heads of 64)" in o.message
 
 
 class _Wrapped(nn.Module):
@@ -278,3 +296,22 @@ def test_the_structural_check_looks_past_wrappers() -> None:
     half = plan.model_copy(update={"rules": plan.rules[:1]})
     p = _only(check_plan(half, model, tp_size=2), "unclosed_region")
     assert "no rowwise module under mlp takes it back" in p.message
+
+
+def test_fused_parts_other_than_the_models_name_both() -> None:
+    """Parts that add up to the width pass the rule's own check however they cut it; GPT-2's
+    c_attn cut as 512 | 1024 | 768 would hand each rank the wrong slices of q, k and v (its
+    forward differs from the unsharded one by ~1.6 at tp 2)."""
+    from tpplan._models import build_model
+
+    model = build_model("gpt2", overrides={"n_layer": 2})
+    wrong = Plan.from_yaml(
+        load_plan("gpt2").to_yaml().replace("parts: [768, 768, 768]", "parts: [512, 1024, 768]")
+    )
+    p = _only(check_plan(wrong, model, tp_size=2), "parts")
+    assert str(p) == (
+        "rules[2] (match: transformer.h.*.attn.c_attn), module transformer.h.*.attn.c_attn: "
+        "the rule states parts [512, 1024, 768], but the model cuts its 2304 output features "
+        "into the pieces [768, 768, 768]. Fix: set parts: [768, 768, 768] in the rule, or "
+        "infer the plan again for this model (`tpplan infer`)."
+    )

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,3 +81,91 @@ def test_the_benchmark_scripts_nox_runs_are_the_ones_named() -> None:
 def _count(n: int) -> str:
     words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     return words[n] if n < len(words) else str(n)
+
+
+BENCHMARKS_README = (ROOT / "benchmarks" / "README.md").read_text()
+
+
+# Every script with `--render`, and how to make it print without redrawing its plot.
+# infer_bar.py is left out while its tracer bar is being rerun.
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("checkpoint_memory", []),
+        ("collectives", ["--no-plot"]),
+        ("forward_gloo", ["--no-plot"]),
+        ("infer_time", ["--no-plot"]),
+        ("memory_tp", ["--no-plot"]),
+        ("moe_bar", []),
+    ],
+)
+def test_a_benchmark_table_is_the_saved_results(script: str, argv: list[str]) -> None:
+    """benchmarks/README.md shows the table `SCRIPT --render` prints from
+    benchmarks/results/SCRIPT.json: a rerun whose table was not pasted, or a table edited by
+    hand, fails here. (`--render` imports neither torch nor transformers.)"""
+    run = subprocess.run(
+        [sys.executable, f"benchmarks/{script}.py", "--render", *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    table = run.stdout.strip()
+    assert "\n|---|" in table
+    assert table in BENCHMARKS_README
+
+
+def test_the_forward_gloo_command_shown_is_the_one_that_made_its_table() -> None:
+    """The settings benchmarks/results/forward_gloo.json records (rounds, warm-up, tokens,
+    models) are what the command benchmarks/README.md shows parses to."""
+    shown = re.search(r"Command: `python benchmarks/forward_gloo.py([^`]*)`", BENCHMARKS_README)
+    assert shown, "benchmarks/README.md shows no forward_gloo.py command"
+    parse = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import forward_gloo; "
+        "print(json.dumps(vars(forward_gloo.command_line().parse_args(sys.argv[1:]))))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", parse, *shown.group(1).split()],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    args = json.loads(run.stdout)
+    saved = json.loads((ROOT / "benchmarks" / "results" / "forward_gloo.json").read_text())
+    keys = ("batch", "seq", "warmup", "iters")
+    assert {k: args[k] for k in keys} == {k: saved[k] for k in keys}
+    assert args["models"] == [r["model"] for r in saved["rows"]]
+
+
+def _tour_commands() -> list[str]:
+    """The shell commands of the README's five-minute tour, in order: every line of its
+    ```bash blocks (step 5 is Python for the reader's own script)."""
+    tour = README.split("\n## A five-minute tour\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```bash\n(.*?)^```", tour, flags=re.M | re.S)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+# Three processes that each import torch and transformers, the last verifying a 2-layer
+# GPT-2 forward and backward over 4 simulated ranks: ~25 s on 2 cores.
+@pytest.mark.slow
+def test_the_tour_runs_as_written(tmp_path: Path) -> None:
+    """The tour's commands, exactly as the README writes them, one after another in an empty
+    folder with the `tpplan` console script on PATH: each exits 0, check finds the plan sound
+    and verify finds the sharded model equal to the unsharded one."""
+    commands = _tour_commands()
+    tpplan = {c.split()[1]: c for c in commands if c.startswith("tpplan ")}
+    assert list(tpplan) == ["infer", "check", "verify"], commands
+    # run what a reader would type: tpplan and the one-line plan edit, never an installer
+    assert all(c.split()[0] in ("tpplan", "sed") for c in commands), commands
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out = {}
+    for command in commands:
+        run = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
+        out[command] = run.stdout
+    tp = {name: c.split("--tp ", 1)[1].split()[0] for name, c in tpplan.items()}
+    assert f"sound at tp {tp['check']}" in out[tpplan["check"]]
+    last = out[tpplan["verify"]].splitlines()[-1]
+    assert last.startswith(f"tp {tp['verify']}: the sharded model matches the unsharded one")

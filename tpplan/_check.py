@@ -391,7 +391,8 @@ def _check_regions(
     plan: Plan, matched: dict[int, list[str]], model: nn.Module, tp: int, flagged: set[str]
 ) -> list[Problem]:
     """A column-parallel output must reach row-parallel layers only (and the reverse), and
-    split into whole heads as the model itself views them.
+    split into whole heads as the model itself views them; the heads and fused pieces a
+    rule states must be the model's.
 
     The model is traced (tpplan/_trace.py) to see where each layer's output goes; a model
     that cannot be traced (its inputs cannot be guessed) gets the structural check instead.
@@ -403,7 +404,9 @@ def _check_regions(
     tables = [
         (i, n) for i, r in enumerate(plan.rules) if r.style == "vocab_parallel" for n in matched[i]
     ]
-    if not openers and not closers and not tables:
+    # a colwise layer gathered right after is no opener, but its parts must still be right
+    widths = [(i, n) for i, r in enumerate(plan.rules) if r.head_dim or r.parts for n in matched[i]]
+    if not openers and not closers and not tables and not widths:
         return []
     try:
         trace = trace_model(model)
@@ -412,8 +415,86 @@ def _check_regions(
     return (
         _check_regions_by_flow(plan, openers, closers, trace)
         + _check_heads(plan, openers, trace, tp, flagged)
+        + _check_widths(plan, widths, trace)
         + _check_lookups(plan, tables, trace)
     )
+
+
+def _model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | None:
+    """(head size, how the model's views show it) of a traced opener or closer, read as
+    infer reads it when it writes a rule's head_dim; None where the flow shows no heads."""
+    if closer:
+        s = trace.closers.get(t)
+        if s is None or s.inner <= 1:
+            return None
+        return s.inner, f"its {s.n * s.inner} input features arrive as {s.n} heads of {s.inner}"
+    if t not in trace.openers:
+        return None
+    features, parts = trace.openers[t], trace.parts.get(t)
+    if parts is not None:
+        # fused pieces are cut apart before any view: their head size shows where they meet
+        # again, at the closers' input, merged from (heads, head_dim)
+        links = [g for g in trace.links if t in g]
+        inners = {trace.closers[c].inner for g in links for c in g if c in trace.closers}
+        if len(inners) != 1 or (inner := inners.pop()) <= 1 or any(p % inner for p in parts):
+            return None
+        pieces = " | ".join(map(str, parts))
+        return (
+            inner,
+            f"its {features} output features are fused pieces ({pieces}), each made of heads "
+            f"of {inner}",
+        )
+    heads = trace.heads.get(t)
+    if not heads or features % heads:
+        return None
+    return (
+        features // heads,
+        f"it views its {features} output features as {heads} heads of {features // heads}",
+    )
+
+
+def _check_widths(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> list[Problem]:
+    """A rule's head_dim and fused parts must be the model's own, as its forward cuts the
+    features. The rule's own checks only ask that the width be whole heads of the stated size
+    and that the parts add up to it; but 32 heads of 64 are also 16 whole heads of 128, and
+    768 | 768 | 768 add up like 512 | 1024 | 768: a plan written for another model would
+    pass them. Wrong parts give each rank the wrong slices (wrong numbers); a wrong head_dim
+    checks tp sizes against heads the model does not have."""
+    out: list[Problem] = []
+    for i, name in modules:
+        rule, t = plan.rules[i], _traced(trace, name)
+        pieces = trace.parts.get(t)
+        if rule.parts and pieces and sum(rule.parts) == sum(pieces) and rule.parts != [*pieces]:
+            # (parts that do not add up to the width are reported by the rule's own check)
+            out.append(
+                Problem(
+                    "parts",
+                    _where(i, rule),
+                    name,
+                    f"the rule states parts {rule.parts}, but the model cuts its "
+                    f"{sum(pieces)} output features into the pieces {[*pieces]}.",
+                    f"set parts: {[*pieces]} in the rule, or infer the plan again for this "
+                    "model (`tpplan infer`).",
+                )
+            )
+        if rule.head_dim is None:
+            continue
+        seen = _model_head_dim(trace, t, closer=_closes_region(rule))
+        if seen is None or seen[0] == rule.head_dim:
+            continue
+        head_dim, view = seen
+        out.append(
+            Problem(
+                "head_dim",
+                _where(i, rule),
+                name,
+                f"the rule states head_dim {rule.head_dim}, but the model's head_dim is "
+                f"{head_dim} ({view}).",
+                f"set head_dim: {head_dim} in the rule, or infer the plan again for this model "
+                "(`tpplan infer`).",
+            )
+        )
+    return out
 
 
 def _check_lookups(plan: Plan, tables: list[tuple[int, str]], trace: Trace) -> list[Problem]:
@@ -468,17 +549,15 @@ def _check_heads(
         what = f"{heads} heads of {size}" if size else f"{features} features"
         if heads != units:
             what += f", which must stay together in {units} groups"
-        stated = plan.rules[i].head_dim
+        # a head_dim that disagrees with the model's is a problem of its own (_check_head_dims)
         out.append(
             Problem(
                 "divisibility",
                 _where(i, plan.rules[i]),
                 name,
                 f"the model views its {features} output features as {what}: tp size {tp} "
-                "would cut them"
-                + (f" (the rule's head_dim is {stated})." if stated and stated != size else "."),
-                f"use a tp size among {_legal_sizes(units)}, or keep this module replicated"
-                + (f"; its head_dim is {size}." if size and stated not in (None, size) else "."),
+                "would cut them.",
+                f"use a tp size among {_legal_sizes(units)}, or keep this module replicated.",
             )
         )
     return out

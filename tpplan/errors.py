@@ -48,6 +48,7 @@ ProblemKind = Literal[
     "overlap",
     "module_type",
     "divisibility",
+    "head_dim",
     "unclosed_region",
     "unopened_region",
     "attribute",
