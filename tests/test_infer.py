@@ -1030,6 +1030,25 @@ def test_a_packed_patch_tower_and_its_projector_are_traced_on_their_own() -> Non
     assert_block_parity(model, plan, 2, x)
 
 
+def test_check_traces_a_part_the_forward_does_not_call_on_its_own() -> None:
+    """A hand edit inside the tower (its closing layer made whole) is found by data flow,
+    as in the parts the forward does call."""
+    model = _TextAndPackedTower()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    assert tpplan.check_plan(plan, model, tp_size=2) == []
+    rules = [
+        tpplan.Rule(match=r.match, style="replicate", why="edited")
+        if r.match == "tower.proj"
+        else r
+        for r in plan.rules
+    ]
+    broken = Plan.model_validate({**plan.model_dump(exclude_none=True), "rules": rules})
+    problems = tpplan.check_plan(broken, model, tp_size=2)
+    assert {p.kind for p in problems} == {"unclosed_region"}
+    assert all((p.module or "").startswith("tower.qkv") for p in problems)
+    assert "tower.proj, which the plan does not make rowwise" in problems[0].message
+
+
 class _ClassToken(nn.Module):
     """A 1-D class embedding expanded to (batch, 1, width) with the width read off the
     projection's split output, then put in front of the patches (Llama 4's vision tower)."""

@@ -7,7 +7,7 @@ Start at `check_plan`; each `_check_*` function adds one kind of Problem.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 
@@ -392,32 +392,98 @@ def _check_regions(
 ) -> list[Problem]:
     """A column-parallel output must reach row-parallel layers only (and the reverse), and
     split into whole heads as the model itself views them; the heads and fused pieces a
-    rule states must be the model's.
+    rule states must be the model's; a vocab-parallel table must sum where its rows are.
 
     The model is traced (tpplan/_trace.py) to see where each layer's output goes; a model
     that cannot be traced (its inputs cannot be guessed) gets the structural check instead.
+    Parts its forward does not call are traced on their own, as infer_plan splits them.
     """
-    from ._trace import trace_model
+    from ._trace import idle_roots, trace_model
 
-    openers = [(i, n) for i, r in enumerate(plan.rules) if _opens_region(r) for n in matched[i]]
-    closers = [(i, n) for i, r in enumerate(plan.rules) if _closes_region(r) for n in matched[i]]
-    tables = [
-        (i, n) for i, r in enumerate(plan.rules) if r.style == "vocab_parallel" for n in matched[i]
-    ]
-    # a colwise layer gathered right after is no opener, but its parts must still be right
-    widths = [(i, n) for i, r in enumerate(plan.rules) if r.head_dim or r.parts for n in matched[i]]
-    if not openers and not closers and not tables and not widths:
+    def having(keep: Any) -> list[tuple[int, str]]:
+        return [(i, n) for i, r in enumerate(plan.rules) if keep(r) for n in matched[i]]
+
+    checked = _Checked(
+        openers=having(_opens_region),
+        closers=having(_closes_region),
+        tables=having(lambda r: r.style == "vocab_parallel"),
+        # a colwise layer gathered right after is no opener, but its parts must still be right
+        widths=having(lambda r: r.head_dim or r.parts),
+    )
+    if not any(checked):
         return []
     try:
         trace = trace_model(model)
     except TpplanError:
-        return _check_regions_by_structure(plan, openers, closers, model)
+        return _check_regions_by_structure(plan, checked.openers, checked.closers, model)
+    out = _check_traced(plan, checked, trace, tp, flagged)
+    names = (name for pairs in checked for _, name in pairs)
+    for root in idle_roots(names, trace.ran, lambda n: _traced(trace, n)):
+        out += _check_part(plan, checked, model, root, tp, flagged)
+    return out
+
+
+class _Checked(NamedTuple):
+    """The (rule index, module name) pairs each trace-based check looks at."""
+
+    openers: list[tuple[int, str]]
+    closers: list[tuple[int, str]]
+    tables: list[tuple[int, str]]
+    widths: list[tuple[int, str]]
+
+
+def _check_traced(
+    plan: Plan, checked: _Checked, trace: Trace, tp: int, flagged: set[str]
+) -> list[Problem]:
     return (
-        _check_regions_by_flow(plan, openers, closers, trace)
-        + _check_heads(plan, openers, trace, tp, flagged)
-        + _check_widths(plan, widths, trace)
-        + _check_lookups(plan, tables, trace)
+        _check_regions_by_flow(plan, checked.openers, checked.closers, trace)
+        + _check_heads(plan, checked.openers, trace, tp, flagged)
+        + _check_widths(plan, checked.widths, trace)
+        + _check_lookups(plan, checked.tables, trace)
     )
+
+
+def _check_part(
+    plan: Plan, checked: _Checked, model: nn.Module, root: str, tp: int, flagged: set[str]
+) -> list[Problem]:
+    """The checks on a trace of one part alone, on the inputs infer_plan traces it on; a
+    part that cannot run alone is tried child by child, as infer_plan does. What nothing can
+    run stays unchecked by flow (infer_plan keeps it whole)."""
+    from ._inputs import example_inputs, part_inputs
+    from ._trace import trace_model
+
+    part = model.get_submodule(root)
+    try:
+        guess = part_inputs(part)
+        inputs = guess if guess is not None else example_inputs(part, batch=2, seq=16)
+        trace = trace_model(_placed(part, root), example_inputs=inputs)
+    except TpplanError:
+        out: list[Problem] = []
+        for child, _ in part.named_children():
+            below = f"{root}.{child}"
+            if any(n == below or n.startswith(below + ".") for pairs in checked for _, n in pairs):
+                out += _check_part(plan, checked, model, below, tp, flagged)
+        return out
+    return _check_traced(plan, checked, trace, tp, flagged)
+
+
+def _placed(part: nn.Module, root: str) -> nn.Module:
+    """A module holding only `part`, at the same dotted path as in the model, whose forward
+    is the part's: traced, the part's layers keep the names the plan's rules match (and
+    layers outside it do not run, so the checks pass them by)."""
+
+    class Placed(nn.Module):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return self.get_submodule(root)(*args, **kwargs)
+
+    shell = Placed()
+    here: nn.Module = shell
+    *path, last = root.split(".")
+    for name in path:
+        here.add_module(name, nn.Module())
+        here = here.get_submodule(name)
+    here.add_module(last, part)
+    return shell
 
 
 def _model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | None:

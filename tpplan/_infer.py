@@ -26,9 +26,9 @@ from torch import nn
 
 from ._check import tied_groups, weight_split
 from ._fingerprint import fingerprint, parameter_shapes
-from ._inputs import InputsError, features_input
+from ._inputs import part_inputs
 from ._patterns import collapse, wildcard
-from ._trace import Trace, _structure, trace_model
+from ._trace import Trace, _structure, idle_roots, trace_model
 from .errors import TpplanError
 from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
 
@@ -259,17 +259,7 @@ def _uncalled_roots(model: nn.Module, decisions: dict[str, _Decision], ran: set[
     did (a multimodal model's vision tower, given text only): the model's own forward says
     nothing of them."""
     uncalled = {n for n, d in decisions.items() if d.why == _NOT_CALLED}
-    busy = {""} | ran  # modules that ran, or hold a layer that ran
-    for n in decisions.keys() - uncalled:
-        parts = n.split(".")
-        busy.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
-    roots = set()
-    for n in uncalled:
-        parts = n.split(".")
-        k = next((k for k in range(1, len(parts) + 1) if ".".join(parts[:k]) not in busy), 0)
-        if k:
-            roots.add(".".join(parts[:k]))
-    return sorted(roots)
+    return idle_roots(uncalled, ran | (decisions.keys() - uncalled))
 
 
 def _trace_uncalled(
@@ -300,7 +290,8 @@ def _trace_uncalled(
         if _tied_outside(shared, root):
             return "it shares a parameter with the rest of the model, so it is not split alone"
         try:
-            mine, attrs = _infer_part(part, tp, experts, gather_tp)
+            guess = part_inputs(part)
+            mine, attrs = _infer_decisions(part, guess, tp, False, False, experts, gather_tp)
         except TpplanError as e:
             # the error's first clause, less its advice to pass inputs, which the caller
             # of infer_plan cannot do for a part
@@ -324,22 +315,6 @@ def _trace_uncalled(
         for name in under(root):
             if why is not None and decisions[name].why == _NOT_CALLED:
                 decisions[name] = replace(decisions[name], why=f"{_NOT_CALLED}; {why}")
-
-
-def _infer_part(part: nn.Module, tp: int, experts: str, gather_tp: int) -> Any:
-    """`_infer_decisions` for a part, on inputs its forward signature says how to make up;
-    for a forward of one tensor (a projector), on features as wide as its first layer takes.
-    When that guess does not run either, the reason is still that no inputs could be made."""
-    try:
-        return _infer_decisions(part, None, tp, False, False, experts, gather_tp)
-    except InputsError as no_inputs:
-        guess = features_input(part)
-        if guess is None:
-            raise
-        try:
-            return _infer_decisions(part, guess, tp, False, False, experts, gather_tp)
-        except TpplanError:
-            raise no_inputs from None
 
 
 def _bent_lookup(op: str) -> str:

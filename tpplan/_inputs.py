@@ -16,7 +16,7 @@ from torch import nn
 
 from .errors import TpplanError
 
-__all__ = ["InputsError", "example_inputs", "features_input"]
+__all__ = ["InputsError", "example_inputs", "features_input", "part_inputs"]
 
 
 class InputsError(TpplanError, ValueError):
@@ -128,3 +128,15 @@ def features_input(model: nn.Module, *, batch: int = 2, seq: int = 16) -> torch.
     if len(needed) != 1 or width is None:
         return None
     return torch.randn(batch, seq, width, generator=torch.Generator().manual_seed(0))
+
+
+def part_inputs(part: nn.Module) -> torch.Tensor | None:
+    """What to trace a part of a model on when the model's forward did not call it: None
+    where its forward signature says what to make up (the tracer makes it), else features for
+    a forward of one tensor (None again when there is no such guess: the trace then says
+    that no inputs could be made)."""
+    try:
+        example_inputs(part)
+    except InputsError:
+        return features_input(part)
+    return None

@@ -24,7 +24,7 @@ import copy
 import inspect
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -1893,6 +1893,26 @@ def _example_inputs(
     if "use_cache" in params:
         kwargs["use_cache"] = False  # no cache to fill: its writes are not part of the math
     return (), kwargs
+
+
+def idle_roots(
+    names: Iterable[str], ran: Iterable[str], traced: Callable[[str], str] = str
+) -> list[str]:
+    """The largest parts that hold one of `names` and nothing in `ran` (the modules that ran,
+    named as `traced` maps a name: an untraced repeat to the block traced in its place). A
+    container such as a ModuleList never runs itself, but holds what did."""
+    busy = {""}
+    for name in ran:
+        parts = name.split(".")
+        busy.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    roots = set()
+    for name in names:
+        parts = name.split(".")
+        prefixes = (".".join(parts[:k]) for k in range(1, len(parts) + 1))
+        root = next((p for p in prefixes if traced(p) not in busy), None)
+        if root is not None:
+            roots.add(root)
+    return sorted(roots)
 
 
 def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool = True) -> Trace:
