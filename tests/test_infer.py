@@ -1049,6 +1049,29 @@ def test_check_traces_a_part_the_forward_does_not_call_on_its_own() -> None:
     assert "tower.proj, which the plan does not make rowwise" in problems[0].message
 
 
+class _WeightOnly(nn.Module):
+    """A layer never called, whose weight the forward multiplies by directly (Jamba's
+    dt_proj)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 48)
+        self.fc2 = nn.Linear(48, 32)
+        self.direct = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x))) + x @ self.direct.weight.t()
+
+
+def test_a_layer_whose_weight_the_forward_uses_directly_is_not_split_alone() -> None:
+    model = _WeightOnly()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, example_inputs=x, tp_size=2)
+    assert "direct" not in styles(plan, model)
+    assert "uses its parameters directly" in rule_for(plan, model, "direct").why
+    assert_block_parity(model, plan, 2, x)  # (its bias gets no gradient on either side)
+
+
 class _ClassToken(nn.Module):
     """A 1-D class embedding expanded to (batch, 1, width) with the width read off the
     projection's split output, then put in front of the patches (Llama 4's vision tower)."""

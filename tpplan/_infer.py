@@ -191,7 +191,8 @@ def _infer_decisions(
         ran |= {block + n[len(twin) :] for n in trace.ran if n.startswith(twin + ".")}
     shared = _shared_params(model)
     _copy_from_twins(model, decisions, attributes, trace, ran, shared)
-    _trace_uncalled(model, decisions, attributes, ran, shared, tp, experts, gather_tp)
+    used = trace.params_outside | set(trace.params_in_region)
+    _trace_uncalled(model, decisions, attributes, ran, shared, used, tp, experts, gather_tp)
     return decisions, attributes
 
 
@@ -268,6 +269,7 @@ def _trace_uncalled(
     attributes: dict[str, tuple[tuple[str, ...], str]],
     ran: set[str],
     shared: dict[str, list[str]],
+    used: set[str],
     tp: int,
     experts: str,
     gather_tp: int,
@@ -278,7 +280,8 @@ def _trace_uncalled(
     splits inside closes inside, so the rest of the model receives whole tensors. A part
     that cannot run alone is tried child by child (an image embedding that needs image
     sizes may hold a tower that needs pixels only). A part that shares a parameter with
-    the rest, or that nothing in it can run alone, stays whole with the reason."""
+    the rest, whose parameters the forward uses directly, or that nothing in it can run
+    alone, stays whole with the reason."""
 
     def under(root: str) -> list[str]:
         return [n for n in decisions if _inside(n, root)]
@@ -289,6 +292,9 @@ def _trace_uncalled(
         prefix = root + "."
         if _tied_outside(shared, root):
             return "it shares a parameter with the rest of the model, so it is not split alone"
+        if any(_inside(p, root) for p in used):
+            # (Jamba's dt_proj: the mixer multiplies by its weight without calling it)
+            return "the model's forward uses its parameters directly, so it is not split alone"
         try:
             guess = part_inputs(part)
             mine, attrs = _infer_decisions(part, guess, tp, False, False, experts, gather_tp)
