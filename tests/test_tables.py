@@ -13,6 +13,8 @@ from test_infer import rule_for, styles
 from torch import nn
 
 import tpplan
+from tpplan._checkpoint import full_state_dict
+from tpplan._local import simulated_ranks
 from tpplan.plan import Plan
 
 SPECIAL = 3  # the token whose rows the table overwrites
@@ -72,13 +74,22 @@ def test_a_table_split_by_rows_keeps_its_name_and_parameters() -> None:
     torch.manual_seed(0)
     model = _Model(special=True)
     plan = tpplan.infer_plan(model, tp_size=2)
-    from tpplan._local import simulated_ranks
-
     with simulated_ranks(2) as mesh:
         tpplan.apply_plan(model, mesh, plan)
         assert isinstance(model.embed, _Table) and type(model.embed).__name__ == "_Table"
         assert [n for n, _ in model.embed.named_parameters()] == ["weight", "special"]
         assert model.embed.weight.to_local().shape == (32, 32)  # type: ignore[attr-defined]
+
+
+def test_such_a_table_saves_unsplit() -> None:
+    torch.manual_seed(0)
+    model = _Model(special=True)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = tpplan.infer_plan(model, tp_size=2)
+    with simulated_ranks(2) as mesh:
+        got = full_state_dict(tpplan.apply_plan(model, mesh, plan))
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def test_a_table_that_looks_up_on_its_own_stays_whole() -> None:
