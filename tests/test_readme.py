@@ -87,13 +87,13 @@ BENCHMARKS_README = (ROOT / "benchmarks" / "README.md").read_text()
 
 
 # Every script with `--render`, and how to make it print without redrawing its plot.
-# infer_bar.py is left out while its tracer bar is being rerun.
 @pytest.mark.parametrize(
     ("script", "argv"),
     [
         ("checkpoint_memory", []),
         ("collectives", ["--no-plot"]),
         ("forward_gloo", ["--no-plot"]),
+        ("infer_bar", []),
         ("infer_time", ["--no-plot"]),
         ("memory_tp", ["--no-plot"]),
         ("moe_bar", []),
