@@ -255,7 +255,7 @@ def _copy_from_twins(
                 attributes.setdefault(name + n[len(twin) :], a)
 
 
-def _uncalled_roots(model: nn.Module, decisions: dict[str, _Decision], ran: set[str]) -> list[str]:
+def _uncalled_roots(decisions: dict[str, _Decision], ran: set[str]) -> list[str]:
     """The largest submodules that did not run in the traced forward and hold no layer that
     did (a multimodal model's vision tower, given text only): the model's own forward says
     nothing of them."""
@@ -316,7 +316,7 @@ def _trace_uncalled(
         attributes.update({full(n): a for n, a in attrs.items()})
         return None
 
-    for root in _uncalled_roots(model, decisions, ran):
+    for root in _uncalled_roots(decisions, ran):
         why = attempt(root)
         for name in under(root):
             if why is not None and decisions[name].why == _NOT_CALLED:
