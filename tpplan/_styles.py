@@ -1,11 +1,12 @@
 """Plan rules -> torch ParallelStyle objects, plus what torch lacks.
 
 `plan_to_torch` is what `Plan.to_torch` calls. Every style maps onto torch's own
-(ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput/Output) except three
+(ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput/Output) except the
 cases built here on the same classes:
 - `replicate_grad_sum`: `ReplicateGradSum`;
 - `split_params`: `SplitParams`;
 - `vocab_parallel` with `sum_at: lookup`: `SumAtLookup`;
+- `vocab_parallel` with `written`: `WrittenRows`;
 - fused colwise layers (`parts`): `Colwise` stores each part's rank-r slice next to the
   others', so a rank's output is its own q, k and v (or gate and up) laid end to end;
 - weights stored (in, out) (`transposed`, GPT-2's Conv1D): `Colwise` / `Rowwise` shard the
@@ -22,6 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import (
@@ -58,6 +60,7 @@ __all__ = [
     "Rowwise",
     "SplitParams",
     "SumAtLookup",
+    "WrittenRows",
     "fused_layouts",
     "fused_order",
     "placement",
@@ -319,6 +322,118 @@ class SumAtLookup(ParallelStyle):
         return module
 
 
+class _LocalLookup(nn.Embedding):
+    """nn.Embedding's place in a split table's class order: this rank's partial rows, as a
+    plain tensor. Ids in this rank's share of the vocab get their rows, the others zeros."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        assert isinstance(weight, DTensor)  # WrittenRows split it
+        local = weight.to_local()
+        first = _own_start(self.num_embeddings, weight.device_mesh, input.device)
+        at = input - first
+        mine = (at >= 0) & (at < local.shape[0])
+        rows = F.embedding(torch.where(mine, at, torch.zeros_like(at)), local)
+        rows = rows * mine.unsqueeze(-1).to(rows.dtype)
+        if self.padding_idx is not None:  # its row is looked up but never trained
+            padding = (input == self.padding_idx).unsqueeze(-1)
+            rows = torch.where(padding, rows.detach(), rows)
+        return rows
+
+
+def _own_start(n: int, mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+    """Where this rank's share of `n` entries split by `Shard` starts (a 1-element tensor;
+    each rank's own without a collective, also on simulated ranks)."""
+    step = -(-n // mesh.size())
+    starts = torch.arange(mesh.size(), device=device) * step
+    return distribute_tensor(starts, mesh, [Shard(0)], src_data_rank=None).to_local()
+
+
+def _padded(param: DTensor) -> torch.Tensor:
+    """This rank's share of a parameter split along its last dim, in place within zeros of
+    the whole parameter's shape: summed over the ranks, the whole parameter."""
+    local = param.to_local()
+    start = _own_start(param.shape[-1], param.device_mesh, local.device)
+    at = start + torch.arange(local.shape[-1], device=local.device)
+    return local.new_zeros(param.shape).index_copy(-1, at, local)
+
+
+class WrittenRows(ParallelStyle):
+    """vocab_parallel with `written`: the weight split by rows like torch's RowwiseParallel on
+    an Embedding, and the parameters the module's forward writes over looked-up rows
+    (`written`) split along their last dim. The module's own forward then runs on each
+    rank's partial rows as plain tensors (`_LocalLookup` in nn.Embedding's place, found by
+    its `super().forward(ids)`), with each written parameter seen as its rank's share padded
+    with zeros (put in the module's `__dict__` for the call); one sum of the output, an
+    all-reduce (or a reduce-scatter to `output_layouts`), adds up rows and writes alike.
+    tpplan infers it only where the trace saw every op from the lookup to the output linear
+    in the rows, and the parameters written as they are."""
+
+    def __init__(
+        self,
+        *,
+        written: list[str],
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.written = list(written)
+        self.output_layout = output_layouts or Replicate()
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TpplanError(f"written applies to Embedding modules, not {type(module).__name__}.")
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise TpplanError(
+                "vocab_parallel with written looks each rank's rows up on its own, which "
+                "max_norm, scale_grad_by_freq and sparse gradients do not allow; keep the "
+                "table whole (style: replicate)."
+            )
+        own = dict(module.named_parameters(recurse=False))
+        for name in self.written:
+            p = own.get(name)
+            if p is None or name == "weight" or p.shape[-1:] != (module.embedding_dim,):
+                raise TpplanError(
+                    f"written: '{name}' is not a parameter of {type(module).__name__} as "
+                    f"wide as its rows ({module.embedding_dim}); its parameters are "
+                    f"{', '.join(f'{n} {tuple(q.shape)}' for n, q in own.items())}. Name "
+                    "the ones its forward writes over looked-up rows."
+                )
+        _distribute(module, "weight", device_mesh, 0, None, self.src_data_rank)
+        for name in self.written:
+            _distribute(module, name, device_mesh, own[name].dim() - 1, None, self.src_data_rank)
+        put_in_lookup_place(module, _LocalLookup)
+
+        def before(mod: nn.Module, args: Any) -> None:
+            for name in self.written:
+                p = mod._parameters[name]
+                assert isinstance(p, DTensor)  # made one above
+                mod.__dict__[name] = _padded(p)
+
+        def after(mod: nn.Module, args: Any, out: Any) -> Any:
+            if not isinstance(out, torch.Tensor):
+                raise TpplanError(
+                    f"vocab_parallel with written sums the output of {type(mod).__name__}, "
+                    f"which must be one tensor, not {type(out).__name__}."
+                )
+            partial_rows = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+            rows = partial_rows.redistribute(device_mesh, [self.output_layout])
+            return rows.to_local() if self.use_local_output else rows
+
+        def clean(mod: nn.Module, args: Any, out: Any) -> None:
+            for name in self.written:
+                mod.__dict__.pop(name, None)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+        module.register_forward_hook(clean, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"WrittenRows(written={self.written}, output={self.output_layout})"
+
+
 # ---- mixture-of-experts ---------------------------------------------------------------------
 class SplitParams(ParallelStyle):
     """Parameters of the module itself split along a dim (`shard`), and used in its forward
@@ -538,6 +653,12 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
             return Rowwise(transposed=bool(rule.transposed), **kw)
         if rule.sum_at == "lookup":
             return SumAtLookup()
+        if rule.written is not None:
+            return WrittenRows(
+                written=rule.written,
+                output_layouts=kw.get("output_layouts"),
+                use_local_output=kw.get("use_local_output", True),
+            )
         return ColwiseParallel(**kw) if rule.style == "colwise" else RowwiseParallel(**kw)
     if rule.style == "sequence_parallel":
         _, dim = parse_layout(rule.input or "shard(1)")

@@ -34,15 +34,16 @@ __all__ = [
     "plan_json_schema",
 ]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {
     2: ("parts", "transposed"),
     3: ("mode", "shard", "fused", "after_sum"),
     5: ("added_whole",),
     6: ("sum_at",),
+    7: ("written",),
 }
 _ADDED_STYLES = {3: ("experts",), 4: ("split_params",)}
 _ADDED_MODEL_FIELDS = {4: ("command",)}
@@ -64,7 +65,7 @@ STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 _STYLE_FIELDS: dict[str, frozenset[str]] = {
     "colwise": frozenset({"input", "output", "local_output", "head_dim", "parts", "transposed"}),
     "rowwise": frozenset({"input", "output", "local_output", "head_dim", "transposed"}),
-    "vocab_parallel": frozenset({"input", "output", "local_output", "sum_at"}),
+    "vocab_parallel": frozenset({"input", "output", "local_output", "sum_at", "written"}),
     "sequence_parallel": frozenset({"input", "local_output"}),
     "prepare": frozenset(
         {
@@ -216,6 +217,13 @@ class Rule(_Strict):
     back, inside the forward of an Embedding subclass that goes on to do with the rows what
     is not linear in them (a norm, rows overwritten), so the rest of its forward sees whole
     rows; its output is then whole and plain."""
+    written: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    """vocab_parallel: parameters of the module (by their own names) that its forward writes
+    over some of the looked-up rows, as they are (`rows[ids == eoi] = self.eoi_embedding`).
+    Each is split along its last dim (the rows' features). The forward then runs on each
+    rank's partial rows as plain tensors, each rank writing its share of such a parameter
+    padded with zeros, so the one sum as the forward returns (an all-reduce, or a
+    reduce-scatter with output shard(1)) adds up the whole parameter where it was written."""
 
     @field_validator("style", mode="before")
     @classmethod
@@ -279,6 +287,16 @@ class Rule(_Strict):
                 "vocab_parallel with sum_at: lookup takes the token ids as they are and sums "
                 "the rows inside the module's forward, so its input and output are whole, plain "
                 "tensors; drop input, output and local_output, or drop sum_at."
+            )
+        if self.written is not None and (
+            self.sum_at is not None
+            or (self.input or "replicate") != "replicate"
+            or self.output == "partial"
+        ):
+            raise ValueError(
+                "vocab_parallel with written takes the token ids as they are and sums the "
+                "rows as its forward returns (output replicate or shard(DIM)); drop sum_at, "
+                "input and output partial, or drop written."
             )
         if self.style == "colwise" and "partial" in (self.input, self.output):
             raise ValueError(
@@ -357,7 +375,7 @@ class AttributeRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6] = 6  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7] = 7  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None
