@@ -1,5 +1,8 @@
-"""Run by torchrun from test_processes.py: real gloo ranks apply the hand-written Llama plan
-and compare forward logits and gradients with the unsharded model on every rank."""
+"""Run by torchrun from test_processes.py: real gloo ranks apply a plan and compare the
+forward output and gradients with the unsharded model on every rank. With no argument, the
+tiny Llama and its hand-written plan; with `written`, test_tables' model whose embedding
+writes a split parameter over rows, with its inferred plan (each rank finds where its
+shares of the vocab and of the parameter start on its own, without a collective)."""
 
 from __future__ import annotations
 
@@ -24,13 +27,19 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    ref = tiny_llama()  # seeded: the same weights on every rank
-    model = tiny_llama()
-    x = token_batch()
-    want = ref(x).logits
+    if sys.argv[1:] == ["written"]:
+        from test_tables import _ids, _writing
+
+        ref, model, x = _writing(), _writing(), _ids()  # seeded: the same on every rank
+        plan = tpplan.infer_plan(model, tp_size=world)
+        assert any(r.written for r in plan.rules), plan.to_yaml()
+        tpplan.apply_plan(model, mesh["tp"], plan)
+        want, got = ref(x), model(x)
+    else:
+        ref, model, x = tiny_llama(), tiny_llama(), token_batch()  # seeded alike
+        tpplan.apply_plan(model, mesh["tp"], Path(__file__).parent / "plans" / "llama.yaml")
+        want, got = ref(x).logits, model(x).logits
     want.square().mean().backward()
-    tpplan.apply_plan(model, mesh["tp"], Path(__file__).parent / "plans" / "llama.yaml")
-    got = model(x).logits
     got.square().mean().backward()
     errors = {"logits": (got - want).abs().max().item()}
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=False):

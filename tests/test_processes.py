@@ -16,8 +16,10 @@ HERE = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(script: Path, *launcher_args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(script)]
+def torchrun(
+    script: Path, *launcher_args: str, script_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(script), *script_args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
 
 
@@ -32,6 +34,15 @@ def test_gloo_parity(tp: int) -> None:
     run = torchrun(HERE / "gloo_parity.py", "--standalone", f"--nproc-per-node={tp}")
     assert run.returncode == 0, run.stdout + run.stderr
     assert _ranks(run.stdout, f"/{tp} worst") == list(range(tp)), run.stdout
+
+
+@pytest.mark.slow
+def test_gloo_parity_of_a_table_that_writes_a_split_parameter() -> None:
+    run = torchrun(
+        HERE / "gloo_parity.py", "--standalone", "--nproc-per-node=4", script_args=("written",)
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _ranks(run.stdout, "/4 worst") == [0, 1, 2, 3], run.stdout
 
 
 @pytest.mark.slow

@@ -1,8 +1,13 @@
 """Embedding tables whose own forward does more than look up: rows normed (MuseGlimmer's
 text model) or overwritten in place (T5Gemma 2's end-of-image row). Split by vocab, each
-rank's partial rows must be summed before that, at the lookup (`sum_at: lookup`)."""
+rank's partial rows must be summed before a norm, at the lookup (`sum_at: lookup`); a
+parameter written over rows that are then only scaled is split too, each rank writing its
+share (`written`)."""
 
 from __future__ import annotations
+
+import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,28 +18,35 @@ from test_infer import rule_for, styles
 from torch import nn
 
 import tpplan
-from tpplan._checkpoint import full_state_dict
-from tpplan._local import simulated_ranks
+from tpplan._checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from tpplan._local import rank_values, simulated_ranks
 from tpplan.plan import Plan
 
 SPECIAL = 3  # the token whose rows the table overwrites
 
 
 class _Table(nn.Embedding):
-    """A table that norms the rows it looks up and, with `special`, writes a learned row over
-    one token's rows in place. With `own_lookup` it looks up with F.embedding itself rather
-    than through nn.Embedding's forward."""
+    """A table that norms the rows it looks up (or, with `norm` false, scales them) and,
+    with `special`, writes a learned row over one token's rows in place. With `own_lookup`
+    it looks up with F.embedding itself rather than through nn.Embedding's forward."""
 
-    def __init__(self, *, special: bool = False, own_lookup: bool = False) -> None:
-        super().__init__(64, 32)
+    def __init__(
+        self, *, special: bool = False, own_lookup: bool = False, norm: bool = True
+    ) -> None:
+        super().__init__(64, 32, padding_idx=0)
         self.special = nn.Parameter(torch.randn(32)) if special else None
         self.own_lookup = own_lookup
+        self.norm = norm
+        self.register_buffer("scale", torch.tensor(32**0.5), persistent=False)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(input, self.weight) if self.own_lookup else super().forward(input)
-        rows = F.rms_norm(rows, (rows.shape[-1],))
+        if self.norm:
+            rows = F.rms_norm(rows, (rows.shape[-1],))
+        else:
+            rows = rows * self.scale.to(rows.dtype)
         if self.special is not None:
-            rows[input == SPECIAL] = self.special
+            rows[input == SPECIAL] = self.special.to(rows.dtype)
         return rows
 
 
@@ -53,6 +65,7 @@ class _Model(nn.Module):
 def _ids() -> torch.Tensor:
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
     ids[0, 1] = SPECIAL
+    ids[1, 2] = 0  # the padding row: looked up, never trained
     return ids
 
 
@@ -156,3 +169,119 @@ def test_sum_at_needs_schema_version_6() -> None:
     with pytest.raises(ValueError, match="sum_at need schema version 6"):
         Plan.from_yaml(f"tpplan: 5\nrules:\n  - {rule}\n")
     assert Plan.from_yaml(f"tpplan: 6\nrules:\n  - {rule}\n").rules[0].sum_at == "lookup"
+
+
+# ---- a parameter written over rows, then only scaled: split too (`written`) ----------------
+def _writing(**table: bool) -> _Model:
+    torch.manual_seed(0)
+    return _Model(special=True, norm=False, **table)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_parameter_written_over_rows_is_split_and_written_by_shares(tp: int) -> None:
+    model = _writing()
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    rule = rule_for(plan, model, "embed")
+    assert (rule.style, rule.sum_at, rule.written) == ("vocab_parallel", None, ["special"])
+    assert "each rank writes its share padded with zeros" in rule.why
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, _ids())  # special's gradient included
+    with simulated_ranks(tp) as mesh:
+        tpplan.apply_plan(model, mesh, plan)
+        assert model.embed.special.to_local().shape == (32 // tp,)  # type: ignore[union-attr]
+
+
+def test_a_table_with_written_saves_unsplit_and_loads_at_another_tp(tmp_path: Path) -> None:
+    model = _writing()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = _ids()  # made before the ranks exist, the same on every rank
+    out = model(ids)
+    plan = tpplan.infer_plan(model, tp_size=2)
+    with simulated_ranks(2) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+        assert all(torch.equal(full_state_dict(sharded)[k], v) for k, v in want.items())
+        save_checkpoint(sharded, tmp_path / "ckpt", sharded=False)
+    other = _Model(special=True, norm=False)  # other weights, loaded over at tp 4
+    with simulated_ranks(4) as mesh:
+        tpplan.apply_plan(other, mesh, tpplan.infer_plan(other, tp_size=4))
+        load_checkpoint(other, tmp_path / "ckpt", rebuild_buffers=False)  # built off meta
+        for got in rank_values(other(ids)):
+            assert (got - out).abs().max().item() <= 1e-5
+
+
+def test_a_written_parameter_used_elsewhere_is_kept_whole() -> None:
+    """A parameter the table also uses otherwise cannot be split; the rows are summed before
+    the write instead."""
+
+    class Reused(_Table):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return super().forward(input) + self.special.sum()  # type: ignore[union-attr]
+
+    model = _writing()
+    model.embed.__class__ = Reused
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rule = rule_for(plan, model, "embed")
+    assert (rule.style, rule.sum_at, rule.written) == ("vocab_parallel", "lookup", None)
+    assert_parity(model, plan, 2, _ids())
+
+
+def test_check_asks_for_written_where_a_parameter_is_written_over_rows() -> None:
+    model = _writing()
+    plan = _forced(tpplan.infer_plan(model, tp_size=2), written=None)
+    (problem,) = tpplan.check_plan(plan, model, tp_size=2)
+    assert problem.kind == "lookup" and problem.module == "embed"
+    assert "writes special over some of the looked-up rows" in problem.message
+    assert "count it once per rank" in problem.message
+    assert problem.fix == "add `written: [special]` to the rule (or `sum_at: lookup`)."
+
+
+@pytest.mark.parametrize(
+    ("table", "written", "kind", "said", "fix"),
+    [
+        ({"norm": False}, ["special"], "lookup", "writes no parameter", "drop written"),
+        ({"special": True}, ["special"], "lookup", "not linear in them", "replace written"),
+        ({"special": True, "norm": False}, ["scale"], "module_type", "names scale", "name the"),
+        ({"special": True, "norm": False, "own_lookup": True}, ["special"], "lookup",
+         "embedding of its own", "keep it whole"),
+    ],
+    ids=["nothing_written", "rows_normed", "not_a_parameter", "own_lookup"],
+)  # fmt: skip
+def test_a_wrong_written_is_named(
+    table: dict[str, bool], written: list[str], kind: str, said: str, fix: str
+) -> None:
+    torch.manual_seed(0)
+    model = _Model(**table)
+    plan = _forced(tpplan.infer_plan(model, tp_size=2), sum_at=None, written=written)
+    (problem,) = [p for p in tpplan.check_plan(plan, model, tp_size=2) if p.kind == kind]
+    assert problem.module == "embed"
+    assert said in problem.message and problem.fix.startswith(fix)
+
+
+def test_sequence_parallel_scatters_a_table_with_written() -> None:
+    """Its one sum becomes a reduce-scatter onto sequence shards, writes and all."""
+    model = _writing()
+    plan = tpplan.infer_plan(model, tp_size=2, sequence_parallel=True, example_inputs=_ids())
+    rule = rule_for(plan, model, "embed")
+    assert (rule.written, rule.output, rule.local_output) == (["special"], "shard(1)", False)
+    assert_parity(model, plan, 2, _ids())
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ("written: [special], sum_at: lookup", "drop sum_at"),
+        ("written: [special], output: partial", r"output replicate or shard\(DIM\)"),
+        ("written: []", "at least 1 item"),
+    ],
+)
+def test_a_bad_written_is_named(extra: str, said: str) -> None:
+    text = f"tpplan: 7\nrules:\n  - {{match: embed, style: vocab_parallel, why: w, {extra}}}\n"
+    with pytest.raises(ValueError, match=said):
+        Plan.from_yaml(text)
+
+
+def test_written_needs_schema_version_7() -> None:
+    rule = "{match: embed, style: vocab_parallel, why: w, written: [special]}"
+    with pytest.raises(ValueError, match="written need schema version 7"):
+        Plan.from_yaml(f"tpplan: 6\nrules:\n  - {rule}\n")
+    assert Plan.from_yaml(f"tpplan: 7\nrules:\n  - {rule}\n").rules[0].written == ["special"]

@@ -133,6 +133,8 @@ def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
     if rule is None or rule.style not in ("colwise", "rowwise", "vocab_parallel"):
         return "whole"
     if param != "weight":
+        if param in (rule.written or ()):
+            return f"dim {getattr(module, param).dim() - 1}"
         return (
             "dim 0" if rule.style == "colwise" and not isinstance(module, nn.Embedding) else "whole"
         )
@@ -346,7 +348,35 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
         return out
     for what, size in _split_dims(rule, module):
         out.extend(_check_size(i, rule, name, what, size, tp))
-    return out
+    return out + _check_written(i, rule, name, module, tp)
+
+
+def _check_written(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    """Each parameter `written` names is the table's own and as wide as its rows, a width
+    that divides by tp."""
+    if not rule.written or not isinstance(module, nn.Embedding):
+        return []
+    own = dict(module.named_parameters(recurse=False))
+    wrong = [
+        p
+        for p in rule.written
+        if p == "weight" or p not in own or own[p].shape[-1:] != (module.embedding_dim,)
+    ]
+    if wrong:
+        have = ", ".join(f"{n} {tuple(q.shape)}" for n, q in own.items())
+        return [
+            Problem(
+                "module_type",
+                _where(i, rule),
+                name,
+                f"written names {', '.join(wrong)}, not a parameter of "
+                f"{type(module).__name__} as wide as its rows ({module.embedding_dim}); its "
+                f"parameters: {have}.",
+                "name the parameters its forward writes over looked-up rows.",
+            )
+        ]
+    what = f"embedding_dim (the width of {', '.join(rule.written)})"
+    return _check_size(i, rule, name, what, module.embedding_dim, tp)
 
 
 def _check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> list[Problem]:
@@ -565,37 +595,76 @@ def _check_widths(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> l
 
 def _check_lookups(plan: Plan, tables: list[tuple[int, str]], trace: Trace) -> list[Problem]:
     """A vocab-parallel table whose own forward does what is not linear in the looked-up rows
-    (a norm) must sum them at the lookup (`sum_at: lookup`), and that needs its lookups made
-    through nn.Embedding's forward, where the sum is put."""
+    (a norm) must sum them at the lookup (`sum_at: lookup`); one that writes its own
+    parameters over rows must name them (`written`) so each rank writes its share, or sum
+    at the lookup. Both need its lookups made through nn.Embedding's forward."""
     out: list[Problem] = []
     for i, name in tables:
         rule, t = plan.rules[i], _traced(trace, name)
-        bent, slot = trace.bent_lookups.get(t), trace.lookup_slots.get(t)
-        if bent and rule.sum_at is None:
-            message = (
-                f"its forward applies {bent} to the looked-up rows, which is not linear in "
-                "them, but a vocab-parallel lookup's partial rows are summed only after the "
-                "forward, so it would act on partial rows."
-            )
-        elif rule.sum_at is not None and slot is False:
-            message = (
-                "it looks its rows up with an embedding of its own, not through nn.Embedding's "
-                "forward (`super().forward(ids)`), where sum_at: lookup sums them."
-            )
-        else:
-            continue
-        out.append(
-            Problem(
-                "lookup",
-                _where(i, rule),
-                name,
-                message,
-                "add `sum_at: lookup` to the rule."
-                if slot
-                else "keep it whole (style: replicate).",
-            )
-        )
+        found = _lookup_problem(rule, t, trace)
+        if found is not None:
+            out.append(Problem("lookup", _where(i, rule), name, *found))
     return out
+
+
+def _lookup_problem(rule: Rule, t: str, trace: Trace) -> tuple[str, str] | None:
+    """(message, fix) for one vocab-parallel rule on the table traced as `t`, if wrong."""
+    bent, slot = trace.bent_lookups.get(t), trace.lookup_slots.get(t)
+    traced = sorted(trace.written_rows.get(t, ()))
+    named = sorted(rule.written or ())
+    whole = "keep it whole (style: replicate)."
+    if (rule.sum_at is not None or named) and slot is False:
+        how = "sum_at: lookup sums" if rule.sum_at is not None else "written looks up"
+        return (
+            "it looks its rows up with an embedding of its own, not through nn.Embedding's "
+            f"forward (`super().forward(ids)`), where {how} them.",
+            whole,
+        )
+    if bent and rule.sum_at is None:
+        return (
+            f"its forward applies {bent} to the looked-up rows, which is not linear in "
+            "them, but "
+            + (
+                "written sums the rows only as the forward returns"
+                if named
+                else "a vocab-parallel lookup's partial rows are summed only after the forward"
+            )
+            + ", so it would act on partial rows.",
+            (
+                "replace written with `sum_at: lookup`."
+                if named
+                else "add `sum_at: lookup` to the rule."
+            )
+            if slot
+            else whole,
+        )
+    if rule.sum_at is not None or named == traced:
+        if named and trace.written_elsewhere(t, named):
+            return (
+                f"its forward uses {', '.join(named)} otherwise than by writing it over "
+                "looked-up rows, so it cannot be split as written asks.",
+                "replace written with `sum_at: lookup`.",
+            )
+        return None
+    listed = f"[{', '.join(traced)}]"
+    if not traced:
+        return (
+            f"written names {', '.join(named)}, but its forward writes no parameter of its "
+            "own over the looked-up rows.",
+            "drop written from the rule.",
+        )
+    if not named:
+        return (
+            f"its forward writes {', '.join(traced)} over some of the looked-up rows, but a "
+            "vocab-parallel lookup's rows are partial sums there, so each rank would write "
+            "the whole of it and the sum would count it once per rank.",
+            f"add `written: {listed}` to the rule (or `sum_at: lookup`).",
+        )
+    return (
+        f"its forward writes {', '.join(traced)} over looked-up rows, but written names "
+        f"{', '.join(named)}.",
+        f"set `written: {listed}`.",
+    )
 
 
 def _check_heads(

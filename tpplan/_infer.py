@@ -63,6 +63,7 @@ class _Decision:
     after_sum: tuple[str, ...] = ()  # experts
     added_whole: tuple[str, ...] = ()  # experts: submodules whose output is scaled 1/tp
     sum_at: str | None = None  # vocab_parallel: "lookup"
+    written: tuple[str, ...] = ()  # vocab_parallel: parameters written over rows, split
 
     def rule(self, match: str) -> Rule:
         extra: dict[str, Any] = {}
@@ -91,6 +92,8 @@ class _Decision:
             extra["shard"] = dict(self.shard)
         if self.sum_at is not None:
             extra["sum_at"] = self.sum_at
+        if self.written:
+            extra["written"] = list(self.written)
         if self.mode is not None:
             extra["mode"] = self.mode
             if self.fused:
@@ -839,6 +842,9 @@ class _Decider:
                 continue  # split by its columns inside a region
             n = module.num_embeddings
             bent = self.trace.bent_lookups.get(name)
+            written = () if bent else self.written(name, module)
+            if written is None:
+                bent = "index_put_"  # rows overwritten with a parameter that cannot be split
             if not self.trace.lookups.get(name):
                 self.kept[name] = (
                     "kept whole: its indices are computed inside forward (positions or types), not the input tokens"
@@ -867,10 +873,36 @@ class _Decider:
                         f"its own forward goes on to apply {bent} to the rows, which is not "
                         "linear in them"
                     )
+                elif written:
+                    what = " and ".join(written)
+                    why += (
+                        f" as its forward returns; that forward writes {what} over some of the "
+                        f"rows (index_put_), so {what} is split along its "
+                        f"{module.embedding_dim} features and each rank writes its share "
+                        "padded with zeros, which the same sum adds up whole (written)"
+                    )
                 self.decisions[name] = _Decision(
-                    "vocab_parallel", why, sum_at="lookup" if bent else None
+                    "vocab_parallel",
+                    why,
+                    sum_at="lookup" if bent else None,
+                    written=written or (),
                 )
         return vocabs
+
+    def written(self, name: str, module: nn.Embedding) -> tuple[str, ...] | None:
+        """The table's own parameters its forward writes over looked-up rows, when each can
+        be split along the rows' features and written as each rank's share: every lookup
+        made in nn.Embedding's place (where WrittenRows looks up local rows), the parameter
+        used for nothing else and its width dividing by tp. None when one cannot."""
+        t = self.trace
+        written = tuple(sorted(t.written_rows.get(name, ())))
+        if written and (
+            not t.lookup_slots.get(name)
+            or module.embedding_dim % self.tp
+            or t.written_elsewhere(name, written)
+        ):
+            return None
+        return written
 
     def head(self, vocabs: dict[int, str]) -> None:
         """A lone opener whose split output is the model output over the vocab: gathered colwise."""

@@ -132,6 +132,13 @@ class Trace:
     bent_lookups: dict[str, str] = field(default_factory=dict)
     """Embedding whose forward returns something not linear in its looked-up rows -> the op
     that was not linear (a norm inside the embedding module)."""
+    written_rows: dict[str, set[str]] = field(default_factory=dict)
+    """Embedding -> its own parameters (by their own names) that its forward writes over
+    looked-up rows as they are (`rows[ids == eoi] = self.eoi_embedding`), a write linear in
+    the rows when each rank writes its share of the parameter padded with zeros."""
+    table_params: set[str] = field(default_factory=set)
+    """Parameters of Embedding modules (not their weights) that an op inside the table's
+    forward used otherwise than to write them over rows: such a parameter cannot be split."""
     lookup_slots: dict[str, bool] = field(default_factory=dict)
     """Embedding subclass with a forward of its own -> whether every lookup of its table ran
     in nn.Embedding.forward's place in its class order (its `super().forward(ids)`), where a
@@ -172,6 +179,15 @@ class Trace:
     expert_counts: dict[str, set[tuple[str, str, int]]] = field(default_factory=dict)
     """Such a module -> (module, attribute, value) of integer attributes its forward read that
     hold its number of experts."""
+
+    def written_elsewhere(self, table: str, params: Any) -> bool:
+        """Whether any of the table's `params` (its own names) is used otherwise than by
+        being written over its looked-up rows, so that it cannot be split."""
+        full = [f"{table}.{p}".lstrip(".") for p in params]
+        return any(
+            p in self.table_params or p in self.params_outside or p in self.params_in_region
+            for p in full
+        )
 
     def break_(self, sources: frozenset[str], reason: str) -> None:
         for s in sources:
@@ -513,7 +529,7 @@ class _Tracer(TorchDispatchMode):
             self.note_lookup(args[1])
             if self.looked_up:
                 self.looked_up[-1][0][id(out)] = out
-        elif self.looked_up and self.looked_up[-1][0]:
+        elif self.looked_up:
             self.note_rows(func, args, kwargs, out)
         if not self.quiet:
             self.on_op(func, args, kwargs, out)
@@ -526,18 +542,28 @@ class _Tracer(TorchDispatchMode):
         return out
 
     def note_rows(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        """Inside an Embedding's forward, after its lookup: is what it returns linear in the
-        looked-up rows? A vocab-parallel lookup returns each rank's partial rows, summed
-        after the forward, so an op that is not linear (a norm) would see partial rows."""
+        """Inside an Embedding's forward: is what it returns linear in the looked-up rows?
+        A vocab-parallel lookup returns each rank's partial rows, summed after the forward,
+        so an op that is not linear (a norm) would see partial rows. A parameter of the
+        table written over rows as it is can be split and written as each rank's share."""
         rows, bent = self.looked_up[-1]
         ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        name = func.overloadpacket.__name__
+        written = self.note_table_params(name, args, ins, out)
         mine = [t for t in ins if rows.get(id(t)) is t]
+        if written is not None:
+            table = self.embedding_calls[-1]
+            if mine == [ins[0]]:
+                self.trace.written_rows.setdefault(table, set()).add(written)
+            else:  # written over something other than the rows
+                self.trace.table_params.add(f"{table}.{written}".lstrip("."))
         if not mine or bent:
             return
-        name = func.overloadpacket.__name__
         others = [t for t in ins if rows.get(id(t)) is not t and t.is_floating_point()]
-        linear = (name in _LINEAR_IN_PARTIAL and ins[0] is mine[0] and not others) or (
-            name in ("mul", "div") and len(mine) == 1 and (name == "mul" or ins[0] is mine[0])
+        linear = (
+            (name in _LINEAR_IN_PARTIAL and ins[0] is mine[0] and not others)
+            or (name in ("mul", "div") and len(mine) == 1 and (name == "mul" or ins[0] is mine[0]))
+            or (written is not None and mine == [ins[0]])
         )
         if not linear and name not in _METADATA:
             bent.append(name)
@@ -545,6 +571,39 @@ class _Tracer(TorchDispatchMode):
         for o in pytree.tree_leaves(out):
             if isinstance(o, torch.Tensor):
                 rows[id(o)] = o
+
+    def note_table_params(
+        self, name: str, args: Any, ins: list[torch.Tensor], out: Any
+    ) -> str | None:
+        """Inside an Embedding's forward: how it uses its own parameters other than the
+        weight. Returns the one written over rows by this op (`index_put`, its values the
+        parameter as it is), if any; a copy or view of one stands for it, and any other use
+        makes it one the split cannot take (`table_params`)."""
+        table = self.embedding_calls[-1] if self.embedding_calls else None
+        if table is None:
+            return None
+        prefix = f"{table}." if table else ""
+        own: list[str] = []
+        for t in ins:
+            p = self.param_of(t)
+            if p is not None and p.startswith(prefix) and "." not in p[len(prefix) :]:
+                own.append(p)
+        own = [p for p in own if p != f"{prefix}weight"]
+        if not own or name in _METADATA:
+            return None
+        if name in _PASS_THROUGH and len(ins) == 1 and isinstance(out, torch.Tensor):
+            self.params[id(out)] = (out, own[0])
+            return None
+        if name in ("index_put", "index_put_") and own == [self.param_of(args[2])]:
+            target, indices, values = args[:3]
+            if (
+                target is not values
+                and len(indices) < target.dim()  # whole rows: the features are not indexed
+                and values.shape[-1:] == target.shape[-1:]
+            ):
+                return own[0][len(prefix) :]
+        self.trace.table_params.update(own)
+        return None
 
     def note_lookup(self, indices: torch.Tensor) -> None:
         """An embedding's rows are token rows when its lookups read the model's input ids:
