@@ -142,7 +142,8 @@ class Trace:
     lookup_slots: dict[str, bool] = field(default_factory=dict)
     """Embedding subclass with a forward of its own -> whether every lookup of its table ran
     in nn.Embedding.forward's place in its class order (its `super().forward(ids)`), where a
-    vocab-parallel split with `sum_at: lookup` sums the rows."""
+    vocab-parallel split with `sum_at: lookup` sums the rows (and one with `written` looks
+    up each rank's own)."""
     expert_roles: dict[str, tuple[str, int]] = field(default_factory=dict)
     """3-D expert weight -> ("open" | "close", the dim of the stored weight that holds the
     features it makes or contracts), from a batched per-expert matmul (grouped_mm, bmm)."""
