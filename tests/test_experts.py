@@ -455,6 +455,22 @@ def test_an_expert_weight_the_module_lacks_is_named() -> None:
     assert "gate_up_proj (4, 64, 64)" in problem.message
 
 
+def test_fused_pieces_other_than_the_models_are_named() -> None:
+    """[16, 48] adds up like the model's [32, 32], so the rule's own check passes it; each
+    rank would get the wrong slices of gate and up."""
+    model = qwen3_moe()
+    plan = tpplan.infer_plan(model)
+    inferred = rule_for(plan, model, "model.layers.0.mlp.experts")
+    wrong = inferred.model_copy(update={"fused": {"gate_up_proj": [16, 48]}})
+    (problem,) = tpplan.check_plan(_with(plan, wrong), model, tp_size=2)
+    assert problem.kind == "parts"
+    assert problem.message == (
+        "the rule states fused gate_up_proj [16, 48], but the model cuts its 64 output "
+        "features of gate_up_proj per expert into the pieces [32, 32]."
+    )
+    assert problem.fix.startswith("set fused: {gate_up_proj: [32, 32]} in the rule")
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

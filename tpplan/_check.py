@@ -438,7 +438,7 @@ def _check_regions(
         closers=having(_closes_region),
         tables=having(lambda r: r.style == "vocab_parallel"),
         # a colwise layer gathered right after is no opener, but its parts must still be right
-        widths=having(lambda r: r.head_dim or r.parts),
+        widths=having(lambda r: r.head_dim or r.parts or r.fused),
     )
     if not any(checked):
         return []
@@ -559,18 +559,29 @@ def _check_widths(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> l
     out: list[Problem] = []
     for i, name in modules:
         rule, t = plan.rules[i], _traced(trace, name)
-        pieces = trace.parts.get(t)
-        if rule.parts and pieces and sum(rule.parts) == sum(pieces) and rule.parts != [*pieces]:
-            # (parts that do not add up to the width are reported by the rule's own check)
+        stated = [("parts", "", rule.parts, trace.parts.get(t), "parts: {}")] + [
+            (
+                f"fused {p}",
+                f" of {p} per expert",
+                sizes,
+                trace.parts.get(f"{t}.{p}"),
+                f"fused: {{{{{p}: {{}}}}}}",
+            )
+            for p, sizes in (rule.fused or {}).items()
+        ]
+        for field, of, sizes, pieces, setting in stated:
+            # (sizes that do not add up to the width are reported by the rule's own check)
+            if not sizes or not pieces or sum(sizes) != sum(pieces) or sizes == [*pieces]:
+                continue
             out.append(
                 Problem(
                     "parts",
                     _where(i, rule),
                     name,
-                    f"the rule states parts {rule.parts}, but the model cuts its "
-                    f"{sum(pieces)} output features into the pieces {[*pieces]}.",
-                    f"set parts: {[*pieces]} in the rule, or infer the plan again for this "
-                    "model (`tpplan infer`).",
+                    f"the rule states {field} {sizes}, but the model cuts its "
+                    f"{sum(pieces)} output features{of} into the pieces {[*pieces]}.",
+                    f"set {setting.format([*pieces])} in the rule, or infer the plan again "
+                    "for this model (`tpplan infer`).",
                 )
             )
         if rule.head_dim is None:
