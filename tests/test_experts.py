@@ -13,6 +13,7 @@ from test_infer import _tokens, assert_parity, rule_for
 from torch import nn
 
 import tpplan
+from tpplan._checkpoint import full_state_dict
 from tpplan._local import rank_values, simulated_ranks
 from tpplan.plan import Plan, Rule
 
@@ -210,6 +211,105 @@ def longcat_flash() -> nn.Module:
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LongcatFlashForCausalLM(cfg).eval()
+
+
+class Bank(nn.Module):
+    """Every expert's weight for one matmul, run over the tokens sorted by expert (JetMoE's
+    ParallelExperts): the block holding two of them splits them as one experts module."""
+
+    def __init__(self, experts: int, d_out: int, d_in: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, d_out, d_in) * 0.3)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        pieces = x.split(counts, dim=0)
+        return torch.cat([nn.functional.linear(p, self.w[e]) for e, p in enumerate(pieces)])
+
+
+class BankBlock(nn.Module):
+    """Written by hand, names meaning nothing: router, gate|up bank, down bank and a bias
+    added after the weighted sum, all inside one module (JetMoE's MoE block)."""
+
+    def __init__(self, experts: int = 4, hidden: int = 16, inner: int = 8) -> None:
+        super().__init__()
+        self.r = nn.Linear(hidden, experts, bias=False)
+        self.p = Bank(experts, 2 * inner, hidden)
+        self.q = Bank(experts, hidden, inner)
+        self.bias = nn.Parameter(torch.randn(hidden) * 0.3)
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.r(x).softmax(-1).topk(2, dim=-1)
+        flat = chosen.reshape(-1)
+        order = flat.argsort()
+        tokens = order // 2
+        counts = torch.bincount(flat, minlength=self.experts).tolist()
+        gate, up = self.p(x[tokens], counts).chunk(2, dim=-1)
+        y = self.q(nn.functional.silu(gate) * up, counts) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add(0, tokens, y) + self.bias
+
+
+class BankMoe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.block = BankBlock()
+        self.out = nn.Linear(16, 64, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids).reshape(-1, 16)
+        return self.out(x + self.block(x)).reshape(*input_ids.shape, -1)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_weights_held_by_two_children_are_split_at_their_parent(tp: int) -> None:
+    """One child's per-expert matmuls open the split, another's close it: the block holding
+    both is the experts module (its children's weights named by their dotted names), its
+    bias is added after the sum, and its router stays whole inside it."""
+    model = BankMoe()
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    rule = rule_for(plan, model, "block")
+    assert (rule.style, rule.mode) == ("experts", "tensor")
+    assert rule.shard == {"p.w": 1, "q.w": 2} and rule.fused == {"p.w": [8, 8]}
+    assert rule.after_sum == ["bias"]
+    inner = rule_for(plan, model, "block.r")
+    assert inner.style == "replicate" and "inside block, split as experts" in inner.why
+    assert not [r for r in plan.rules if r.match in ("block.p", "block.q")]
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, _ids())
+    with simulated_ranks(tp) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+        assert sharded.block.p.w.to_local().shape == (4, 16 // tp, 16)
+        got = full_state_dict(sharded)
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_childs_expert_weight_the_block_lacks_is_named() -> None:
+    model = BankMoe()
+    plan = tpplan.infer_plan(model)
+    wrong = rule_for(plan, model, "block").model_copy(
+        update={"shard": {"p.v": 1, "q.w": 2}, "fused": None}
+    )
+    (problem,) = tpplan.check_plan(_with(plan, wrong), model, tp_size=2)
+    assert "experts names p.v, which BankBlock does not hold" in problem.message
+    assert "p.w (4, 16, 16)" in problem.message
+    assert problem.fix.startswith("name the module's own parameters (a child's by its dotted name)")
+
+
+def test_jetmoe_experts_are_split_at_the_block() -> None:
+    cfg = transformers.JetMoeConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2,
+        kv_channels=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.JetMoeForCausalLM(cfg).eval()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rule = rule_for(plan, model, "model.layers.0.mlp")
+    assert rule.shard == {"input_linear.weight": 1, "output_linear.weight": 2}
+    assert rule.fused == {"input_linear.weight": [64, 64]} and rule.after_sum == ["bias"]
+    assert_parity(model, plan, 2, _tokens())
 
 
 def _ids() -> torch.Tensor:

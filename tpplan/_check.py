@@ -220,7 +220,8 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
     """Every parameter an experts or split_params rule names exists, and each split dim
     divides by tp."""
     out: list[Problem] = []
-    own = dict(module.named_parameters(recurse=False))
+    # experts may name a child's parameters (`input_linear.weight`) too
+    own = dict(module.named_parameters(recurse=rule.style == "experts"))
     named = [*(rule.shard or {}), *(rule.after_sum or ())]
     missing = [p for p in named if p not in own]
     if missing:
@@ -232,8 +233,10 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
                 name,
                 f"{rule.style} names {', '.join(missing)}, which {type(module).__name__} does "
                 f"not hold (its parameters: {have}).",
-                "name the module's own parameters (not its children's) in shard"
-                + (" and after_sum." if rule.style == "experts" else "."),
+                "name the module's own parameters (a child's by its dotted name) in shard "
+                "and after_sum."
+                if rule.style == "experts"
+                else "name the module's own parameters (not its children's) in shard.",
             )
         ]
     for pname, dim in (rule.shard or {}).items():

@@ -652,12 +652,16 @@ class _Decider:
         t = self.trace
         owners = {m.rpartition(".")[0] for m in members}
         owner = min(owners)
+        parents = {o.rpartition(".")[0] for o in owners}
+        if len(owners) > 1 and len(parents) == 1 and min(parents) in t.expert_exits:
+            owner = min(parents)  # children hold the weights: judged where they meet
         module = self.modules.get(owner)
-        short = {m: m.rpartition(".")[2] for m in members}
+        short = {m: m.removeprefix(owner + ".") for m in members}
         openers = [m for m in members if t.expert_roles.get(m, ("",))[0] == "open"]
         closers = [m for m in members if t.expert_roles.get(m, ("",))[0] == "close"]
         reasons: list[str] = []
-        if len(owners) > 1 or module is None or any(m not in t.expert_roles for m in members):
+        one_place = owners == {owner} or parents == {owner}
+        if not one_place or module is None or any(m not in t.expert_roles for m in members):
             reasons.append("its split features reach weights of other modules")
         for m in members:
             for r in t.broken.get(m, []):
@@ -692,7 +696,7 @@ class _Decider:
             self.kept_experts[owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
             return
         assert module is not None
-        own = dict(module.named_parameters(recurse=False))
+        own = dict(module.named_parameters(recurse=owner not in owners))
         after = sorted(p.removeprefix(prefix) for p, o in t.after_sum.items() if o == owner)
         n_experts = {own[m.removeprefix(prefix)].shape[0] for m in members}
         ops = sorted({op for o in openers for op in t.ops.get(o, ())} - _PLAIN_OPS)
@@ -821,9 +825,10 @@ class _Decider:
 
     def unsplit_experts(self) -> None:
         """Modules holding expert weights that no region split: replicated, with the reason."""
+        split = [d for d, dec in self.decisions.items() if dec.style == "experts"]
         for owner in sorted(set(self.trace.expert_exits) | set(self.kept_experts)):
-            if owner in self.decisions:
-                continue
+            if owner in self.decisions or any(owner.startswith(f"{d}.") for d in split):
+                continue  # (a child holding the weights of experts split at their parent)
             self.decisions[owner] = _Decision(
                 "replicate",
                 self.kept_experts.get(
@@ -1063,6 +1068,19 @@ class _Decider:
                     "each rank's shard of the sequence",
                 )
 
+    def inside_experts(self) -> None:
+        """Modules inside one split as experts stay whole: its forward runs on each rank's
+        local tensors with every parameter but the expert weights whole (JetMoE's router)."""
+        split = [n for n, d in self.decisions.items() if d.style == "experts"]
+        for name, d in list(self.decisions.items()):
+            owner = next((o for o in split if name.startswith(f"{o}.")), None)
+            if owner is not None and d.style != "replicate":
+                self.decisions[name] = _Decision(
+                    "replicate",
+                    f"kept whole: inside {owner}, split as experts, whose forward runs on "
+                    "each rank's local tensors with its other parameters whole",
+                )
+
     def rest(self) -> None:
         for name, module in self.modules.items():
             linear = name in self.trace.linears
@@ -1109,6 +1127,7 @@ def _decide(
     d.head(d.embeddings())
     d.tie(model)
     d.rest()
+    d.inside_experts()
     if sequence_parallel:
         d.sequence_parallel()
     return d.decisions, d.attributes

@@ -156,6 +156,9 @@ def _distribute(
     parts: tuple[int, ...] | None,
     src_data_rank: int | None,
 ) -> None:
+    """Split the parameter `name` of `module` (dotted for a child's) along `dim`."""
+    path, _, name = name.rpartition(".")
+    module = module.get_submodule(path)
     param = getattr(module, name)
     tp = mesh.size()
     data = param
@@ -517,19 +520,20 @@ class Experts(ParallelStyle):
         for name, dim in self.shard.items():
             _distribute(module, name, mesh, dim, self.fused.get(name), 0)
         held: list[tuple[nn.Module, str, str]] = []  # (owner, parameter, how it is used)
-        for owner in module.modules():
+        for path, owner in module.named_modules():
             for pname, p in list(owner._parameters.items()):
                 if p is None:
                     continue
-                if owner is module and pname in self.shard:
+                full = f"{path}.{pname}" if path else pname
+                if full in self.shard:
                     held.append((owner, pname, "split"))
                     continue
                 if not isinstance(p, DTensor):
                     whole = distribute_tensor(p.detach(), mesh, [Replicate()], src_data_rank=0)
                     owner.register_parameter(pname, nn.Parameter(whole, p.requires_grad))
-                added = owner is module and pname in self.after_sum
+                added = full in self.after_sum
                 held.append((owner, pname, "after_sum" if added else "replicated"))
-        n_experts = getattr(module, next(iter(self.shard))).shape[0]
+        n_experts = module.get_parameter(next(iter(self.shard))).shape[0]
         for child in self.added_whole:
             # the submodule is called inside the module's forward only, on local tensors;
             # its gradient is scaled alike, and the ranks' shares are summed at the inputs

@@ -514,6 +514,14 @@ class _Tracer(TorchDispatchMode):
             "dim): its gradient would be each rank's partial sum, with nothing to add them up"
         )
 
+    def running_param(self, t: Any) -> tuple[str, tuple[int | None, ...]] | None:
+        """(name, ()) when `t` is a parameter of the innermost experts module running, held
+        by that module itself (JetMoE's bias, added to the experts' partial sums)."""
+        p = self.param_of(t)
+        if p is None or not self.running or p.rpartition(".")[0] != self.running[-1]:
+            return None
+        return p, ()
+
     def partial_of(self, t: Any) -> frozenset[str] | None:
         entry = self.partials.get(id(t)) if isinstance(t, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0] is t else None
@@ -922,7 +930,7 @@ class _Tracer(TorchDispatchMode):
             if ok and any(self.routing.get(id(t)) is t for t in others):
                 self.weighted.update((id(o), o) for o in outs)
         elif name in _ADDS:
-            biases = [self.expert_view(t) for t in others]
+            biases = [self.expert_view(t) or self.running_param(t) for t in others]
             # per-expert biases and outputs of parameter-free submodules (identity experts)
             # are whole on every rank: the plan adds each as 1/tp per rank
             ok = len(partial) >= 1 and all(
@@ -1727,13 +1735,15 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
     module.register_forward_hook(after)
 
 
-def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
+def _experts(tracer: _Tracer, name: str, module: nn.Module, *, sums: bool = True) -> None:
     """Watch a module holding 3-D expert weights: what comes in (routing, for expert
     parallel), whether what goes out is the sum of partial sums, which attribute holds its
-    number of experts."""
+    number of experts. With `sums` false its parent, holding more expert weights in other
+    children, is the one whose output sums the partial sums."""
     trace = tracer.trace
-    own = {f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)}
-    experts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+    # its own parameters, and those of children holding expert weights for it
+    own = {f"{name}.{p}" if name else p for p, _ in module.named_parameters()}
+    experts = {p.shape[0] for p in module.parameters() if p.dim() == 3}
 
     def before(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         tracer.running.append(name)
@@ -1756,8 +1766,8 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
         tracer.running.pop()
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         outs = [t for t in outs if t.is_floating_point()]
-        sums = [tracer.partial_of(t) for t in outs]
-        if not outs or not all(sums):
+        partial = [tracer.partial_of(t) for t in outs]
+        if not outs or not all(partial):
             trace.expert_exits.setdefault(
                 name, "its output is not a sum of its experts' partial sums"
             )
@@ -1767,6 +1777,8 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module) -> None:
         trace.expert_counts.setdefault(name, set()).update(
             (m, a, v) for m, a, v in frame if v in experts and m == name
         )
+        if not sums:
+            return
         for k, (_, sources) in list(tracer.partials.items()):
             if sources & own or not sources:
                 del tracer.partials[k]  # summed by the all-reduce at the module's output
@@ -2069,16 +2081,30 @@ def _trace_pass(
     # after the probes: reads made by a probe's forward are no evidence of the traced one
     _watch_reads(copy_, tracer)
     _watch_lookup_slots(copy_, tracer)
-    for name, m in copy_.named_modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)) or name in trace.linears:
-            continue
-        if any(p.dim() == 3 for p in m.parameters(recurse=False)):
-            tracer.expert_params |= {
-                f"{name}.{p}" if name else p
-                for p, w in m.named_parameters(recurse=False)
-                if w.dim() >= 2
-            }
-            _experts(tracer, name, m)
+    holders = {
+        name: m
+        for name, m in copy_.named_modules()
+        if not isinstance(m, (nn.Linear, nn.Embedding))
+        and name not in trace.linears
+        and any(p.dim() == 3 for p in m.parameters(recurse=False))
+    }
+    # experts whose weights two children hold (JetMoE's block: one child's per-expert matmuls
+    # open the split, another's close it) are judged at that parent, which sums them
+    parents = {
+        name: m
+        for name, m in copy_.named_modules()
+        if name not in holders
+        and sum(f"{name}.{c}".lstrip(".") in holders for c, _ in m.named_children()) >= 2
+    }
+    for name, m in holders.items():
+        tracer.expert_params |= {
+            f"{name}.{p}" if name else p
+            for p, w in m.named_parameters(recurse=False)
+            if w.dim() >= 2
+        }
+        _experts(tracer, name, m, sums=name.rpartition(".")[0] not in parents)
+    for name, m in parents.items():
+        _experts(tracer, name, m)
     for name, m in copy_.named_modules():
         _track(tracer, name, m)
         if name in trace.linears or isinstance(m, nn.Embedding):

@@ -195,8 +195,9 @@ class Rule(_Strict):
     outputs with one all-reduce; `expert` gives each rank num_experts/tp whole experts, each
     rank computes the tokens routed to its own experts, and one all-reduce sums them."""
     shard: dict[str, Annotated[int, Field(ge=0)]] | None = None
-    """experts, split_params: parameter of the matched module (by its own name) -> the dim it
-    is split on; for experts, the module's other parameters are replicated. split_params
+    """experts, split_params: parameter of the matched module (by its own name; for experts
+    also a child's, by its dotted name under the module) -> the dim it is split on; for
+    experts, the module's other parameters are replicated. split_params
     splits parameters used element by element on split features (one attention sink per
     head): each rank holds, and its forward uses, its own contiguous share."""
     fused: dict[str, list[Annotated[int, Field(gt=0)]]] | None = None
