@@ -297,6 +297,16 @@ def test_a_childs_expert_weight_the_block_lacks_is_named() -> None:
     assert problem.fix.startswith("name the module's own parameters (a child's by its dotted name)")
 
 
+def test_a_split_inside_an_experts_module_is_named() -> None:
+    model = BankMoe()
+    plan = tpplan.infer_plan(model)
+    inner = Rule(match="block.r", style="colwise", output="replicate", why="hand-edited")
+    (problem,) = tpplan.check_plan(_with(plan, inner), model, tp_size=2)
+    assert (problem.kind, problem.module) == ("overlap", "block.r")
+    assert "inside block, matched by rules[" in problem.message
+    assert problem.fix == "drop this rule, or keep the module whole (style: replicate)."
+
+
 def test_jetmoe_experts_are_split_at_the_block() -> None:
     cfg = transformers.JetMoeConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2,

@@ -120,6 +120,7 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
                 continue
             owner[name] = i
             problems.extend(_check_module(i, rule, name, modules[name], tp_size))
+    problems.extend(_check_inside_experts(plan, owner))
     problems.extend(_check_tied(plan, owner, model))
     flagged = {p.module for p in problems if p.kind == "divisibility" and p.module}
     problems.extend(_check_regions(plan, matched, model, tp_size, flagged))
@@ -142,6 +143,29 @@ def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
         return "dim 1" if rule.style == "colwise" else "dim 0"
     dim = int(rule.style == "rowwise") ^ int(bool(rule.transposed))
     return f"dim {dim}" + (" as fused parts" if rule.parts else "")
+
+
+def _check_inside_experts(plan: Plan, owner: dict[str, int]) -> list[Problem]:
+    """An experts module runs its forward on each rank's local tensors with every parameter
+    but its expert weights whole, so a module inside it takes no split of its own."""
+    experts = [n for n, i in owner.items() if plan.rules[i].style == "experts"]
+    out: list[Problem] = []
+    for name, i in owner.items():
+        rule = plan.rules[i]
+        outer = next((e for e in experts if name.startswith(f"{e}.")), None)
+        if outer is None or rule.style == "replicate":
+            continue
+        out.append(
+            Problem(
+                "overlap",
+                _where(i, rule),
+                name,
+                f"it is inside {outer}, matched by rules[{owner[outer]}] (style experts), whose "
+                "forward runs on each rank's local tensors with its other parameters whole.",
+                "drop this rule, or keep the module whole (style: replicate).",
+            )
+        )
+    return out
 
 
 def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
