@@ -1735,11 +1735,23 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
     module.register_forward_hook(after)
 
 
-def _experts(tracer: _Tracer, name: str, module: nn.Module, *, sums: bool = True) -> None:
+def _under(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name.startswith(f"{p}.") for p in prefixes)
+
+
+def _experts(
+    tracer: _Tracer,
+    name: str,
+    module: nn.Module,
+    *,
+    sums: bool = True,
+    holders: Iterable[str] = (),
+) -> None:
     """Watch a module holding 3-D expert weights: what comes in (routing, for expert
     parallel), whether what goes out is the sum of partial sums, which attribute holds its
     number of experts. With `sums` false its parent, holding more expert weights in other
-    children, is the one whose output sums the partial sums."""
+    children, is the one whose output sums the partial sums; for that parent, `holders`
+    are those children."""
     trace = tracer.trace
     # its own parameters, and those of children holding expert weights for it
     own = {f"{name}.{p}" if name else p for p, _ in module.named_parameters()}
@@ -1789,8 +1801,10 @@ def _experts(tracer: _Tracer, name: str, module: nn.Module, *, sums: bool = True
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after)
     for child, m in module.named_modules():
-        if child and next(m.parameters(), None) is None:
-            _whole_output(tracer, f"{name}.{child}" if name else child, name, m)
+        full = f"{name}.{child}" if name else child
+        # (one inside a child holding expert weights is that child's)
+        if child and next(m.parameters(), None) is None and not _under(full, holders):
+            _whole_output(tracer, full, name, m)
 
 
 def _whole_output(tracer: _Tracer, name: str, owner: str, module: nn.Module) -> None:
@@ -2094,6 +2108,7 @@ def _trace_pass(
         name: m
         for name, m in copy_.named_modules()
         if name not in holders
+        and not isinstance(m, (nn.ModuleList, nn.ModuleDict))  # a container, never called
         and sum(f"{name}.{c}".lstrip(".") in holders for c, _ in m.named_children()) >= 2
     }
     for name, m in holders.items():
@@ -2104,7 +2119,7 @@ def _trace_pass(
         }
         _experts(tracer, name, m, sums=name.rpartition(".")[0] not in parents)
     for name, m in parents.items():
-        _experts(tracer, name, m)
+        _experts(tracer, name, m, holders=[h for h in holders if _under(h, [name])])
     for name, m in copy_.named_modules():
         _track(tracer, name, m)
         if name in trace.linears or isinstance(m, nn.Embedding):
