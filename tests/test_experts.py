@@ -217,24 +217,30 @@ class Bank(nn.Module):
     """Every expert's weight for one matmul, run over the tokens sorted by expert (JetMoE's
     ParallelExperts): the block holding two of them splits them as one experts module."""
 
-    def __init__(self, experts: int, d_out: int, d_in: int) -> None:
+    def __init__(self, experts: int, d_out: int, d_in: int, *, bias: bool = False) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(experts, d_out, d_in) * 0.3)
+        self.b = nn.Parameter(torch.randn(experts, d_out) * 0.3) if bias else None
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         pieces = x.split(counts, dim=0)
-        return torch.cat([nn.functional.linear(p, self.w[e]) for e, p in enumerate(pieces)])
+        out = [nn.functional.linear(p, self.w[e]) for e, p in enumerate(pieces)]
+        if self.b is not None:
+            out = [o + self.b[e] for e, o in enumerate(out)]
+        return torch.cat(out)
 
 
 class BankBlock(nn.Module):
     """Written by hand, names meaning nothing: router, gate|up bank, down bank and a bias
     added after the weighted sum, all inside one module (JetMoE's MoE block)."""
 
-    def __init__(self, experts: int = 4, hidden: int = 16, inner: int = 8) -> None:
+    def __init__(
+        self, experts: int = 4, hidden: int = 16, inner: int = 8, *, biased: bool = False
+    ) -> None:
         super().__init__()
         self.r = nn.Linear(hidden, experts, bias=False)
-        self.p = Bank(experts, 2 * inner, hidden)
-        self.q = Bank(experts, hidden, inner)
+        self.p = Bank(experts, 2 * inner, hidden, bias=biased)
+        self.q = Bank(experts, hidden, inner, bias=biased)
         self.bias = nn.Parameter(torch.randn(hidden) * 0.3)
         self.experts = experts
 
@@ -250,11 +256,11 @@ class BankBlock(nn.Module):
 
 
 class BankMoe(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, *, biased: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(64, 16)
-        self.block = BankBlock()
+        self.block = BankBlock(biased=biased)
         self.out = nn.Linear(16, 64, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -283,6 +289,19 @@ def test_expert_weights_held_by_two_children_are_split_at_their_parent(tp: int) 
         assert sharded.block.p.w.to_local().shape == (4, 16 // tp, 16)
         got = full_state_dict(sharded)
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+
+
+def test_per_expert_biases_in_the_children_are_split_or_added_after_the_sum() -> None:
+    """The opening bank's bias is split with its weight; the closing bank's, added to the
+    partial sums inside that child, is added 1/tp per rank."""
+    model = BankMoe(biased=True)
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rule = rule_for(plan, model, "block")
+    assert rule.shard == {"p.w": 1, "p.b": 1, "q.w": 2}
+    assert rule.fused == {"p.w": [8, 8], "p.b": [8, 8]}
+    assert rule.after_sum == ["bias", "q.b"]
+    for tp in (2, 4):
+        assert_parity(model, plan, tp, _ids())
 
 
 def test_a_childs_expert_weight_the_block_lacks_is_named() -> None:

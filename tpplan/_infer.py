@@ -697,7 +697,11 @@ class _Decider:
             return
         assert module is not None
         own = dict(module.named_parameters(recurse=owner not in owners))
-        after = sorted(p.removeprefix(prefix) for p, o in t.after_sum.items() if o == owner)
+        after = sorted(
+            p.removeprefix(prefix)
+            for p, o in t.after_sum.items()
+            if o == owner or o.startswith(prefix)  # (or a child holding weights for it)
+        )
         n_experts = {own[m.removeprefix(prefix)].shape[0] for m in members}
         ops = sorted({op for o in openers for op in t.ops.get(o, ())} - _PLAIN_OPS)
         path = f" through {', '.join(ops)}" if ops else ""
