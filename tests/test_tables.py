@@ -156,10 +156,13 @@ def test_sequence_parallel_keeps_such_a_table_whole_and_says_why() -> None:
         ("sum_at: lookup, output: shard(1)", "its input and output are whole, plain tensors"),
         ("sum_at: lookup, local_output: false", "drop input, output and local_output"),
         ("sum_at: row", "Input should be 'lookup'"),
+        ("written: [special], sum_at: lookup", "drop sum_at"),
+        ("written: [special], output: partial", r"output replicate or shard\(DIM\)"),
+        ("written: []", "at least 1 item"),
     ],
 )
-def test_a_bad_sum_at_is_named(extra: str, said: str) -> None:
-    text = f"tpplan: 6\nrules:\n  - {{match: embed, style: vocab_parallel, why: w, {extra}}}\n"
+def test_a_bad_sum_at_or_written_is_named(extra: str, said: str) -> None:
+    text = f"tpplan: 7\nrules:\n  - {{match: embed, style: vocab_parallel, why: w, {extra}}}\n"
     with pytest.raises(ValueError, match=said):
         Plan.from_yaml(text)
 
@@ -264,20 +267,6 @@ def test_sequence_parallel_scatters_a_table_with_written() -> None:
     rule = rule_for(plan, model, "embed")
     assert (rule.written, rule.output, rule.local_output) == (["special"], "shard(1)", False)
     assert_parity(model, plan, 2, _ids())
-
-
-@pytest.mark.parametrize(
-    ("extra", "said"),
-    [
-        ("written: [special], sum_at: lookup", "drop sum_at"),
-        ("written: [special], output: partial", r"output replicate or shard\(DIM\)"),
-        ("written: []", "at least 1 item"),
-    ],
-)
-def test_a_bad_written_is_named(extra: str, said: str) -> None:
-    text = f"tpplan: 7\nrules:\n  - {{match: embed, style: vocab_parallel, why: w, {extra}}}\n"
-    with pytest.raises(ValueError, match=said):
-        Plan.from_yaml(text)
 
 
 def test_written_needs_schema_version_7() -> None:
