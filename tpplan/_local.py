@@ -122,4 +122,7 @@ def _owned(p: torch.nn.Parameter, world_size: int, local_type: Any, dtensor_type
     if isinstance(p, local_type):
         return p
     copies = local_type({r: p.data.clone() for r in range(world_size)})
-    return torch.nn.Parameter(copies, requires_grad=p.requires_grad)
+    new = torch.nn.Parameter(copies, requires_grad=p.requires_grad)
+    if p._backward_hooks:  # a replicated parameter whose gradient is summed over the ranks
+        new._backward_hooks = p._backward_hooks
+    return new
