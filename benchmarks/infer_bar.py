@@ -763,17 +763,12 @@ def _bytes_per_rank(model: Any) -> int:
     return total
 
 
-def _max_diff(got: Any, want: Any, fused: tuple[int, tuple[int, ...], int] | None = None) -> float:
-    """Max abs difference over the simulated ranks. A fused colwise parameter (`parts`) is
-    stored rank by rank, so its gathered value is first put back in the model's own order
-    (`fused`: its layout from tpplan._styles.fused_layouts)."""
+def _max_diff(got: Any, want: Any) -> float:
+    """Max abs difference over the simulated ranks (a DTensor is gathered whole first)."""
     from tpplan._local import rank_values
-    from tpplan._styles import unfuse
 
     worst = 0.0
     for value in rank_values(got):
-        if fused is not None:
-            value = unfuse(value, fused)
         if value.shape != want.shape:
             return math.inf
         worst = max(worst, (value.detach().double() - want.detach().double()).abs().max().item())
@@ -801,7 +796,6 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
 
     import tpplan
     from tpplan._local import simulated_ranks
-    from tpplan._styles import fused_layouts
     from tpplan._tree import first_tensor
 
     hf_logging.set_verbosity_error()
@@ -873,12 +867,11 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
         try:
             got.float().pow(2).mean().backward()
             worst, rel, where = 0.0, 0.0, ""
-            fused = fused_layouts(sharded)
             for name, p in sharded.named_parameters():
                 if name not in ref_grads:
                     continue
                 g, want_g = p.grad, ref_grads[name]
-                err = math.inf if g is None else _max_diff(g, want_g, fused.get(name))
+                err = math.inf if g is None else _max_diff(g, want_g)
                 if err > worst:
                     scale = want_g.abs().max().item()
                     worst, rel, where = err, err / scale if scale else math.inf, name

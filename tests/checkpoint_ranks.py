@@ -54,15 +54,23 @@ def load(folder: Path, rank: int, world: int) -> float:
     return worst
 
 
-def fused(folder: Path, rank: int, world: int, *, saving: bool) -> float:
-    """GPT-2's fused q|k|v (`parts`) through DCP: saved at one tp, loaded at another."""
+def fused(folder: Path, rank: int, world: int, *, saving: bool, legacy: bool = False) -> float:
+    """GPT-2's fused q|k|v (`parts`) through DCP: saved at one tp, loaded at another. With
+    `legacy`, saved as earlier tpplan versions did (each piece a tensor of its own, split over
+    the ranks) with torch's DCP, then loaded by load_checkpoint at this tp."""
     from infer_models import gpt2
 
     x = token_batch()
     ref = gpt2()
     want = ref(x).logits
     mesh = init_device_mesh("cpu", (world,))
-    if saving:
+    if legacy:
+        _save_by_pieces(tpplan.apply_plan(ref, mesh), folder / "legacy-dcp")
+        with torch.device("meta"):
+            model = tpplan.apply_plan(gpt2(), mesh)
+        model.to_empty(device="cpu")
+        load_checkpoint(model, folder / "legacy-dcp")
+    elif saving:
         model = tpplan.apply_plan(ref, mesh)
         save_checkpoint(model, folder / "fused-dcp", sharded=True)
     else:
@@ -74,6 +82,28 @@ def fused(folder: Path, rank: int, world: int, *, saving: bool) -> float:
         return (model(x).logits - want).abs().max().item()
 
 
+def _save_by_pieces(model: torch.nn.Module, folder: Path) -> None:
+    """DCP with each fused parameter stored as one tensor per piece (`NAME.tpplan_part0`,
+    ...), each split over the ranks by Shard: the layout earlier tpplan versions wrote."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    state = {}
+    for name, t in model.state_dict().items():
+        placement = t.placements[0] if isinstance(t, DTensor) else None
+        if not isinstance(placement, _StridedShard):
+            state[name] = t
+            continue
+        dim, pieces = placement.dim, int(placement.split_factor)
+        whole = t.full_tensor()
+        for i, piece in enumerate(whole.chunk(pieces, dim)):
+            state[f"{name}.tpplan_part{i}"] = torch.distributed.tensor.distribute_tensor(
+                piece.contiguous(), t.device_mesh, [Shard(dim)]
+            )
+    dcp.save(state, checkpoint_id=folder)
+
+
 def main() -> None:
     mode, folder = sys.argv[1], Path(sys.argv[2])
     # tiny models: store chunks of 1 KiB, so that loading reassembles regions from many
@@ -81,7 +111,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if mode.startswith("fused-"):
-        worst = fused(folder, rank, world, saving=mode == "fused-save")
+        worst = fused(
+            folder, rank, world, saving=mode == "fused-save", legacy=mode == "fused-legacy"
+        )
     else:
         worst = (save if mode == "save" else load)(folder, rank, world)
     print(f"rank {rank}/{world} {mode} worst {worst:.2e}", flush=True)

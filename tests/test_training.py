@@ -18,7 +18,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from tpplan import InputMismatchError, Plan, apply_plan, infer_plan, load_plan
 from tpplan._local import own_replicas, rank_values, simulated_ranks
-from tpplan._styles import fused_layouts, unfuse
 
 LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
 TOL = 1e-5  # the issue's bar for fp32; observed errors are ~1e-7
@@ -66,7 +65,7 @@ def _assert_step_matches(
 ) -> torch.nn.Module:
     """One SGD step of `ref` sharded by `plan` (or by the plan a function gives for it) over
     `tp` simulated ranks: the loss, every gradient and every weight after the step equal the
-    unsharded model's. Fused parameters are compared in the unsharded layer's order. Returns
+    unsharded model's, fused parameters included (they hold the unsharded layout). Returns
     the sharded model (call inside no simulation of your own)."""
     tokens = token_batch()
     start = copy.deepcopy(ref)
@@ -74,17 +73,12 @@ def _assert_step_matches(
     plan = plan(start) if callable(plan) else plan
     with simulated_ranks(tp) as mesh:
         model = apply_plan(copy.deepcopy(start), mesh, plan)
-        fused = fused_layouts(model)
         own_replicas(model, tp)
         loss = _train_step(model, tokens, parallel_loss=parallel_loss)
         _assert_close(loss, want_loss, "loss")
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-            grad, value = p.grad, p
-            if name in fused:
-                grad = unfuse(grad.full_tensor(), fused[name])
-                value = unfuse(p.full_tensor(), fused[name])
-            _assert_close(grad, q.grad, f"{name}.grad")
-            _assert_close(value, q, f"{name} after the step")
+            _assert_close(p.grad, q.grad, f"{name}.grad")
+            _assert_close(p, q, f"{name} after the step")
     return model
 
 

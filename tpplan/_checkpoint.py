@@ -20,6 +20,7 @@ the safetensors paths work per rank; DCP needs real processes.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import math
 import os
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._converted import Unsupported, read_region, shape_of, virtual_tensors
 from ._local import outside_simulation, rank_values
@@ -50,8 +52,8 @@ from ._safetensors_io import (
     read_region_into,
     safetensors_files,
 )
-from ._styles import fused_layouts, unfuse
-from ._tree import local_bytes, local_tensor
+from ._strided import local_runs, teach_checkpoint_chunks
+from ._tree import local_bytes
 
 __all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -73,22 +75,17 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     """
     keep = not rank0_only or _rank() == 0
     out: dict[str, torch.Tensor] = {}
-    fused = fused_layouts(model)
     for name, t in model.state_dict(keep_vars=True).items():
-        whole = _gather(t, fused.get(name))
+        whole = _gather(t)
         if keep:
             out[name] = whole
     return out
 
 
-def _gather(
-    t: torch.Tensor, layout: tuple[int, tuple[int, ...], int] | None = None
-) -> torch.Tensor:
-    """The whole tensor as a plain tensor (a collective for a DTensor), its fused parts back
-    in their original order. Under simulated ranks every rank's copy is equal after the
-    gather; rank 0's stands for them."""
-    whole = rank_values(t)[0].detach()
-    return whole if layout is None else unfuse(whole, layout)
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor as a plain tensor (a collective for a DTensor). Under simulated ranks
+    every rank's copy is equal after the gather; rank 0's stands for them."""
+    return rank_values(t)[0].detach()
 
 
 # --- saving ---------------------------------------------------------------------------------
@@ -174,7 +171,6 @@ def _save_safetensors(
     first error, keeps taking part in the gathers without writing, and returns it.
     """
     sd = model.state_dict(keep_vars=True)
-    fused = fused_layouts(model)
     files = _plan_files([(n, t.dtype, tuple(t.shape)) for n, t in sd.items()], max_file_bytes)
     writing = _rank() == 0
     failure: BaseException | None = None
@@ -188,7 +184,7 @@ def _save_safetensors(
             except Exception as e:
                 failure = e
         for name, _, _ in entries:
-            whole = _gather(sd[name], fused.get(name))
+            whole = _gather(sd[name])
             if writer is None:
                 continue
             try:
@@ -234,7 +230,8 @@ def _plan_files(
 def _save_dcp(model: nn.Module, folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = _dcp_state(model, saving=True)
+    teach_checkpoint_chunks()  # a fused layer's rank holds one chunk per piece
+    state = _dcp_state(model)
     # DCP reads each stored chunk whole before cutting a rank's region out of it, so the
     # biggest chunk is what a load holds beside the rank's share: chunks of 1/128 of a
     # share (within bounds) keep that under 1%. The same on every rank (from global sizes).
@@ -265,7 +262,8 @@ def _small_chunks_planner(max_bytes: int) -> Any:
     class Planner(DefaultSavePlanner):
         def create_local_plan(self) -> Any:
             plan = super().create_local_plan()
-            self.cuts: dict[MetadataIndex, tuple[int, int]] = {}  # -> (row in shard, rows)
+            # -> (the item the cut chunk belongs to, first row in that chunk, rows)
+            self.cuts: dict[MetadataIndex, tuple[Any, int, int]] = {}
             items = []
             for item in plan.items:
                 data = item.tensor_data
@@ -283,7 +281,7 @@ def _small_chunks_planner(max_bytes: int) -> Any:
                     at = [offsets[0] + start, *offsets[1:]]
                     index = MetadataIndex(item.index.fqn, at)
                     chunk = ChunkStorageMetadata(torch.Size(at), torch.Size([n, *sizes[1:]]))
-                    self.cuts[index] = (start, n)
+                    self.cuts[index] = (item, start, n)
                     # a whole tensor cut so is stored as shards of itself (one entry with
                     # several chunks, which a tensor item cannot be)
                     items.append(
@@ -301,39 +299,60 @@ def _small_chunks_planner(max_bytes: int) -> Any:
             cut = self.cuts.get(write_item.index)
             if cut is None:
                 return super().resolve_data(write_item)
-            local = local_tensor(self.state_dict[write_item.index.fqn])
-            return local.narrow(0, cut[0], cut[1])
+            whole, start, n = cut
+            data = super().resolve_data(whole)
+            assert isinstance(data, torch.Tensor)  # only tensor items are cut
+            return data.narrow(0, start, n)
 
     return Planner()
 
 
+# How tpplan stored fused layers in DCP before their parameters were `_StridedShard`s: one
+# tensor per piece, `NAME.tpplan_part0`, ... Still read, never written.
 _PART = ".tpplan_part"
 
 
-def _dcp_state(model: nn.Module, *, saving: bool) -> dict[str, Any]:
-    """The state dict DCP saves and loads. A fused layer's shard holds a slice of every part
-    (q|k|v), which depends on the tp size; each part is stored as a tensor of its own
-    (`NAME.tpplan_part0`, ...), split over the ranks like any other, so the checkpoint loads
-    at any tp. The parts are views into the parameters, so loading fills them in place."""
+def _dcp_state(
+    model: nn.Module, stored: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, Any]:
+    """The state dict DCP saves and loads: the model's own, every parameter in the unsharded
+    model's layout (what torch's `get_model_state_dict` gives too). Loading, `stored` (the
+    checkpoint's keys and shapes) may name a fused layer by pieces (`_PART`); those are read
+    into views of the parameter's slices of each piece."""
     state: dict[str, Any] = dict(model.state_dict())
-    for name, (dim, parts, tp) in fused_layouts(model).items():
-        whole = state.pop(name)
-        local, mesh = whole.to_local(), whole.device_mesh
-        offset = 0
-        for i, size in enumerate(parts):
-            piece = local.narrow(dim, offset, size // tp)
-            shape = list(whole.shape)
-            shape[dim] = size
-            stride = torch.empty(shape, device="meta").stride()
+    if stored is None:
+        return state
+    for name in list(state):
+        if name in stored or f"{name}{_PART}0" not in stored:
+            continue
+        t = state[name]
+        strided = isinstance(t, DTensor) and isinstance(t.placements[-1], _StridedShard)
+        if not strided or t.device_mesh.ndim != 1:
+            raise CheckpointError(
+                f"{name} is stored by pieces ({name}{_PART}0, ...), as earlier tpplan versions "
+                "wrote fused layers, but this model does not split it into equal pieces on a "
+                "1-D mesh. "
+                "Fix: load that checkpoint with the plan it was saved with and save it again "
+                "(sharded=False writes the unsharded layout)."
+            )
+        placement = t.placements[0]
+        assert isinstance(placement, _StridedShard)  # checked above
+        dim, pieces = placement.dim, int(placement.split_factor)
+        local, mesh = t.to_local(), t.device_mesh
+        step = local.shape[dim] // pieces
+        shape = list(t.shape)
+        shape[dim] //= pieces
+        stride = torch.empty(shape, device="meta").stride()
+        del state[name]
+        for i in range(pieces):
             state[f"{name}{_PART}{i}"] = DTensor.from_local(
-                piece.contiguous() if saving else piece,
+                local.narrow(dim, i * step, step),
                 mesh,
                 [Shard(dim)],
                 run_check=False,
                 shape=torch.Size(shape),
                 stride=stride,
             )
-            offset += size // tp
     return state
 
 
@@ -549,7 +568,6 @@ def _load_safetensors(model: nn.Module, sd: dict[str, torch.Tensor], path: Path)
         source = _match_keys(model, sd, listed, path)
         yield
         total = sum(t.dtype.itemsize * t.numel() for t in sd.values())
-        fused = fused_layouts(model)
 
         def read(key: str, region: tuple[slice, ...], out: torch.Tensor) -> None:
             read_region_into(fds[index[key].file], index[key], region, out)
@@ -558,7 +576,7 @@ def _load_safetensors(model: nn.Module, sd: dict[str, torch.Tensor], path: Path)
             for key, target in sd.items():
                 node = virtual.get(source[key], source[key])
                 fill = partial(read_region, node, read=read, shapes=shapes)
-                _copy_from_file(key, target, fill, listed[source[key]], fused.get(key))
+                _copy_from_file(key, target, fill, listed[source[key]])
                 progress.advance(target.dtype.itemsize * target.numel())
                 yield
 
@@ -595,93 +613,32 @@ def _copy_from_file(
     target: torch.Tensor,
     fill_region: Callable[[tuple[slice, ...], torch.Tensor], None],
     shape: tuple[int, ...],
-    layout: tuple[int, tuple[int, ...], int] | None,
 ) -> None:
-    """Each rank reads the region its placement gives it, straight into its local tensor."""
-    if layout is not None:
-        _copy_fused(key, target, fill_region, shape, layout)
-    elif isinstance(target, DTensor):
-        full, mesh, placements = tuple(target.shape), target.device_mesh, target.placements
-
-        def fill(rank: int, local: torch.Tensor) -> None:
-            fill_region(_region(key, full, placements, mesh, rank), local)
-
-        _each_rank(target.to_local(), fill)
-    else:
+    """Each rank reads the regions its placement gives it, straight into its local tensor
+    (one region, or one per fused part: tpplan/_strided.py)."""
+    if not isinstance(target, DTensor):
         whole = tuple(slice(0, n) for n in shape)
         _each_rank(target.data, lambda rank, local: fill_region(whole, local))
-
-
-def _copy_fused(
-    key: str,
-    target: Any,
-    fill_region: Callable[[tuple[slice, ...], torch.Tensor], None],
-    shape: tuple[int, ...],
-    layout: tuple[int, tuple[int, ...], int],
-) -> None:
-    """A fused layer's rank holds its slice of every part, in order (see tpplan/_styles.py):
-    one region of the stored tensor per part."""
-    dim, parts, tp = layout
-    mesh = target.device_mesh
-    if mesh.ndim != 1:
+        return
+    mesh, placements = target.device_mesh, target.placements
+    odd = [p for p in placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
+    if odd:
         raise CheckpointError(
-            f"{key} is a fused layer split on a {mesh.ndim}-D mesh; loading it from safetensors "
-            "supports a 1-D tp mesh only. Fix: load before sharding over more axes."
+            f"{key} has placement {odd[0]}; only Shard and Replicate parameters can be read "
+            "from a full tensor. Fix: keep parameters out of Partial layouts in the plan."
         )
-    ranks = mesh.mesh.tolist()
 
     def fill(rank: int, local: torch.Tensor) -> None:
-        r = ranks.index(rank)
-        start = offset = 0
-        for size in parts:
-            step = size // tp
-            region = [slice(0, n) for n in shape]
-            region[dim] = slice(start + r * step, start + (r + 1) * step)
-            fill_region(tuple(region), local.narrow(dim, offset, step))
-            start, offset = start + size, offset + step
+        coordinate = [int(c) for c in (mesh.mesh == rank).nonzero()[0]]
+        per_dim = local_runs(shape, placements, mesh, coordinate)
+        for box in itertools.product(*per_dim):
+            region = tuple(slice(start, start + n) for _, start, n in box)
+            view = local
+            for d, (at, _, n) in enumerate(box):
+                view = view.narrow(d, at, n)
+            fill_region(region, view)
 
     _each_rank(target.to_local(), fill)
-
-
-def _region(
-    key: str, shape: tuple[int, ...], placements: Any, mesh: Any, rank: int
-) -> tuple[slice, ...]:
-    """The part of the full tensor `rank` holds, from the placements alone.
-
-    Shard(d) on a mesh axis of size n gives the rank at coordinate c chunk c of dim d with
-    torch.chunk's rule (chunks of ceil(len/n), the last ones shorter or empty); several
-    axes sharding one dim split it left to right, as DTensor does. Replicate keeps the dim
-    whole.
-    """
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    where = (mesh.mesh == rank).nonzero()
-    coordinate = [int(c) for c in where[0]]
-    lo, hi = [0] * len(shape), list(shape)
-    for axis, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
-            # Fused layers (one qkv weight split per q/k/v, then per rank) need interleaved
-            # regions; the plan schema has no fused split yet, so nothing writes these.
-            raise CheckpointError(
-                f"{key} is split with a strided placement ({p}), which loading from "
-                "safetensors does not support yet; fix: load a sharded (DCP) checkpoint "
-                "instead, or keep that layer unfused."
-            )
-        if isinstance(p, Shard):
-            d = p.dim % len(shape)
-            n = mesh.size(axis)
-            size = hi[d] - lo[d]
-            chunk = -(-size // n)
-            start = min(coordinate[axis] * chunk, size)
-            stop = min(start + chunk, size)
-            lo[d], hi[d] = lo[d] + start, lo[d] + stop
-        elif not isinstance(p, Replicate):
-            raise CheckpointError(
-                f"{key} has placement {p} on mesh axis {axis}; only Shard and Replicate "
-                "parameters can be read from a full tensor. Fix: keep parameters out of "
-                "Partial layouts in the plan."
-            )
-    return tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
 
 
 def _load_dcp(model: nn.Module, sd: dict[str, torch.Tensor], path: Path) -> Iterator[None]:
@@ -701,7 +658,8 @@ def _load_dcp(model: nn.Module, sd: dict[str, torch.Tensor], path: Path) -> Iter
         for k, v in metadata.state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
-    state = _dcp_state(model, saving=False)
+    teach_checkpoint_chunks()
+    state = _dcp_state(model, shapes)
     _match_keys(model, state, shapes, path)
     _check_dcp_files(path, metadata)
     yield

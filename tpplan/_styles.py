@@ -7,14 +7,14 @@ cases built here on the same classes:
 - `split_params`: `SplitParams`;
 - `vocab_parallel` with `sum_at: lookup`: `SumAtLookup`;
 - `vocab_parallel` with `written`: `WrittenRows`;
-- fused colwise layers (`parts`): `Colwise` stores each part's rank-r slice next to the
-  others', so a rank's output is its own q, k and v (or gate and up) laid end to end;
+- fused colwise layers (`parts`): `Colwise` gives each rank its slice of each part, so a
+  rank's output is its own q, k and v (or gate and up) laid end to end (tpplan/_strided.py);
 - weights stored (in, out) (`transposed`, GPT-2's Conv1D): `Colwise` / `Rowwise` shard the
   other dim of the weight.
 
-A fused parameter is a DTensor `Shard(dim)` of the weight with its rows (columns, when
-transposed) reordered rank by rank; `fused_layouts` says which, and `unfuse` turns a gathered
-tensor back into the original order (checkpoints use both).
+Every parameter stays a DTensor whose full tensor is the unsharded one (a fused one of equal
+parts a `_StridedShard`), so torch's state-dict, optimizer and checkpoint APIs see the
+unsharded model's layout.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ._patterns import match_names
+from ._strided import equal_parts, fused_order, split_parts, teach_checkpoint_chunks
 from .errors import TpplanError
 from .plan import parse_layout
 
@@ -61,13 +62,10 @@ __all__ = [
     "SplitParams",
     "SumAtLookup",
     "WrittenRows",
-    "fused_layouts",
-    "fused_order",
     "placement",
     "plan_to_torch",
     "put_in_lookup_place",
     "rule_to_style",
-    "unfuse",
 ]
 
 
@@ -111,41 +109,6 @@ class ReplicateGradSum(ParallelStyle):
 
 
 # ---- fused and transposed weights -----------------------------------------------------------
-# On a module with fused parameters: {parameter name: (dim, parts, tp)}. Kept on the module,
-# not the parameter, because module.to_empty() and friends replace parameters.
-_FUSED = "_tpplan_fused"
-
-
-def fused_order(parts: list[int] | tuple[int, ...], tp: int) -> list[int]:
-    """Indices that put rank 0's slice of every part first, then rank 1's, and so on: a
-    contiguous Shard of the reordered dim gives each rank its own slice of each part."""
-    out: list[int] = []
-    for r in range(tp):
-        start = 0
-        for size in parts:
-            step = size // tp
-            out.extend(range(start + r * step, start + (r + 1) * step))
-            start += size
-    return out
-
-
-def fused_layouts(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...], int]]:
-    """{parameter name: (dim, parts, tp)} for every parameter a fused colwise style reordered
-    (names as in model.named_parameters() and state_dict())."""
-    out = {}
-    for prefix, module in model.named_modules():
-        for name, layout in module.__dict__.get(_FUSED, {}).items():
-            out[f"{prefix}.{name}" if prefix else name] = layout
-    return out
-
-
-def unfuse(whole: torch.Tensor, layout: tuple[int, tuple[int, ...], int]) -> torch.Tensor:
-    """A gathered fused tensor back in the original order of its parts."""
-    dim, parts, tp = layout
-    order = torch.tensor(fused_order(parts, tp), device=whole.device)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order), device=whole.device)
-    return whole.index_select(dim, inverse)
 
 
 def _distribute(
@@ -156,22 +119,25 @@ def _distribute(
     parts: tuple[int, ...] | None,
     src_data_rank: int | None,
 ) -> None:
-    """Split the parameter `name` of `module` (dotted for a child's) along `dim`."""
+    """Split the parameter `name` of `module` (dotted for a child's) along `dim`; with equal
+    fused `parts`, as each rank's slice of each part (a `_StridedShard`, see
+    tpplan/_strided.py). Either way the parameter's full tensor is the original one."""
     path, _, name = name.rpartition(".")
     module = module.get_submodule(path)
     param = getattr(module, name)
-    tp = mesh.size()
-    data = param
-    if parts is not None:
-        index = torch.tensor(fused_order(parts, tp), device=param.device)
-        data = param.detach().index_select(dim, index)
-    new = nn.Parameter(
-        distribute_tensor(data, mesh, [Shard(dim)], src_data_rank=src_data_rank),
-        param.requires_grad,
-    )
-    if parts is not None:
-        module.__dict__.setdefault(_FUSED, {})[name] = (dim, parts, tp)
-    module.register_parameter(name, new)
+    if parts is not None and equal_parts(parts):
+        teach_checkpoint_chunks()
+        data = split_parts(param, mesh, dim, parts, src_data_rank)
+    else:
+        data = distribute_tensor(param, mesh, [Shard(dim)], src_data_rank=src_data_rank)
+    module.register_parameter(name, nn.Parameter(data, param.requires_grad))
+
+
+def _own_parts(parts: tuple[int, ...], mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+    """The features of a whole fused output that make this rank's slice of each part, in
+    order (each rank's own index, also on simulated ranks)."""
+    order = torch.tensor(fused_order(parts, mesh.size()), device=device)
+    return distribute_tensor(order, mesh, [Shard(0)], src_data_rank=None).to_local()
 
 
 def _output(
@@ -182,13 +148,23 @@ def _output(
     out: DTensor,
     mesh: DeviceMesh,
 ) -> Any:
+    if parts is not None and not isinstance(layouts[0], Replicate):
+        if not local:
+            raise TpplanError(
+                "a fused colwise layer (parts) hands each rank its slice of every part as a "
+                "plain tensor; drop local_output: false from its rule."
+            )
+        if equal_parts(parts):
+            # its weight is a _StridedShard: the local output already holds this rank's
+            # slice of each part, in order
+            return out.to_local()
+        # pieces of unequal sizes are no DTensor layout: the weight is a plain Shard of the
+        # original, so this rank's features are gathered and its slices picked out; the
+        # gradient is partial (each rank's picks only), summed back to the shards
+        whole = out.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return whole.index_select(-1, _own_parts(parts, mesh, whole.device))
     if out.placements != layouts:
         out = out.redistribute(placements=layouts)
-    if parts is not None and isinstance(layouts[0], Replicate):
-        # gathered rank by rank: put the parts back in the order the model expects
-        dim = out.dim() - 1
-        whole = unfuse(out.to_local(), (dim, parts, mesh.size()))
-        return whole if local else DTensor.from_local(whole, mesh, layouts, run_check=False)
     if local and isinstance(layouts[0], Replicate) and torch.is_grad_enabled():
         # a gathered output handed back as its own tensor, so that the model may change it
         # in place (Gemma 3n); see `Rowwise`

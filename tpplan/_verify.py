@@ -18,8 +18,8 @@ from torch import nn
 from ._apply import apply_plan
 from ._inputs import example_inputs
 from ._local import rank_values, simulated_ranks
-from ._patterns import wildcard
-from ._styles import EXPERTS_MARK, fused_layouts, unfuse
+from ._patterns import match_names, wildcard
+from ._styles import EXPERTS_MARK
 from ._tree import first_tensor
 from .plan import Plan
 
@@ -69,6 +69,17 @@ def _error(
     if got.numel() == 0:
         return 0.0
     return (got.detach().double() - want.detach().double()).abs().max().item()
+
+
+def _fused_outputs(sharded: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{module name: parts} for the fused colwise layers of the plan `sharded` was given."""
+    plan = sharded.__dict__.get("_tpplan_plan")
+    names = [n for n, _ in sharded.named_modules() if n]
+    out: dict[str, tuple[int, ...]] = {}
+    for rule in plan.rules if plan is not None else []:
+        if rule.style == "colwise" and rule.parts:
+            out.update((n, tuple(rule.parts)) for n in match_names(rule.match, names))
+    return out
 
 
 def _record(model: nn.Module, store: dict[str, Any]) -> list[Any]:
@@ -144,9 +155,9 @@ def _compare(
 ) -> None:
     """Run the sharded model and add every module output's (and gradient's) error to the
     report; `values` gives each (rank, value) of a tensor this process can see. A fused
-    layer's piece is a rank's slice of each of its parts, and a fused gradient is put back in
-    the unsharded layer's order."""
-    fused = fused_layouts(sharded)
+    layer's output is a rank's slice of each of its parts (parameters and gradients are in the
+    unsharded layout)."""
+    fused = _fused_outputs(sharded)
     got: dict[str, Any] = {}
     handles = _record(sharded, got)
     out = sharded(**inputs)
@@ -160,10 +171,8 @@ def _compare(
         ref = want.get(name)
         if value is None or ref is None or any(name.startswith(e + ".") for e in experts):
             continue
-        layout = fused.get(f"{name}.weight")
-        parts = layout[1] if layout is not None else None
         for rank, v in values(value):
-            report.add(name, "output", _error(v, ref, rank, tp, parts))
+            report.add(name, "output", _error(v, ref, rank, tp, fused.get(name)))
     if not backward:
         return
     _loss(out).backward()
@@ -173,10 +182,8 @@ def _compare(
         if p.grad is None:
             report.add(name, "grad", float("inf"))
             continue
-        layout = fused.get(name)
         for rank, g in values(p.grad):
-            whole = g if layout is None else unfuse(g, layout)
-            report.add(name, "grad", _error(whole, want_grads[name], rank, tp))
+            report.add(name, "grad", _error(g, want_grads[name], rank, tp))
 
 
 # ---- the same comparison on real gloo processes (`tpplan verify --processes`) -----------
