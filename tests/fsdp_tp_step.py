@@ -1,5 +1,9 @@
 """Run by torchrun from test_processes.py on 4 ranks (one node or two): a 2x2 (dp, tp) mesh
-trains one step; the parameters must equal the unsharded model trained on the whole batch."""
+trains one step; the parameters must equal the unsharded model trained on the whole batch.
+
+With no argument, the tiny Llama and its hand-written plan; with `gpt2` or `phi3`, that model
+and its inferred plan, whose fused layers (q|k|v, gate|up) are split as each rank's slice of
+each piece, a layout FSDP2 must not shard along."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
+from infer_models import gpt2, phi3
 from models import tiny_llama, token_batch
 from rank_exit import finish
 
@@ -24,7 +29,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ref, model = tiny_llama(), tiny_llama()
+    build = {"gpt2": gpt2, "phi3": phi3}.get(sys.argv[1] if sys.argv[1:] else "", tiny_llama)
+    ref, model = build(), build()
     batch = token_batch(batch=4)
     loss_fn = torch.nn.functional.cross_entropy
 
@@ -32,9 +38,12 @@ def main() -> None:
     loss_fn(out[:, :-1].flatten(0, 1), batch[:, 1:].flatten()).backward()
     torch.optim.SGD(ref.parameters(), lr=0.5).step()
 
-    tpplan.parallelize(
-        model, mesh, Path(__file__).parent / "plans" / "llama.yaml", check_inputs=True
+    plan = (
+        Path(__file__).parent / "plans" / "llama.yaml"
+        if build is tiny_llama
+        else tpplan.infer_plan(model, tp_size=2)
     )
+    tpplan.parallelize(model, mesh, plan, check_inputs=True)
     dp_rank = mesh["dp"].get_local_rank()
     part = batch.chunk(2)[dp_rank]  # both tp ranks of one dp rank get the same half
     out = model(part).logits
@@ -47,7 +56,8 @@ def main() -> None:
         err = (full.detach() - q.detach()).abs().max().item()
         if err > worst:
             worst, where = err, name
-    # every parameter is FSDP-sharded over dp; the plan's layers over (dp, tp) as well
+    # every parameter is FSDP-sharded over dp, the plan's layers over (dp, tp) as well (a
+    # fused bias, kept whole over dp, over tp only)
     dims = {len(p.placements) if isinstance(p, DTensor) else 0 for p in model.parameters()}
     print(f"rank {rank} worst {where} {worst:.2e} mesh dims {sorted(dims)}", flush=True)
     bad = worst > TOL or dims != {1, 2}

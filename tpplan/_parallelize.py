@@ -7,11 +7,16 @@ uses: each block is wrapped by `fully_shard` over "dp" after its weights were sp
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
+import torch
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._apply import apply_plan
 from .errors import MeshError
@@ -67,7 +72,45 @@ def parallelize(
         )
     from torch.distributed.fsdp import fully_shard
 
-    for block in _blocks(model):
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    # FSDP2 cannot shard the dim a fused layer is split on as strided pieces (it would label
+    # the result as if the pieces were one): such a parameter is sharded over dp along
+    # another dim, and one with no other dim (a fused bias) is kept whole over dp, its
+    # gradient averaged over dp as FSDP averages the others'.
+    whole = {p for p in model.parameters() if _strided_dim(p) is not None and p.dim() == 1}
+    for p in whole:
+        p.register_hook(partial(_average_over, mesh["dp"]))
+    for block in [*_blocks(model), model]:
+        fully_shard(
+            block, mesh=mesh["dp"], shard_placement_fn=_fsdp_placement, ignored_params=whole
+        )
     return model
+
+
+def _strided_dim(p: nn.Parameter) -> int | None:
+    """The dim of a parameter split as each rank's slice of each fused piece, if any."""
+    if not isinstance(p, DTensor):
+        return None
+    return next((q.dim for q in p.placements if isinstance(q, _StridedShard)), None)
+
+
+def _fsdp_placement(p: nn.Parameter) -> Shard | None:
+    """FSDP2's dim for `p`: dim 0 (None: its default) unless tp split dim 0 into pieces."""
+    if _strided_dim(p) != 0:
+        return None
+    return Shard(1)
+
+
+def _average_over(dp: DeviceMesh, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of a parameter FSDP does not manage, averaged over the dp ranks."""
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    mean = funcol.wait_tensor(funcol.all_reduce(local, "avg", dp))
+    if isinstance(grad, DTensor):
+        return DTensor.from_local(
+            mean,
+            grad.device_mesh,
+            grad.placements,
+            run_check=False,
+            shape=grad.shape,
+            stride=grad.stride(),
+        )
+    return mean
