@@ -76,9 +76,11 @@ def test_notebook_runs(notebook: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_lightning_example_trains_a_sharded_model() -> None:
     """examples/lightning_tp.py: Lightning's ModelParallelStrategy on 2 CPU ranks (gloo) with
-    `configure_model` as the one line apply_plan(...): the parameters end up DTensors and two
-    training steps give a finite loss. TPPLAN_CHECK_INPUTS=1 makes every forward verify that
-    both tp ranks got the same batch from Lightning's sampler (it raises otherwise)."""
+    `configure_model` as the one line apply_plan(...): the parameters end up DTensors, two
+    training steps give a finite loss, and `trainer.save_checkpoint` of the fused gate|up
+    layers, consolidated, loads into plain transformers with the trained model's logits.
+    TPPLAN_CHECK_INPUTS=1 makes every forward verify that both tp ranks got the same batch
+    from Lightning's sampler (it raises otherwise)."""
     script = Path(__file__).resolve().parents[1] / "examples" / "lightning_tp.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TPPLAN_CHECK_INPUTS": "1"}
     run = subprocess.run(
@@ -90,3 +92,9 @@ def test_lightning_example_trains_a_sharded_model() -> None:
     assert sharded and loss, run.stdout + run.stderr
     assert 0 < int(sharded[1]) <= int(sharded[2])
     assert 0 < float(loss[1]) < float("inf")  # also false for nan
+    read_back = re.search(
+        r"^consolidated checkpoint in plain transformers: max logit difference (\S+)$",
+        run.stdout,
+        re.M,
+    )
+    assert read_back and float(read_back[1]) <= 1e-5, run.stdout + run.stderr
