@@ -489,3 +489,102 @@ def test_a_model_id_not_in_the_cache_says_how_to_get_it(
         f"tpplan: error: 'some-org/missing' is not in the local Hugging Face cache ({hub_cache})"
     )
     assert "hf download some-org/missing config.json" in err and "pass a local folder" in err
+
+
+def test_a_bare_model_id_not_in_the_cache_says_how_to_get_it(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "infer", "bert-base-uncased", "--tp", "2")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(
+        f"tpplan: error: 'bert-base-uncased' is not in the local Hugging Face cache ({hub_cache})"
+    )
+    assert "hf download bert-base-uncased config.json" in err
+
+
+def test_a_bare_model_id_in_the_cache_is_built(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cache_model(hub_cache, "tiny-llama", TINY_LLAMA_CONFIG)
+    code, out, err = run(capsys, "infer", "tiny-llama", "--tp", "2")
+    assert code == 0, err
+    assert "model.embed_tokens.weight: (128, 64)" in out
+
+
+# ---- every user error is one line and exit 2 ------------------------------------------
+
+
+def _one_line_error(code: int, out: str, err: str, message: str) -> None:
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+
+
+@pytest.mark.parametrize(
+    ("model", "sets", "message"),
+    [
+        (
+            "llama",
+            ["num_hidden_layers=abc"],
+            "--set num_hidden_layers='abc': LlamaConfig refuses it (Field 'num_hidden_layers' "
+            "expected int, got str (value: 'abc')). Fix: give num_hidden_layers a value of its "
+            "type and range, e.g. --set num_hidden_layers=32.",
+        ),
+        (
+            "folder",
+            ["num_hidden_layers=2.5"],
+            "--set num_hidden_layers=2.5: LlamaConfig refuses it (Field 'num_hidden_layers' "
+            "expected int, got float (value: 2.5)). Fix: give num_hidden_layers a value of its "
+            "type and range, e.g. --set num_hidden_layers=2.",
+        ),
+        (
+            "llama",
+            ["hidden_size=64", "num_attention_heads=7"],
+            "--set hidden_size=64 num_attention_heads=7: LlamaConfig refuses them (The hidden "
+            "size (64) is not a multiple of the number of attention heads (7)). Fix: choose "
+            "values that fit together",
+        ),
+    ],
+    ids=["type-a-word", "folder-a-float", "sizes-that-do-not-fit"],
+)
+def test_a_set_value_the_config_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, sets: list[str], message: str
+) -> None:
+    if model == "folder":
+        (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+        model = str(tmp_path)
+    argv = [arg for pair in sets for arg in ("--set", pair)]
+    code, out, err = run(capsys, "infer", model, *argv)
+    _one_line_error(code, out, err, f"tpplan: error: {message}")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"model_type": "llama",\n',
+            "config.json is not valid JSON (line 2, column 1: Expecting property name enclosed "
+            "in double quotes). Fix: repair it",
+        ),
+        (
+            '{"hidden_size": 64}',
+            "config.json is not a transformers config (Unrecognized model in ",
+        ),
+    ],
+    ids=["not-json", "no-model-type"],
+)
+def test_a_model_folder_whose_config_is_broken(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    (tmp_path / "config.json").write_text(text)
+    code, out, err = run(capsys, "infer", str(tmp_path))
+    _one_line_error(code, out, err, f"tpplan: error: {tmp_path}/{message}")
+
+
+@pytest.mark.parametrize("spec", ["./no-such-folder", "/no/such/model", "mine/config.json"])
+def test_a_path_that_does_not_exist_gets_no_cache_hint(
+    capsys: pytest.CaptureFixture[str], spec: str
+) -> None:
+    code, out, err = run(capsys, "infer", spec)
+    _one_line_error(code, out, err, f"tpplan: error: '{spec}' is no file or folder. MODEL is ")
+    assert "hf download" not in err
