@@ -559,6 +559,30 @@ def test_a_set_value_the_config_refuses(
 
 
 @pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            b"\x89PNG\r\n\x1a\n\x00\x00",
+            "bad.yaml: a binary file, not a YAML or JSON plan (byte 0x89 at line 1, column 1 "
+            "is not UTF-8). Fix: check that PLAN names a plan file.",
+        ),
+        (
+            "tpplan: 1\n# reviewed by Ren\xe9e\nrules: []\n".encode("latin-1"),
+            "bad.yaml: byte 0xe9 at line 2, column 18 is not UTF-8; plan files are UTF-8 "
+            "text. Fix: save the file as UTF-8.",
+        ),
+    ],
+    ids=["binary", "latin-1-comment"],
+)
+def test_a_plan_file_that_is_not_utf8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data: bytes, message: str
+) -> None:
+    (tmp_path / "bad.yaml").write_bytes(data)
+    code, out, err = run(capsys, "check", str(tmp_path / "bad.yaml"), "llama", "--tp", "2")
+    _one_line_error(code, out, err, f"tpplan: error: {tmp_path}/{message}")
+
+
+@pytest.mark.parametrize(
     ("text", "message"),
     [
         (
