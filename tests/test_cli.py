@@ -521,6 +521,39 @@ def _one_line_error(code: int, out: str, err: str, message: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["infer", "llama", "--tp", "0"],
+        ["infer", "llama", "--tp", "-2"],
+        ["check", str(LLAMA_PLAN), "llama", "--tp", "0"],
+        ["diff", str(LLAMA_PLAN), "llama", "--tp", "-2"],
+        ["verify", "llama", "--tp", "0"],
+        ["stats", "llama", "--tp", "-2"],
+        ["stats", "llama", "--tp", "two"],
+    ],
+)
+def test_a_tp_size_below_1_is_refused_before_any_model_is_built(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    code, out, err = run(capsys, *argv, *SMALL)
+    got = argv[argv.index("--tp") + 1]
+    _one_line_error(
+        code,
+        out,
+        err,
+        f"tpplan {argv[0]}: error: argument --tp: takes a whole number of at least 1 (the "
+        f"number of tensor-parallel ranks), got '{got}' (see tpplan {argv[0]} --help)",
+    )
+
+
+def test_a_missing_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "check", str(LLAMA_PLAN), "llama")
+    _one_line_error(
+        code, out, err, "tpplan check: error: the following arguments are required: --tp"
+    )
+
+
+@pytest.mark.parametrize(
     ("model", "sets", "message"),
     [
         (
@@ -582,6 +615,30 @@ def test_a_plan_file_that_is_not_utf8(
     _one_line_error(code, out, err, f"tpplan: error: {tmp_path}/{message}")
 
 
+def test_output_to_a_folder_is_refused_before_inferring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "infer", "llama", "-o", str(tmp_path), *SMALL)
+    _one_line_error(
+        code,
+        out,
+        err,
+        f"tpplan: error: -o {tmp_path} is a folder; -o takes the file to write the plan to, "
+        f"e.g. -o {tmp_path / 'plan.yaml'}.",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_into_a_missing_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "plans" / "llama.yaml"
+    code, out, err = run(capsys, "infer", "llama", "-o", str(target), *SMALL)
+    _one_line_error(
+        code, out, err, f"tpplan: error: -o {target}: the folder {target.parent} does not exist"
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -612,3 +669,21 @@ def test_a_path_that_does_not_exist_gets_no_cache_hint(
     code, out, err = run(capsys, "infer", spec)
     _one_line_error(code, out, err, f"tpplan: error: '{spec}' is no file or folder. MODEL is ")
     assert "hf download" not in err
+
+
+def test_experts_expert_on_a_model_without_experts_says_it_had_no_effect(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "infer", "llama", "--experts", "expert", "--tp", "2", *SMALL)
+    assert code == 0 and Plan.from_yaml(out).rules
+    assert (
+        "note: --experts expert had no effect: LlamaForCausalLM has no mixture-of-experts "
+        "layers.\n" in err
+    )
+
+
+def test_experts_expert_on_a_model_with_experts_says_nothing_of_the_kind(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, "infer", "qwen3_moe", "--experts", "expert", "--tp", "2", *MOE)
+    assert code == 0 and "no effect" not in err
