@@ -111,6 +111,42 @@ def test_an_unknown_plan_path_is_named(tmp_path: Path) -> None:
         apply_plan(tiny_llama(), mesh, tmp_path / "nope.yaml")
 
 
+def test_what_is_not_a_model_is_named() -> None:
+    with (
+        fake_ranks(2) as mesh,
+        pytest.raises(
+            tpplan.ModelError,
+            match=r"^apply_plan shards a torch nn\.Module, but the model given is None\. Fix: "
+            r"pass the model itself",
+        ),
+    ):
+        apply_plan(None, mesh, LLAMA_PLAN)  # type: ignore[arg-type]
+
+
+def test_a_model_sharded_already_is_named_not_a_rule() -> None:
+    model = tiny_llama()
+    with fake_ranks(2) as mesh:
+        apply_plan(model, mesh, LLAMA_PLAN)
+        with pytest.raises(
+            tpplan.ModelError,
+            match=r"^this LlamaForCausalLM is already sharded \(its parameters "
+            r"model\.embed_tokens\.weight, model\.layers\.0\.self_attn\.q_proj\.weight, \.\.\. "
+            r"are DTensors\); a plan applies "
+            r"once, to the unsharded model\. Fix: build a fresh model",
+        ):
+            apply_plan(model, mesh, LLAMA_PLAN)
+
+
+def test_a_model_a_plan_that_split_nothing_was_applied_to_is_named() -> None:
+    """Applying again would divide its attributes by tp a second time."""
+    model = tiny_llama()
+    plan = Plan.model_validate({"tpplan": 1, "rules": []})
+    with fake_ranks(2) as mesh:
+        apply_plan(model, mesh, plan)
+        with pytest.raises(tpplan.ModelError, match=r"already sharded \(apply_plan ran on it\)"):
+            apply_plan(model, mesh, plan)
+
+
 def test_attributes_are_divided_per_rank() -> None:
     model = tiny_llama()
     plan = Plan.from_yaml(

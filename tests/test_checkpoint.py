@@ -14,7 +14,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -319,11 +322,247 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left
 
 
-def test_a_folder_that_is_not_a_checkpoint_is_not_replaced(tmp_path: Path) -> None:
-    (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match=r"holds no checkpoint.*new or empty folder"):
+def test_a_failed_save_to_a_new_folder_leaves_no_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(StreamingWriter, "write", full)
+    with pytest.raises(CheckpointError, match=r"ckpt failed \(OSError: .*No space left.*\); Fix"):
+        save_checkpoint(tiny_llama(), tmp_path / "ckpt", sharded=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+# files a user keeps beside a checkpoint, which no save may touch
+_USER_FILES = {
+    "tokenizer.json": b'{"version": "1.0"}',
+    "tokenizer_config.json": b"{}",
+    "README.md": b"# my model\n",
+    "train_state.pt": b"\x00step 1200",
+    "notes/run.txt": b"lr 3e-4",
+}
+
+
+def _add_user_files(folder: Path) -> None:
+    for name, data in _USER_FILES.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+
+
+def _assert_user_files(folder: Path) -> None:
+    assert {n: (folder / n).read_bytes() for n in _USER_FILES} == _USER_FILES
+    assert sorted(p.name for p in (folder / "notes").iterdir()) == ["run.txt"]
+
+
+def _loads_seed(folder: Path) -> int:
+    """Which of the seeded tiny Llamas (1, 2 or 3) the checkpoint in `folder` holds."""
+    model = _empty_llama()
+    load_checkpoint(model, folder)
+    got = model.state_dict()
+    for seed in (1, 2, 3):
+        want = tiny_llama(seed=seed).state_dict()
+        if all(torch.equal(got[k], t) for k, t in want.items()):
+            return seed
+    raise AssertionError("the checkpoint holds none of the seeded models (a mix of two?)")
+
+
+_SAFETENSORS_ONE = ["config.json", "generation_config.json", "model.safetensors"]
+_USER_TOP = sorted(
+    ["README.md", "notes", "tokenizer.json", "tokenizer_config.json", "train_state.pt"]
+)
+
+
+def _checkpoint_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name not in _USER_TOP)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_save_leaves_every_file_it_did_not_write(tmp_path: Path, sharded: bool) -> None:
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_llama(seed=1), folder, sharded=sharded)
+    _add_user_files(folder)
+    save_checkpoint(tiny_llama(seed=2), folder, sharded=sharded)
+    _assert_user_files(folder)
+    assert _loads_seed(folder) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "names"),
+    [
+        # a save in fewer files leaves no third file and no index behind
+        ({"max_file_bytes": 60_000}, {}, _SAFETENSORS_ONE),
+        ({}, {"max_file_bytes": 100_000}, None),
+        # one format over the other: a stale .metadata would be loaded instead of the weights
+        ({"sharded": True}, {}, _SAFETENSORS_ONE),
+        ({}, {"sharded": True}, None),
+    ],
+    ids=["files-to-one", "one-to-files", "dcp-to-safetensors", "safetensors-to-dcp"],
+)
+def test_a_save_removes_the_previous_checkpoints_other_files(
+    tmp_path: Path, before: dict[str, Any], after: dict[str, Any], names: list[str] | None
+) -> None:
+    folder, fresh = tmp_path / "ckpt", tmp_path / "fresh"
+    save_checkpoint(tiny_llama(seed=1), folder, **{"sharded": False, **before})
+    if "max_file_bytes" in before:
+        assert len(list(folder.glob("model-*-of-*.safetensors"))) >= 3
+    _add_user_files(folder)
+    save_checkpoint(tiny_llama(seed=2), folder, **{"sharded": False, **after})
+    save_checkpoint(tiny_llama(seed=2), fresh, **{"sharded": False, **after})
+    assert _checkpoint_names(folder) == (names or _checkpoint_names(fresh))
+    _assert_user_files(folder)
+    assert _loads_seed(folder) == 2
+
+
+@pytest.mark.parametrize("where", [".", "ckpt", "./ckpt/"])
+def test_a_save_to_a_relative_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path if where != "." else tmp_path / "ckpt")
+    for seed in (1, 2):  # a new folder, then one that holds a checkpoint
+        assert save_checkpoint(tiny_llama(seed=seed), where, sharded=False) == Path(where)
+    assert _checkpoint_names(tmp_path / "ckpt") == _SAFETENSORS_ONE
+    assert _loads_seed(Path(where)) == 2
+
+
+def test_leftovers_of_a_killed_save_are_removed_by_the_next_save(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_llama(seed=1), folder, sharded=False)
+    (folder / ".tpplan-save").mkdir()  # a stage killed while it was being written
+    (folder / ".tpplan-save" / "model.safetensors").write_bytes(b"half a file")
+    (folder / ".tpplan-swap.part").write_text('{"files": [')  # a journal killed mid-write
+    (folder / ".tpplan-link-model.safetensors.part").write_bytes(b"x")
+    assert _loads_seed(folder) == 1  # none of them is the checkpoint
+    save_checkpoint(tiny_llama(seed=2), folder, sharded=False)
+    assert _checkpoint_names(folder) == _SAFETENSORS_ONE
+    assert _loads_seed(folder) == 2
+
+
+def test_a_folder_with_other_files_gets_the_checkpoint_beside_them(tmp_path: Path) -> None:
+    _add_user_files(tmp_path)
+    save_checkpoint(tiny_llama(seed=1), tmp_path, sharded=False)
+    _assert_user_files(tmp_path)
+    assert _checkpoint_names(tmp_path) == _SAFETENSORS_ONE
+
+
+def test_a_folder_whose_config_belongs_to_no_checkpoint_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"mine": true}')
+    with pytest.raises(
+        CheckpointError, match=r"holds config\.json but no checkpoint weights.*Fix: pass a new"
+    ):
         save_checkpoint(tiny_llama(), tmp_path, sharded=False)
-    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert _file_bytes(tmp_path) == {"config.json": b'{"mine": true}'}
+
+
+def test_a_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"ckpt exists and is a file.*pass a folder path"):
+        save_checkpoint(tiny_llama(), tmp_path / "ckpt", sharded=False)
+    assert _file_bytes(tmp_path) == {"ckpt": b"mine"}
+
+
+def test_a_filesystem_without_hard_links_gets_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_llama(seed=1), folder, sharded=False)
+    _add_user_files(folder)
+
+    def no_links(*args: object, **kwargs: object) -> None:
+        raise PermissionError(1, "Operation not permitted (simulated: no hard links)")
+
+    monkeypatch.setattr(os, "link", no_links)
+    save_checkpoint(tiny_llama(seed=2), folder, sharded=False)
+    assert _checkpoint_names(folder) == _SAFETENSORS_ONE
+    _assert_user_files(folder)
+    assert _loads_seed(folder) == 2
+
+
+def test_a_journal_naming_missing_files_is_named(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_llama(seed=1), folder, sharded=False)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / ".tpplan-save").mkdir()
+    (folder / ".tpplan-swap.json").write_text('{"files": ["model.safetensors"]}')
+    message = r"tpplan-swap\.json, left by a save that was killed .* names files missing from"
+    with pytest.raises(CheckpointError, match=message + r".*Fix: delete"):
+        load_checkpoint(_empty_llama(), folder)
+    with pytest.raises(CheckpointError, match=message):
+        save_checkpoint(tiny_llama(seed=2), folder, sharded=False)
+    assert (folder / "model.safetensors").read_bytes() == weights  # not rolled forward
+
+
+class _Killed(BaseException):
+    """The process died: raised by every change to the filesystem from the kill on."""
+
+
+# The calls through which a save changes which files the folders hold (file contents are
+# written only inside the stage, which is no checkpoint until its journal is renamed in).
+_FS_CHANGES = ("mkdir", "rmdir", "link", "unlink", "remove", "rename", "replace")
+
+
+@contextmanager
+def _killed_at(step: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The process dies at the `step`-th change to the filesystem: none succeeds from it on."""
+    calls = 0
+
+    def dying(real: Callable[..., Any]) -> Callable[..., Any]:
+        def change(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls >= step:
+                raise _Killed
+            return real(*args, **kwargs)
+
+        return change
+
+    with monkeypatch.context() as m:
+        for name in _FS_CHANGES:
+            m.setattr(os, name, dying(getattr(os, name)))
+        yield
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ({"max_file_bytes": 60_000}, {}),
+        ({}, {"sharded": True}),
+        ({"sharded": True}, {"max_file_bytes": 60_000}),
+    ],
+    ids=["files-to-one", "safetensors-to-dcp", "dcp-to-files"],
+)
+def test_a_save_killed_at_any_step_leaves_a_loadable_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: dict[str, Any], after: dict[str, Any]
+) -> None:
+    seen = set()
+    kill_at = 0
+    finished = False
+    while not finished:
+        kill_at += 1
+        folder = tmp_path / str(kill_at)
+        save_checkpoint(tiny_llama(seed=1), folder, **{"sharded": False, **before})
+        _add_user_files(folder)
+        try:
+            with _killed_at(kill_at, monkeypatch):
+                save_checkpoint(tiny_llama(seed=2), folder, **{"sharded": False, **after})
+            finished = True
+        except (_Killed, CheckpointError):  # CheckpointError: a kill inside the writing
+            pass
+        _assert_user_files(folder)
+        if (folder / ".tpplan-swap.json").exists():
+            with pytest.warns(UserWarning, match=r"was killed while replacing its files"):
+                seen.add(_loads_seed(folder))
+        else:
+            seen.add(_loads_seed(folder))
+        # the next save finishes or removes whatever the killed one left
+        save_checkpoint(tiny_llama(seed=3), folder, **{"sharded": False, **after})
+        assert [p.name for p in folder.iterdir() if p.name.startswith(".tpplan-")] == []
+        _assert_user_files(folder)
+        assert _loads_seed(folder) == 3
+    assert seen == {1, 2}, seen  # kills before and after the new checkpoint took over
+    assert kill_at > 10  # the kills reached every step, the swap's included
 
 
 # --- bad checkpoints -----------------------------------------------------------------------

@@ -489,3 +489,201 @@ def test_a_model_id_not_in_the_cache_says_how_to_get_it(
         f"tpplan: error: 'some-org/missing' is not in the local Hugging Face cache ({hub_cache})"
     )
     assert "hf download some-org/missing config.json" in err and "pass a local folder" in err
+
+
+def test_a_bare_model_id_not_in_the_cache_says_how_to_get_it(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "infer", "bert-base-uncased", "--tp", "2")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(
+        f"tpplan: error: 'bert-base-uncased' is not in the local Hugging Face cache ({hub_cache})"
+    )
+    assert "hf download bert-base-uncased config.json" in err
+
+
+def test_a_bare_model_id_in_the_cache_is_built(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cache_model(hub_cache, "tiny-llama", TINY_LLAMA_CONFIG)
+    code, out, err = run(capsys, "infer", "tiny-llama", "--tp", "2")
+    assert code == 0, err
+    assert "model.embed_tokens.weight: (128, 64)" in out
+
+
+# ---- every user error is one line and exit 2 ------------------------------------------
+
+
+def _one_line_error(code: int, out: str, err: str, message: str) -> None:
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["infer", "llama", "--tp", "0"],
+        ["infer", "llama", "--tp", "-2"],
+        ["check", str(LLAMA_PLAN), "llama", "--tp", "0"],
+        ["diff", str(LLAMA_PLAN), "llama", "--tp", "-2"],
+        ["verify", "llama", "--tp", "0"],
+        ["stats", "llama", "--tp", "-2"],
+        ["stats", "llama", "--tp", "two"],
+    ],
+)
+def test_a_tp_size_below_1_is_refused_before_any_model_is_built(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    code, out, err = run(capsys, *argv, *SMALL)
+    got = argv[argv.index("--tp") + 1]
+    _one_line_error(
+        code,
+        out,
+        err,
+        f"tpplan {argv[0]}: error: argument --tp: takes a whole number of at least 1 (the "
+        f"number of tensor-parallel ranks), got '{got}' (see tpplan {argv[0]} --help)",
+    )
+
+
+def test_a_missing_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "check", str(LLAMA_PLAN), "llama")
+    _one_line_error(
+        code, out, err, "tpplan check: error: the following arguments are required: --tp"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "sets", "message"),
+    [
+        (
+            "llama",
+            ["num_hidden_layers=abc"],
+            "--set num_hidden_layers='abc': LlamaConfig refuses it (Field 'num_hidden_layers' "
+            "expected int, got str (value: 'abc')). Fix: give num_hidden_layers a value of its "
+            "type and range, e.g. --set num_hidden_layers=32.",
+        ),
+        (
+            "folder",
+            ["num_hidden_layers=2.5"],
+            "--set num_hidden_layers=2.5: LlamaConfig refuses it (Field 'num_hidden_layers' "
+            "expected int, got float (value: 2.5)). Fix: give num_hidden_layers a value of its "
+            "type and range, e.g. --set num_hidden_layers=2.",
+        ),
+        (
+            "llama",
+            ["hidden_size=64", "num_attention_heads=7"],
+            "--set hidden_size=64 num_attention_heads=7: LlamaConfig refuses them (The hidden "
+            "size (64) is not a multiple of the number of attention heads (7)). Fix: choose "
+            "values that fit together",
+        ),
+    ],
+    ids=["type-a-word", "folder-a-float", "sizes-that-do-not-fit"],
+)
+def test_a_set_value_the_config_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, sets: list[str], message: str
+) -> None:
+    if model == "folder":
+        (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+        model = str(tmp_path)
+    argv = [arg for pair in sets for arg in ("--set", pair)]
+    code, out, err = run(capsys, "infer", model, *argv)
+    _one_line_error(code, out, err, f"tpplan: error: {message}")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            b"\x89PNG\r\n\x1a\n\x00\x00",
+            "bad.yaml: a binary file, not a YAML or JSON plan (byte 0x89 at line 1, column 1 "
+            "is not UTF-8). Fix: check that PLAN names a plan file.",
+        ),
+        (
+            "tpplan: 1\n# reviewed by Ren\xe9e\nrules: []\n".encode("latin-1"),
+            "bad.yaml: byte 0xe9 at line 2, column 18 is not UTF-8; plan files are UTF-8 "
+            "text. Fix: save the file as UTF-8.",
+        ),
+    ],
+    ids=["binary", "latin-1-comment"],
+)
+def test_a_plan_file_that_is_not_utf8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data: bytes, message: str
+) -> None:
+    (tmp_path / "bad.yaml").write_bytes(data)
+    code, out, err = run(capsys, "check", str(tmp_path / "bad.yaml"), "llama", "--tp", "2")
+    _one_line_error(code, out, err, f"tpplan: error: {tmp_path}/{message}")
+
+
+def test_output_to_a_folder_is_refused_before_inferring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "infer", "llama", "-o", str(tmp_path), *SMALL)
+    _one_line_error(
+        code,
+        out,
+        err,
+        f"tpplan: error: -o {tmp_path} is a folder; -o takes the file to write the plan to, "
+        f"e.g. -o {tmp_path / 'plan.yaml'}.",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_into_a_missing_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "plans" / "llama.yaml"
+    code, out, err = run(capsys, "infer", "llama", "-o", str(target), *SMALL)
+    _one_line_error(
+        code, out, err, f"tpplan: error: -o {target}: the folder {target.parent} does not exist"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"model_type": "llama",\n',
+            "config.json is not valid JSON (line 2, column 1: Expecting property name enclosed "
+            "in double quotes). Fix: repair it",
+        ),
+        (
+            '{"hidden_size": 64}',
+            "config.json is not a transformers config (Unrecognized model in ",
+        ),
+    ],
+    ids=["not-json", "no-model-type"],
+)
+def test_a_model_folder_whose_config_is_broken(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    (tmp_path / "config.json").write_text(text)
+    code, out, err = run(capsys, "infer", str(tmp_path))
+    _one_line_error(code, out, err, f"tpplan: error: {tmp_path}/{message}")
+
+
+@pytest.mark.parametrize("spec", ["./no-such-folder", "/no/such/model", "mine/config.json"])
+def test_a_path_that_does_not_exist_gets_no_cache_hint(
+    capsys: pytest.CaptureFixture[str], spec: str
+) -> None:
+    code, out, err = run(capsys, "infer", spec)
+    _one_line_error(code, out, err, f"tpplan: error: '{spec}' is no file or folder. MODEL is ")
+    assert "hf download" not in err
+
+
+def test_experts_expert_on_a_model_without_experts_says_it_had_no_effect(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "infer", "llama", "--experts", "expert", "--tp", "2", *SMALL)
+    assert code == 0 and Plan.from_yaml(out).rules
+    assert (
+        "note: --experts expert had no effect: LlamaForCausalLM has no mixture-of-experts "
+        "layers.\n" in err
+    )
+
+
+def test_experts_expert_on_a_model_with_experts_says_nothing_of_the_kind(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, "infer", "qwen3_moe", "--experts", "expert", "--tp", "2", *MOE)
+    assert code == 0 and "no effect" not in err

@@ -11,7 +11,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import MeshError, PlanFileError, PlanProblemsError, Problem, TpplanError
+from .errors import (
+    MeshError,
+    ModelError,
+    PlanFileError,
+    PlanProblemsError,
+    Problem,
+    TpplanError,
+)
 from .plan import SCHEMA_VERSION, Plan, Rule, load_plan
 
 if TYPE_CHECKING:
@@ -31,6 +38,7 @@ __all__ = [
     "InputMismatchError",
     "LaunchError",
     "MeshError",
+    "ModelError",
     "Plan",
     "PlanFileError",
     "PlanProblemsError",

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ._check import check_plan, tied_groups
 from ._guard import guard_inputs, wants_guard
 from ._patterns import match_names
-from .errors import MeshError, PlanProblemsError
+from .errors import MeshError, ModelError, PlanProblemsError
 from .plan import Plan, load_plan
 
 __all__ = ["apply_plan", "resolve_plan", "tp_mesh"]
@@ -37,6 +37,29 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
             "Pass the tensor-parallel axis, e.g. apply_plan(model, mesh['tp'])."
         )
     return mesh
+
+
+def _check_unsharded(model: object) -> None:
+    """A model apply_plan can shard: an nn.Module no plan was applied to. Torch itself would
+    fail deep inside a second plan over DTensors, naming a rule instead of the model."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(
+            f"apply_plan shards a torch nn.Module, but the model given is "
+            f"{'None' if model is None else 'a ' + type(model).__name__}. Fix: pass the model "
+            "itself (a function that builds it and returns nothing gives None)."
+        )
+    split = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if split or getattr(model, "_tpplan_plan", None) is not None:
+        how = (
+            f"its parameters {', '.join(split[:2])}{', ...' if len(split) > 2 else ''} are DTensors"
+            if split
+            else "apply_plan ran on it"
+        )
+        raise ModelError(
+            f"this {type(model).__name__} is already sharded ({how}); a plan applies once, "
+            "to the unsharded model. Fix: build a fresh model and apply the plan to it (before "
+            "FSDP's fully_shard, when there is one)."
+        )
 
 
 def resolve_plan(plan: Plan | str | Path | None, model: nn.Module, *, tp_size: int | None) -> Plan:
@@ -72,6 +95,7 @@ def apply_plan(
     forward verify that the model's tensor inputs are identical on all tp ranks, raising
     InputMismatchError naming the input and the ranks that differ.
     """
+    _check_unsharded(model)
     mesh = tp_mesh(mesh)
     tp_size = mesh.size()
     plan = resolve_plan(plan, model, tp_size=tp_size)

@@ -10,22 +10,20 @@ Start at `load_checkpoint`, then `save_checkpoint` and `full_state_dict`. Two fo
 - torch.distributed.checkpoint (`sharded=True`): each rank writes its own shards; DCP
   reshards on load, so a checkpoint saved at tp 2 loads at tp 4 or tp 1.
 
-Both are written to a temporary folder beside the target and swapped into place, so a crash
-mid-save leaves the previous checkpoint as it was. Loading checks every key and shape (and
-that every file is whole) before the first byte is copied, so a bad checkpoint is refused
-with the model untouched. Under `tpplan._local.simulated_ranks` (every rank in one process)
+Both are written whole to a staging folder inside the target, then replace only the files a
+save writes (tpplan/_checkpoint_folder.py): a crash mid-save leaves a complete checkpoint, and
+the folder's other files (tokenizer, README) are never touched. Loading checks every key and
+shape (and that every file is whole) before the first byte is copied, so a bad checkpoint is
+refused with the model untouched. Under `tpplan._local.simulated_ranks` (every rank in one process)
 the safetensors paths work per rank; DCP needs real processes.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import math
-import os
 import re
-import shutil
 import sys
 import time
 import warnings
@@ -41,6 +39,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._checkpoint_folder import (
+    STAGE,
+    check_replaceable,
+    discard_stage,
+    holds_checkpoint,
+    make_stage,
+    readable_folder,
+    replace_files,
+)
 from ._converted import Unsupported, read_region, shape_of, virtual_tensors
 from ._local import outside_simulation, rank_values
 from ._safetensors_io import (
@@ -58,8 +65,6 @@ from ._tree import local_bytes
 __all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]
 
 DEFAULT_MAX_FILE_BYTES = 5 * 2**30  # Hugging Face's own default shard size
-_TMP_SUFFIX = ".tpplan-tmp"
-_OLD_SUFFIX = ".tpplan-old"
 _MAX_LISTED = 8  # keys named per kind of mismatch; the count says how many more
 
 
@@ -106,8 +111,14 @@ def save_checkpoint(
     sharded=True: a torch.distributed.checkpoint folder, each rank writing its own shards
     (on more than one node, `path` must be on a filesystem every rank sees).
 
-    Either way the folder is built under a temporary name beside `path` and swapped in when
-    complete; an existing checkpoint at `path` is replaced only then.
+    The save replaces only the files it writes (and removes the previous checkpoint's files
+    of those kinds that it does not write, such as a third weight file of a save that needed
+    three, or a DCP .metadata when saving safetensors); every other file in the folder is
+    left alone. The new checkpoint is written whole into `path/.tpplan-save` first. A crash
+    at any moment leaves a complete checkpoint, the previous one or the new one, that
+    load_checkpoint reads; the next save to `path` finishes or removes what a killed save
+    left there. A folder that holds a config.json but no weights is refused: its config
+    may be someone's own.
     """
     path = Path(path)
     if sharded and _simulated():
@@ -115,39 +126,37 @@ def save_checkpoint(
             "sharded=True writes with torch.distributed.checkpoint, which needs real processes; "
             "under simulated ranks save with sharded=False, or run under torchrun."
         )
-    _check_replaceable(path)  # on every rank: a refusal must not leave the others waiting
-    tmp = path.with_name(f".{path.name}{_TMP_SUFFIX}")
+    check_replaceable(path)  # on every rank: a refusal must not leave the others waiting
+    created = not path.exists()
     # Every step that can fail on one rank is followed by _agree_on_failure, so all ranks
     # raise together and none waits in a collective that another rank never reaches.
     failure: BaseException | None = None
     if _rank() == 0:
         try:
-            # a save killed hard leaves its temporary folder, never the only copy of anything
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as e:
+            make_stage(path)
+        except Exception as e:
             failure = e
     failure = _agree_on_failure(failure)
+    stage = path / STAGE
     if failure is None:
         try:
             if sharded:
-                _save_dcp(model, tmp)
+                _save_dcp(model, stage)
             else:
-                failure = _save_safetensors(model, tmp, max_file_bytes=max_file_bytes)
+                failure = _save_safetensors(model, stage, max_file_bytes=max_file_bytes)
             if failure is None and _rank() == 0:
-                _save_config(model, tmp)
+                _save_config(model, stage)
         except BaseException as e:  # DCP's CheckpointException is not an Exception
             failure = e
         failure = _agree_on_failure(failure)
-        if _rank() == 0:
+        if _rank() == 0 and failure is None:
             try:
-                if failure is None:
-                    _swap_into_place(tmp, path)
-            except OSError as e:
+                replace_files(path)
+            except Exception as e:
                 failure = e
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
         failure = _agree_on_failure(failure)
+    if _rank() == 0 and failure is not None:
+        discard_stage(path, created=created)
     # all_gather_object's last send may still be in flight when a rank returns; a process
     # that then tears down its group aborts gloo, so end on a barrier
     _barrier()
@@ -156,10 +165,24 @@ def save_checkpoint(
     if failure is not None:
         raise CheckpointError(
             f"saving to {path} failed ({_cause(failure)}); "
-            + ("the previous checkpoint there is unchanged. " if path.exists() else "")
+            + _left_behind(path)
             + "Fix: see the cause above (disk space, permissions), then save again."
         ) from failure
     return path
+
+
+def _left_behind(path: Path) -> str:
+    """What a failed save left at `path`, for its error message."""
+    try:
+        staged = readable_folder(path) != path
+    except CheckpointError as e:  # a journal from an earlier killed save that is unreadable
+        return f"{e} "
+    if staged:
+        return (
+            f"the new checkpoint is complete in {path / STAGE}, which load_checkpoint reads "
+            f"until the next save to {path} puts its files in place. "
+        )
+    return "the previous checkpoint there is unchanged. " if holds_checkpoint(path) else ""
 
 
 def _save_safetensors(
@@ -378,53 +401,6 @@ def _save_config(model: nn.Module, folder: Path) -> None:
         generation.save_pretrained(folder)
 
 
-def _check_replaceable(path: Path) -> None:
-    """Refuse to swap out anything that is not a checkpoint: a typo in `path` must not
-    delete someone's folder."""
-    if not path.exists():
-        return
-    if not path.is_dir():
-        raise CheckpointError(
-            f"{path} exists and is a file, not a checkpoint folder; fix: pass a folder path."
-        )
-    if not any(path.iterdir()):
-        return
-    if (path / ".metadata").is_file() or any(path.glob("*.safetensors")):
-        return
-    raise CheckpointError(
-        f"{path} exists and holds no checkpoint (no .metadata, no *.safetensors); saving there "
-        "would replace it. Fix: pass a new or empty folder, or an existing checkpoint folder."
-    )
-
-
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    """Move the finished folder to `path`. Where the kernel can exchange two names in one
-    step (Linux renameat2), the old checkpoint is never missing; elsewhere it is missing
-    only between two renames, kept under a `.tpplan-old` name."""
-    if not path.exists():
-        os.rename(tmp, path)
-        return
-    if _exchange(tmp, path):
-        shutil.rmtree(tmp)  # tmp now holds the previous checkpoint
-        return
-    old = path.with_name(f".{path.name}{_OLD_SUFFIX}")
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
 def _agree_on_failure(failure: BaseException | None) -> BaseException | None:
     """Every rank learns whether any rank failed, so all of them raise (none hangs)."""
     if not dist.is_initialized() or _simulated() or dist.get_world_size() == 1:
@@ -455,8 +431,11 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, rebuild_buffers: bool
     Non-persistent buffers (rotary `inv_freq` and the like) are in no checkpoint, and after
     `to_empty` they hold garbage; with `rebuild_buffers` they are recomputed (see
     `_rebuild_buffers`).
+
+    A folder whose save was killed while replacing its files is read from the complete new
+    checkpoint staged inside it, with a warning.
     """
-    path = Path(path)
+    path = _readable(Path(path))
     sd = model.state_dict(keep_vars=True)
     _check_materialized(sd)
     if (path / ".metadata").is_file():
@@ -474,6 +453,17 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, rebuild_buffers: bool
             _rebuild_buffers(model)
         for _ in loader:
             pass
+
+
+def _readable(path: Path) -> Path:
+    found = readable_folder(path) if path.is_dir() else path
+    if found != path:
+        warnings.warn(
+            f"a save to {path} was killed while replacing its files; loading the complete new "
+            f"checkpoint from {found}. The next save_checkpoint to {path} puts it in place.",
+            stacklevel=3,
+        )
+    return found
 
 
 def _check_materialized(sd: dict[str, torch.Tensor]) -> None:

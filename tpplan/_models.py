@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,43 +63,82 @@ def _cache_folder(model_id: str) -> str:
     return "models--" + model_id.replace("/", "--")
 
 
+# a Hugging Face model id: NAME or ORG/NAME (anything else is a path or a typo)
+_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_KINDS = (
+    "MODEL is a transformers model type (llama, gpt2, ...), a local model folder or config.json, "
+    "a model id in the local Hugging Face cache, or package.module:callable."
+)
+
+
 def _config(spec: str) -> Any:
     from transformers import CONFIG_MAPPING, AutoConfig
 
     path = Path(spec)
     if path.is_file() and path.name.endswith(".json"):
-        return AutoConfig.from_pretrained(
-            str(path.parent) if path.name == "config.json" else str(path)
-        )
+        return _local_config(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelSpecError(
                 f"the folder '{spec}' has no config.json; point MODEL at a Hugging Face model folder."
             )
-        return AutoConfig.from_pretrained(str(path))
+        return _local_config(path / "config.json")
     if spec in CONFIG_MAPPING:
         return AutoConfig.for_model(spec)
+    if not _MODEL_ID.fullmatch(spec) or spec.endswith(".json"):
+        raise ModelSpecError(f"'{spec}' is no file or folder. {_KINDS}")
     cache = _hub_cache()
-    # An id without an owner ("bert-base-uncased") is tried only when it is cached, so that a
-    # misspelt model type still gets its "did you mean".
-    if "/" in spec or (cache / _cache_folder(spec)).is_dir():
-        try:
-            return AutoConfig.from_pretrained(spec, cache_dir=str(cache), local_files_only=True)
-        except OSError:
-            where = (
-                f"in the local Hugging Face cache ({cache}) without its config.json"
-                if (cache / _cache_folder(spec)).is_dir()
-                else f"not in the local Hugging Face cache ({cache})"
-            )
-            raise ModelSpecError(
-                f"'{spec}' is {where}, and tpplan never downloads. Download it first "
-                f"(hf download {spec} config.json), or pass a local folder."
-            ) from None
+    try:
+        return AutoConfig.from_pretrained(spec, cache_dir=str(cache), local_files_only=True)
+    except (OSError, ValueError) as e:  # ValueError: huggingface_hub's refusal of an id
+        cause = _one_line(e)
+    hint = did_you_mean(spec, list(CONFIG_MAPPING))
+    if (cache / _cache_folder(spec)).is_dir():
+        where = f"in the local Hugging Face cache ({cache}) but gives no config ({cause})"
+    elif hint:  # most likely a misspelt model type ("lama"); the id is the second guess
+        raise ModelSpecError(
+            f"'{spec}' is not a model tpplan can build.{hint} (As a model id it is not in the "
+            f"local Hugging Face cache, {cache}: hf download {spec} config.json puts it there.)"
+        )
+    else:
+        where = f"not in the local Hugging Face cache ({cache})"
     raise ModelSpecError(
-        f"'{spec}' is not a model tpplan can build.{did_you_mean(spec, list(CONFIG_MAPPING))} MODEL is a "
-        "transformers model type (llama, gpt2, ...), a local model folder or config.json, a model id in "
-        "the local Hugging Face cache, or package.module:callable."
+        f"'{spec}' is {where}, and tpplan never downloads. Download it first "
+        f"(hf download {spec} config.json), or pass a local folder."
     )
+
+
+def _local_config(file: Path) -> Any:
+    """The config a local config.json (or another .json config file) holds; a file that is
+    not JSON, or not a transformers config, is named."""
+    from transformers import AutoConfig
+
+    try:
+        json.loads(file.read_bytes())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        what = (
+            f"line {e.lineno}, column {e.colno}: {e.msg}"
+            if isinstance(e, json.JSONDecodeError)
+            else _one_line(e)
+        )
+        raise ModelSpecError(
+            f"{file} is not valid JSON ({what}). Fix: repair it, or download the model's "
+            "config.json again."
+        ) from None
+    try:
+        return AutoConfig.from_pretrained(
+            str(file.parent) if file.name == "config.json" else str(file)
+        )
+    except (OSError, ValueError) as e:
+        raise ModelSpecError(
+            f"{file} is not a transformers config ({_one_line(e)}). Fix: point MODEL at a Hugging "
+            "Face model folder, whose config.json names its model_type."
+        ) from None
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's text on one line (transformers' and huggingface_hub's span several)."""
+    return " ".join(str(e).split())
 
 
 def _is_model_type(spec: str) -> bool:
@@ -141,6 +182,39 @@ def _callable(spec: str) -> Any:
     return fn()
 
 
+def _overridden(config: Any, overrides: dict[str, Any], *, rebuild: bool) -> Any:
+    """`config` with the --set values; a value the config refuses (a word for a count, heads
+    that do not divide the width) is named with the field's current value as an example."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    defaults = {key: getattr(config, key, None) for key in overrides}
+    try:
+        if rebuild:
+            # Built again with the overrides as arguments, so that fields derived from them
+            # (a per-layer list sized by num_hidden_layers) follow.
+            return type(config)(**overrides)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return config
+    except (TypeError, ValueError, StrictDataclassError) as e:
+        cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e
+        why = _one_line(cause).rstrip(".")
+        named = re.search(r"field '(\w+)'", str(e))
+        field = named.group(1) if named and named.group(1) in overrides else None
+        name = type(config).__name__
+        if field is None:
+            given = " ".join(f"{k}={v!r}" for k, v in overrides.items())
+            raise ModelSpecError(
+                f"--set {given}: {name} refuses them ({why}). Fix: choose values that fit "
+                "together, or leave some out."
+            ) from None
+        example = f", e.g. --set {field}={defaults[field]}" if defaults[field] is not None else ""
+        raise ModelSpecError(
+            f"--set {field}={overrides[field]!r}: {name} refuses it ({why}). Fix: give {field} a "
+            f"value of its type and range{example}."
+        ) from None
+
+
 def build_model(spec: str, overrides: dict[str, Any] | None = None, *, device: str = "meta") -> Any:
     """The nn.Module a spec names, built on `device` (meta by default: no memory used)."""
     import torch
@@ -165,18 +239,7 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None, *, device: s
                     raise ModelSpecError(
                         f"--set {key}: {type(config).__name__} has no field '{key}'.{hint}"
                     )
-            if _is_model_type(spec):
-                # Built again with the overrides as arguments, so that fields derived from
-                # them (a per-layer list sized by num_hidden_layers) follow.
-                try:
-                    config = type(config)(**overrides)
-                except (TypeError, ValueError) as e:
-                    raise ModelSpecError(
-                        f"--set: {type(config).__name__} refuses {overrides}: {e}"
-                    ) from None
-            else:
-                for key, value in overrides.items():
-                    setattr(config, key, value)
+            config = _overridden(config, overrides, rebuild=_is_model_type(spec))
             model = _from_config(config)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(

@@ -12,12 +12,42 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 from .errors import MeshError, PlanFileError, PlanProblemsError, TpplanError
 
 __all__ = ["main"]
+
+
+class _UsageError(TpplanError, ValueError):
+    """A command-line value that cannot work (an -o that is a folder), found by the CLI."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors are one line like every other error (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least 1."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(
+                f"takes a whole number of at least 1 ({what}), got '{text}'"
+            )
+        return n
+
+    return parse
+
 
 _EXAMPLES = {
     "infer": "example:\n  tpplan infer llama --tp 4 --set num_hidden_layers=2 -o llama.yaml",
@@ -30,8 +60,11 @@ _EXAMPLES = {
 }
 
 
+_TP = _positive("the number of tensor-parallel ranks")
+
+
 def _parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(
+    top = _Parser(
         prog="tpplan",
         description="Infer, check and apply tensor-parallel plans for PyTorch models.",
         epilog="example:\n  tpplan infer gpt2 --tp 2",
@@ -78,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = command("infer", "Print the plan inferred from a model's data flow.")
     model_args(p)
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size the plan must suit")
+    p.add_argument("--tp", type=_TP, default=None, help="tensor-parallel size the plan must suit")
     p.add_argument("--format", choices=("yaml", "json"), default="yaml")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan here instead of stdout")
     p.add_argument(
@@ -109,13 +142,13 @@ def _parser() -> argparse.ArgumentParser:
     p = command("check", "Check a plan against a model and a tp size; exit 1 on problems.")
     p.add_argument("plan", metavar="PLAN", help="plan file (YAML or JSON)")
     model_args(p)
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    p.add_argument("--tp", type=_TP, required=True, help="tensor-parallel size")
     p.set_defaults(func=_cmd_check)
 
     p = command("diff", "Show how two plans shard differently (exit 1 when they do).")
     p.add_argument("a", metavar="A", help="a plan file, or a MODEL (its inferred plan)")
     p.add_argument("b", metavar="B", help="a plan file, or a MODEL (its inferred plan)")
-    p.add_argument("--tp", type=int, default=None, help="tp size for inferring a MODEL's plan")
+    p.add_argument("--tp", type=_TP, default=None, help="tp size for inferring a MODEL's plan")
     overrides(p)
     p.set_defaults(func=_cmd_diff)
 
@@ -123,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
         """What verify and stats share: a model, an optional plan, a tp size."""
         model_args(p)
         p.add_argument("--plan", metavar="PLAN", help="plan file (default: the inferred plan)")
-        p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+        p.add_argument("--tp", type=_TP, required=True, help="tensor-parallel size")
         p.add_argument("--backward", action="store_true", help=backward_help)
 
     p = command("verify", "Compare a sharded model with the unsharded one, module by module.")
@@ -142,7 +175,10 @@ def _parser() -> argparse.ArgumentParser:
     p = command("stats", "Per-rank parameter bytes and collectives of one forward (and backward).")
     measured(p, "count backward collectives too")
     p.add_argument(
-        "--seq", type=int, default=128, help="tokens in the example sequence (default 128)"
+        "--seq",
+        type=_positive("tokens"),
+        default=128,
+        help="tokens in the example sequence (default 128)",
     )
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(func=_cmd_stats)
@@ -191,6 +227,8 @@ def _cmd_infer(args: argparse.Namespace) -> int:
     from ._infer import infer_plan
     from ._shipped import shipped_for_class, shipped_plans
 
+    if args.output:
+        _check_output(Path(args.output))  # before the model is built and traced
     model = _build(args)
     plan = infer_plan(
         model,
@@ -206,11 +244,22 @@ def _cmd_infer(args: argparse.Namespace) -> int:
     plan = plan.model_copy(update={"model": plan.model.model_copy(update=info)})
     text = plan.to_json() if args.format == "json" else plan.to_yaml()
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+        try:
+            Path(args.output).write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise _UsageError(f"-o {args.output}: cannot write it ({e.strerror}).") from None
         print(f"wrote {args.output} ({len(plan.rules)} rules)", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    if args.experts == "expert" and not any(r.mode == "expert" for r in plan.rules):
+        split = [r.match for r in plan.rules if r.style == "experts"]
+        why = (
+            f"the experts it found ({', '.join(split)}) stay split by tensor (their rule's "
+            "comment says why)"
+            if split
+            else f"{type(model).__name__} has no mixture-of-experts layers"
+        )
+        print(f"note: --experts expert had no effect: {why}.", file=sys.stderr)
     for name in shipped_for_class(type(model).__name__):
         print(
             f"note: tpplan ships a reviewed plan for {type(model).__name__}, '{name}' "
@@ -219,6 +268,19 @@ def _cmd_infer(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _check_output(path: Path) -> None:
+    if path.is_dir():
+        raise _UsageError(
+            f"-o {path} is a folder; -o takes the file to write the plan to, "
+            f"e.g. -o {path / 'plan.yaml'}."
+        )
+    if not path.parent.is_dir():
+        raise _UsageError(
+            f"-o {path}: the folder {path.parent} does not exist; create it first, or write "
+            "the plan elsewhere."
+        )
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -348,7 +410,10 @@ _ERRORS: list[tuple[type[BaseException], int]] = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse has printed
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ from typing import Literal
 
 __all__ = [
     "MeshError",
+    "ModelError",
     "PlanFileError",
     "PlanProblemsError",
     "Problem",
@@ -41,6 +42,10 @@ class PlanFileError(TpplanError, ValueError):
 
 class MeshError(TpplanError, ValueError):
     """A DeviceMesh that cannot carry a tensor-parallel plan as given."""
+
+
+class ModelError(TpplanError, ValueError):
+    """A model apply_plan cannot shard: not a torch nn.Module, or one sharded already."""
 
 
 ProblemKind = Literal[

@@ -669,12 +669,30 @@ def load_plan(path: str | Path) -> Plan:
             raise PlanFileError(str(path), [unknown_plan_hint(str(path))])
         path = shipped
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise PlanFileError(str(path), [f"cannot read the file: {e.strerror}."]) from None
+    text = _utf8(data, str(path))
     if path.suffix == ".json":
         return Plan.from_json(text, source=str(path))
     return Plan.from_yaml(text, source=str(path))
+
+
+def _utf8(data: bytes, source: str) -> str:
+    """A plan file's text; YAML and JSON plan files are UTF-8, whatever the locale says."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - data.rfind(b"\n", 0, e.start)
+        where = f"byte 0x{data[e.start]:02x} at line {line}, column {column}"
+        issue = (
+            f"a binary file, not a YAML or JSON plan ({where} is not UTF-8). Fix: check that "
+            "PLAN names a plan file."
+            if b"\0" in data
+            else f"{where} is not UTF-8; plan files are UTF-8 text. Fix: save the file as UTF-8."
+        )
+        raise PlanFileError(source, [issue]) from None
 
 
 # ---- turning pydantic errors into sentences ---------------------------------------------
