@@ -7,6 +7,7 @@ never left with a half-sharded model because of a bad rule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
@@ -20,7 +21,7 @@ from ._patterns import match_names
 from .errors import MeshError, PlanProblemsError
 from .plan import Plan, load_plan
 
-__all__ = ["apply_plan", "resolve_plan", "tp_mesh"]
+__all__ = ["apply_plan", "resolve_plan", "shard_model", "tp_mesh"]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -78,16 +79,33 @@ def apply_plan(
     problems = check_plan(plan, model, tp_size=tp_size)
     if problems:
         raise PlanProblemsError(problems, tp_size=tp_size)
-    styles = plan.to_torch(model)
-    tied = _tied(model)
-    if styles:
-        parallelize_module(model, mesh, styles)
-    _retie(model, tied)
-    _divide_attributes(plan, model, tp_size)
+    shard_model(model, mesh, plan)
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
     return model
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Plan,
+    *,
+    on_module: Callable[[str], None] | None = None,
+) -> None:
+    """Apply a checked plan's styles and attribute fixes to `model` in place, no check.
+
+    `on_module` is told each module's name before its style is applied (the dry run names
+    the module a failure came from). Styles are applied one module at a time, which is what
+    parallelize_module does with a dict of full names.
+    """
+    tied = _tied(model)
+    for name, style in plan.to_torch(model).items():
+        if on_module is not None:
+            on_module(name)
+        parallelize_module(model, mesh, {name: style})
+    _retie(model, tied)
+    _divide_attributes(plan, model, mesh.size())
 
 
 def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
