@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from infer_models import opt
 from models import HeadNormBlock, tiny_llama, token_batch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -112,14 +113,12 @@ def test_an_unknown_plan_path_is_named(tmp_path: Path) -> None:
 
 
 def test_attributes_are_divided_per_rank() -> None:
-    model = tiny_llama()
-    plan = Plan.from_yaml(
-        LLAMA_PLAN.read_text()
-        + "attributes:\n  - {match: model.layers.*.self_attn, divide: [num_key_value_groups], why: test}\n"
-    )
+    # OPT views by its stored head count (4 heads), which its plan divides
+    model = opt()
+    plan = tpplan.infer_plan(model, tp_size=2)
     with fake_ranks(2) as mesh:
         apply_plan(model, mesh, plan)
-    assert model.model.layers[1].self_attn.num_key_value_groups == 1
+    assert model.model.decoder.layers[1].self_attn.num_heads == 2
 
 
 def test_to_torch_expands_every_rule_to_full_names() -> None:

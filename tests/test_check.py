@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from infer_models import opt
 from models import tiny_llama
 from torch import nn
+from unrunnable import CASES, unrunnable
 
-from tpplan import Plan, Problem, check_plan, load_plan
+from tpplan import Plan, Problem, check_plan, infer_plan, load_plan
 from tpplan._fingerprint import fingerprint, parameter_shapes
 from tpplan.plan import ModelInfo
 
@@ -315,3 +317,31 @@ def test_fused_parts_other_than_the_models_name_both() -> None:
         "into the pieces [768, 768, 768]. Fix: set parts: [768, 768, 768] in the rule, or "
         "infer the plan again for this model (`tpplan infer`)."
     )
+
+
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v.static is not None])
+def test_a_plan_that_cannot_run_gets_one_static_problem(llama, case: str) -> None:  # type: ignore[no-untyped-def]
+    """colwise or sequence_parallel on the token embedding, head_dim divided: each named by
+    its static check, with the fix, and not told again by the dry run."""
+    want = CASES[case]
+    (p,) = check_plan(unrunnable(case), llama, tp_size=2)
+    assert p.rule == want.rule and p.kind != "dry_run"
+    assert want.static is not None and want.static in p.message
+    assert want.fix in p.fix
+
+
+def test_an_embedding_split_by_columns_and_gathered_is_sound(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = Plan.from_yaml(
+        CASES["colwise_embedding"].edit.replace(
+            "    style: colwise\n", "    style: colwise\n    output: replicate\n", 1
+        )
+    )
+    assert check_plan(plan, llama, tp_size=2) == []
+
+
+def test_a_count_the_views_read_may_be_divided() -> None:
+    """OPT views by its stored num_heads: the attribute its inferred plan divides passes."""
+    model = opt()
+    plan = infer_plan(model, tp_size=2)
+    assert [a.divide for a in plan.attributes] == [["num_heads"]]
+    assert check_plan(plan, model, tp_size=2) == []

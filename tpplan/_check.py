@@ -91,6 +91,7 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     types they cannot apply to, split dims (features, heads, vocab) that tp_size does not
     divide, column-parallel regions no row-parallel module closes (and the reverse),
     attribute fixes that cannot be made, and a fingerprint that does not match the model.
+
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}.")
@@ -350,6 +351,19 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
             )
         )
         return out
+    if rule.style == "sequence_parallel" and isinstance(module, nn.Embedding):
+        return [
+            Problem(
+                "module_type",
+                _where(i, rule),
+                name,
+                "style 'sequence_parallel' takes a module's input as this rank's share of the "
+                "sequence, but an nn.Embedding's input is the token ids, which every rank "
+                "holds whole: its rows would be read as 1/tp of a sequence tp times as long.",
+                "use vocab_parallel (`output: shard(1)` starts a sequence-parallel region, "
+                "as `tpplan infer --sequence-parallel` writes it) or replicate.",
+            )
+        ]
     if rule.style == "replicate_grad_sum" and not any(True for _ in module.parameters(False)):
         out.append(
             Problem(
@@ -460,12 +474,17 @@ def _check_regions(
     def having(keep: Any) -> list[tuple[int, str]]:
         return [(i, n) for i, r in enumerate(plan.rules) if keep(r) for n in matched[i]]
 
+    names = [n for n, _ in model.named_modules() if n]
+
     checked = _Checked(
         openers=having(_opens_region),
         closers=having(_closes_region),
         tables=having(lambda r: r.style == "vocab_parallel"),
         # a colwise layer gathered right after is no opener, but its parts must still be right
         widths=having(lambda r: r.head_dim or r.parts or r.fused),
+        divided=[
+            (i, n) for i, a in enumerate(plan.attributes) for n in match_names(a.match, names)
+        ],
     )
     if not any(checked):
         return []
@@ -474,8 +493,8 @@ def _check_regions(
     except TpplanError:
         return _check_regions_by_structure(plan, checked.openers, checked.closers, model)
     out = _check_traced(plan, checked, trace, tp, flagged)
-    names = (name for pairs in checked for _, name in pairs)
-    for root in idle_roots(names, trace.ran, lambda n: _traced(trace, n)):
+    checked_names = (name for pairs in checked for _, name in pairs)
+    for root in idle_roots(checked_names, trace.ran, lambda n: _traced(trace, n)):
         out += _check_part(plan, checked, model, root, tp, flagged)
     return out
 
@@ -487,6 +506,8 @@ class _Checked(NamedTuple):
     closers: list[tuple[int, str]]
     tables: list[tuple[int, str]]
     widths: list[tuple[int, str]]
+    divided: list[tuple[int, str]]
+    """(attribute rule index, module name): the rule indexes plan.attributes."""
 
 
 def _check_traced(
@@ -497,7 +518,44 @@ def _check_traced(
         + _check_heads(plan, checked.openers, trace, tp, flagged)
         + _check_widths(plan, checked.widths, trace)
         + _check_lookups(plan, checked.tables, trace)
+        + _check_divided(plan, checked, trace)
     )
+
+
+def _check_divided(plan: Plan, checked: _Checked, trace: Trace) -> list[Problem]:
+    """An attribute a plan divides must be a count the model's views read to cut the split
+    features, as the trace saw them (what infer divides); divided, any other size its
+    forward reads (head_dim, a width) shrinks what every rank keeps whole. Judged only where
+    the trace followed every split the plan opens to its end (a split it lost may have
+    read counts it did not see); the dry run speaks for the rest."""
+    if any(_traced(trace, n) in trace.broken for _, n in checked.openers):
+        return []
+    counts = [*trace.counts.values(), *trace.expert_counts.values()]
+    legal = {(m, a) for found in counts for m, a, _ in found}
+    out: list[Problem] = []
+    for i, name in checked.divided:
+        rule, t = plan.attributes[i], _traced(trace, name)
+        for attr in rule.divide:
+            if (t, attr) in legal or (t, attr) not in trace.int_reads:
+                continue
+            read = sorted(a for m, a in legal if m == t)
+            views = (
+                f"its views read {', '.join(read)} for that"
+                if read
+                else "its views read no count for that (they size the split with -1 or off the tensor)"
+            )
+            out.append(
+                Problem(
+                    "attribute",
+                    f"attributes[{i}] (match: {rule.match})",
+                    name,
+                    f"its forward reads {attr}, but not as a count of the split features' "
+                    f"heads: {views}. Divided, {attr} would shrink a size every rank keeps whole.",
+                    f"remove {attr} from divide (the attributes `tpplan infer` writes are the "
+                    "ones to divide).",
+                )
+            )
+    return out
 
 
 def _check_part(
@@ -759,6 +817,8 @@ def _check_regions_by_flow(
     out: list[Problem] = []
     for i, name in openers:
         rule, t = plan.rules[i], traced(name)
+        if t in trace.lookups and t not in trace.openers:
+            out.append(_split_rows(i, rule, name))
         if t not in trace.openers:
             continue  # not a Linear called on a whole input; the type check speaks for it
         missing = sorted(wildcard(c) for c in partners(t, trace.closers) - close_t)
@@ -806,6 +866,21 @@ def _check_regions_by_flow(
                 )
             )
     return out
+
+
+def _split_rows(i: int, rule: Rule, name: str) -> Problem:
+    """colwise on a table whose rows are looked up (not one looked up at computed positions
+    to open a split, as T5's relative position bias is) and whose output stays split."""
+    return Problem(
+        "unclosed_region",
+        _where(i, rule),
+        name,
+        "colwise on an nn.Embedding gives each rank a slice of every looked-up row's "
+        f"features and leaves its output split ({rule.output or 'shard(-1)'}), but the "
+        "layers after a lookup take whole rows.",
+        "colwise on an Embedding: use vocab_parallel (each rank holds a share of the vocab; "
+        "one all-reduce) or replicate, or gather its rows with `output: replicate`.",
+    )
 
 
 def _check_regions_by_structure(
