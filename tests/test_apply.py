@@ -12,6 +12,7 @@ from infer_models import opt
 from models import HeadNormBlock, tiny_llama, token_batch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from unrunnable import CASES, unrunnable
 
 import tpplan
 from tpplan import MeshError, Plan, PlanProblemsError, apply_plan, load_plan
@@ -102,6 +103,23 @@ def test_problems_are_raised_before_torch_touches_the_model() -> None:
     assert "nothing was changed" in msg and "rules[6] (match: model.layers.*.mlp.up)" in msg
     assert "Did you mean 'model.layers.*.mlp.up_proj'?" in msg
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_plan_that_cannot_run_is_refused_before_torch_touches_the_model(case: str) -> None:
+    model = tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = CASES[case]
+    with fake_ranks(2) as mesh, pytest.raises(PlanProblemsError) as e:
+        apply_plan(model, mesh, unrunnable(case))
+    msg = str(e.value)
+    assert "nothing was changed" in msg and want.rule in msg
+    assert (want.static or want.ran) in msg and want.fix in msg
+    params = dict(model.named_parameters())
+    assert params.keys() == before.keys()
+    for name, p in params.items():
+        assert type(p) is torch.nn.Parameter and torch.equal(p, before[name]), name
+    assert model.model.layers[0].self_attn.head_dim == 8
 
 
 def test_an_unknown_plan_path_is_named(tmp_path: Path) -> None:

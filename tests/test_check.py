@@ -345,3 +345,37 @@ def test_a_count_the_views_read_may_be_divided() -> None:
     plan = infer_plan(model, tp_size=2)
     assert [a.divide for a in plan.attributes] == [["num_heads"]]
     assert check_plan(plan, model, tp_size=2) == []
+
+
+def test_a_plan_that_does_not_run_names_the_rule_and_where_torch_raised(llama) -> None:  # type: ignore[no-untyped-def]
+    """A mistake no static check knows (a sequence-parallel boundary in a plan that is not
+    sequence-parallel) is found by running the plan on a meta copy over fake ranks."""
+    want = CASES["prepare_in_the_wrong_place"]
+    (p,) = check_plan(unrunnable("prepare_in_the_wrong_place"), llama, tp_size=2)
+    assert p.kind == "dry_run" and p.rule == want.rule and p.module == "model.layers.0.mlp"
+    assert p.message.startswith("a forward on a copy sharded over 2 fake ranks")
+    assert want.ran in p.message and want.fix in p.fix
+
+
+def test_the_last_of_many_identical_blocks_is_run_when_its_rules_differ() -> None:
+    """Long stacks of identical blocks are run through their first blocks only, unless the
+    plan treats a later one otherwise: a mistake in block 9 of 10 is found."""
+    model = tiny_llama(layers=10, device="meta")
+    plan = Plan.from_yaml(
+        CASES["prepare_in_the_wrong_place"].edit.replace(
+            "match: model.layers.*.mlp,", "match: model.layers.9.mlp,"
+        )
+    )
+    (p,) = check_plan(plan, model, tp_size=2)
+    assert p.kind == "dry_run" and p.module == "model.layers.9.mlp"
+    assert check_plan(load_plan(LLAMA_PLAN), model, tp_size=2) == []
+
+
+def test_checking_leaves_no_process_group_and_the_model_whole(llama) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.tensor import DTensor, _random
+
+    before = {n: id(p) for n, p in llama.named_parameters()}
+    assert check_plan(unrunnable("prepare_in_the_wrong_place"), llama, tp_size=2)
+    assert not torch.distributed.is_initialized() and _random._rng_tracker is None
+    assert {n: id(p) for n, p in llama.named_parameters()} == before
+    assert not any(isinstance(p, DTensor) for p in llama.parameters())

@@ -1,8 +1,9 @@
-"""check_plan: every static problem of a plan against a model and a tp size, at once.
+"""check_plan: every problem of a plan against a model and a tp size, at once.
 
-Nothing here touches torch.distributed or runs the model: it reads module types, shapes
-and attributes, so it works on a model on the meta device, of any size, in milliseconds.
-Start at `check_plan`; each `_check_*` function adds one kind of Problem.
+The checks here read module types, shapes and attributes, and a trace of the model on fake
+tensors; none touches torch.distributed, so they work on a model on the meta device, of any
+size. A plan they pass is then run once by tpplan/_dry_run.py. Start at `check_plan`; each
+`_check_*` function adds one kind of Problem.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     divide, column-parallel regions no row-parallel module closes (and the reverse),
     attribute fixes that cannot be made, and a fingerprint that does not match the model.
 
+    A plan with none of these is applied to a weightless copy of the model over `tp_size`
+    fake ranks and run forward and backward (tpplan/_dry_run.py); a failure is one problem
+    naming the rule, the module where torch raised and torch's error. Where no such run can
+    be set up (inputs tpplan cannot make up, a model that does not run on meta tensors even
+    unsharded, parameters that are already DTensors), the checks above stand alone.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}.")
@@ -127,7 +133,13 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     problems.extend(_check_regions(plan, matched, model, tp_size, flagged))
     problems.extend(_check_attributes(plan, names, modules, tp_size))
     problems.extend(_check_fingerprint(plan, model))
-    return _merge_layers(problems, names)
+    if problems:
+        return _merge_layers(problems, names)
+    # Last, the proof: the plan applied to a meta copy runs a forward and a backward. Only
+    # for a plan the checks above pass, so that one mistake is not told twice.
+    from ._dry_run import run_plan
+
+    return run_plan(plan, model, tp_size=tp_size)
 
 
 def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:

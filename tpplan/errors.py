@@ -56,6 +56,7 @@ ProblemKind = Literal[
     "parts",
     "tied",
     "lookup",
+    "dry_run",
 ]
 
 
