@@ -122,6 +122,14 @@ def test_a_plan_that_cannot_run_is_refused_before_torch_touches_the_model(case: 
     assert model.model.layers[0].self_attn.head_dim == 8
 
 
+def test_a_plan_that_splits_nothing_warns_at_tp_above_1() -> None:
+    whole = Plan.from_yaml("tpplan: 7\nrules:\n  - {match: lm_head, style: replicate, why: x}\n")
+    with fake_ranks(2) as mesh, pytest.warns(UserWarning, match="the plan splits nothing"):
+        apply_plan(tiny_llama(), mesh, whole)
+    with fake_ranks(1) as mesh:
+        apply_plan(tiny_llama(), mesh, whole)  # nothing to split at tp 1: no warning
+
+
 def test_an_unknown_plan_path_is_named(tmp_path: Path) -> None:
     with (
         fake_ranks(2) as mesh,

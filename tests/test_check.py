@@ -12,6 +12,7 @@ from torch import nn
 from unrunnable import CASES, unrunnable
 
 from tpplan import Plan, Problem, check_plan, infer_plan, load_plan
+from tpplan._check import splits_nothing
 from tpplan._fingerprint import fingerprint, parameter_shapes
 from tpplan.plan import ModelInfo
 
@@ -379,3 +380,11 @@ def test_checking_leaves_no_process_group_and_the_model_whole(llama) -> None:  #
     assert not torch.distributed.is_initialized() and _random._rng_tracker is None
     assert {n: id(p) for n, p in llama.named_parameters()} == before
     assert not any(isinstance(p, DTensor) for p in llama.parameters())
+
+
+def test_a_plan_that_splits_nothing_is_sound(llama) -> None:  # type: ignore[no-untyped-def]
+    empty = Plan.from_yaml("tpplan: 7\nrules: []\n")
+    whole = Plan.from_yaml("tpplan: 7\nrules:\n  - {match: lm_head, style: replicate, why: x}\n")
+    assert check_plan(empty, llama, tp_size=2) == [] and splits_nothing(empty)
+    assert check_plan(whole, llama, tp_size=2) == [] and splits_nothing(whole)
+    assert not splits_nothing(load_plan(LLAMA_PLAN))

@@ -73,6 +73,19 @@ def test_check_fails_a_plan_that_cannot_run(
     assert (want.static or want.ran) in out and want.fix in out
 
 
+def test_check_says_when_a_plan_splits_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("tpplan: 7\nrules: []\n")
+    code, out, _ = run(capsys, "check", str(path), "llama", "--tp", "2", *SMALL)
+    assert code == 0
+    assert out == (
+        f"{path}: sound at tp 2, but it splits nothing (0 rules, none splitting a module): "
+        "every rank would hold and run the whole model.\n"
+    )
+
+
 def test_check_refuses_a_plan_written_for_another_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,7 @@ never left with a half-sharded model because of a bad rule.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ._check import check_plan, tied_groups
+from ._check import check_plan, splits_nothing, tied_groups
 from ._guard import guard_inputs, wants_guard
 from ._patterns import match_names
 from .errors import MeshError, PlanProblemsError
@@ -79,6 +80,15 @@ def apply_plan(
     problems = check_plan(plan, model, tp_size=tp_size)
     if problems:
         raise PlanProblemsError(problems, tp_size=tp_size)
+    if tp_size > 1 and splits_nothing(plan):
+        # not an error (a baseline run may want it), but tp ranks that each run the whole
+        # model are a waste nobody asks for by accident; at tp 1 there is nothing to split
+        warnings.warn(
+            f"the plan splits nothing ({len(plan.rules)} rules, none splitting a module): "
+            f"each of the {tp_size} tp ranks holds and runs the whole model.",
+            UserWarning,
+            stacklevel=2,
+        )
     shard_model(model, mesh, plan)
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)

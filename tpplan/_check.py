@@ -20,7 +20,7 @@ from .plan import Plan, Rule, parse_layout
 if TYPE_CHECKING:
     from ._trace import Trace
 
-__all__ = ["check_plan"]
+__all__ = ["check_plan", "splits_nothing"]
 
 # Module types each style can be applied to; None means any module.
 _TYPES: dict[str, tuple[type[nn.Module], ...] | None] = {
@@ -140,6 +140,12 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     from ._dry_run import run_plan
 
     return run_plan(plan, model, tp_size=tp_size)
+
+
+def splits_nothing(plan: Plan) -> bool:
+    """Whether applying the plan leaves every parameter and activation whole on every rank
+    (no rules, or only replicate ones): sound, but each rank then runs the whole model."""
+    return all(r.style in ("replicate", "replicate_grad_sum") for r in plan.rules)
 
 
 def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
