@@ -2,7 +2,10 @@
 forward output and gradients with the unsharded model on every rank. With no argument, the
 tiny Llama and its hand-written plan; with `written`, test_tables' model whose embedding
 writes a split parameter over rows, with its inferred plan (each rank finds where its
-shares of the vocab and of the parameter start on its own, without a collective)."""
+shares of the vocab and of the parameter start on its own, without a collective). With
+`refuse`, each rank first has a plan refused that only the dry run finds unrunnable (its
+fake ranks beside this real group, at tp 2 and at a tp of 4 larger than the world), then
+applies the good plan."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import tiny_llama, token_batch
@@ -21,6 +25,28 @@ from rank_exit import finish
 import tpplan
 
 TOL = 1e-5  # as in test_apply.py
+
+
+def _refuse(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    from unrunnable import unrunnable
+
+    bad = unrunnable("prepare_in_the_wrong_place")
+    for problems in (tpplan.check_plan(bad, model, tp_size=4), _refusal(model, mesh, bad)):
+        if [p.kind for p in problems] != ["dry_run"]:
+            raise SystemExit(f"expected one dry_run problem, got {problems}")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise SystemExit("the refused plan touched the model")
+    if (dist.get_backend(), dist.get_world_size()) != ("gloo", 2):
+        raise SystemExit("the dry run changed the default process group")
+    print(f"rank {dist.get_rank()} refused", flush=True)
+
+
+def _refusal(model: torch.nn.Module, mesh: DeviceMesh, plan: tpplan.Plan) -> list[tpplan.Problem]:
+    try:
+        tpplan.apply_plan(model, mesh, plan)
+    except tpplan.PlanProblemsError as e:
+        return e.problems
+    return []
 
 
 def main() -> None:
@@ -37,6 +63,8 @@ def main() -> None:
         want, got = ref(x), model(x)
     else:
         ref, model, x = tiny_llama(), tiny_llama(), token_batch()  # seeded alike
+        if sys.argv[1:] == ["refuse"]:
+            _refuse(model, mesh["tp"])
         tpplan.apply_plan(model, mesh["tp"], Path(__file__).parent / "plans" / "llama.yaml")
         want, got = ref(x).logits, model(x).logits
     want.square().mean().backward()

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from infer_models import opt
 from models import HeadNormBlock, tiny_llama, token_batch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from unrunnable import CASES, unrunnable
 
 import tpplan
 from tpplan import MeshError, Plan, PlanProblemsError, apply_plan, load_plan
@@ -103,6 +105,31 @@ def test_problems_are_raised_before_torch_touches_the_model() -> None:
     assert not any(isinstance(p, DTensor) for p in model.parameters())
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_plan_that_cannot_run_is_refused_before_torch_touches_the_model(case: str) -> None:
+    model = tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = CASES[case]
+    with fake_ranks(2) as mesh, pytest.raises(PlanProblemsError) as e:
+        apply_plan(model, mesh, unrunnable(case))
+    msg = str(e.value)
+    assert "nothing was changed" in msg and want.rule in msg
+    assert (want.static or want.ran) in msg and want.fix in msg
+    params = dict(model.named_parameters())
+    assert params.keys() == before.keys()
+    for name, p in params.items():
+        assert type(p) is torch.nn.Parameter and torch.equal(p, before[name]), name
+    assert model.model.layers[0].self_attn.head_dim == 8
+
+
+def test_a_plan_that_splits_nothing_warns_at_tp_above_1() -> None:
+    whole = Plan.from_yaml("tpplan: 7\nrules:\n  - {match: lm_head, style: replicate, why: x}\n")
+    with fake_ranks(2) as mesh, pytest.warns(UserWarning, match="the plan splits nothing"):
+        apply_plan(tiny_llama(), mesh, whole)
+    with fake_ranks(1) as mesh:
+        apply_plan(tiny_llama(), mesh, whole)  # nothing to split at tp 1: no warning
+
+
 def test_an_unknown_plan_path_is_named(tmp_path: Path) -> None:
     with (
         fake_ranks(2) as mesh,
@@ -148,14 +175,12 @@ def test_a_model_a_plan_that_split_nothing_was_applied_to_is_named() -> None:
 
 
 def test_attributes_are_divided_per_rank() -> None:
-    model = tiny_llama()
-    plan = Plan.from_yaml(
-        LLAMA_PLAN.read_text()
-        + "attributes:\n  - {match: model.layers.*.self_attn, divide: [num_key_value_groups], why: test}\n"
-    )
+    # OPT views by its stored head count (4 heads), which its plan divides
+    model = opt()
+    plan = tpplan.infer_plan(model, tp_size=2)
     with fake_ranks(2) as mesh:
         apply_plan(model, mesh, plan)
-    assert model.model.layers[1].self_attn.num_key_value_groups == 1
+    assert model.model.decoder.layers[1].self_attn.num_heads == 2
 
 
 def test_to_torch_expands_every_rule_to_full_names() -> None:

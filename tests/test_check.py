@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from infer_models import opt
 from models import tiny_llama
 from torch import nn
+from unrunnable import CASES, unrunnable
 
-from tpplan import Plan, Problem, check_plan, load_plan
+from tpplan import Plan, Problem, check_plan, infer_plan, load_plan
+from tpplan._check import splits_nothing
 from tpplan._fingerprint import fingerprint, parameter_shapes
 from tpplan.plan import ModelInfo
 
@@ -315,3 +318,73 @@ def test_fused_parts_other_than_the_models_name_both() -> None:
         "into the pieces [768, 768, 768]. Fix: set parts: [768, 768, 768] in the rule, or "
         "infer the plan again for this model (`tpplan infer`)."
     )
+
+
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v.static is not None])
+def test_a_plan_that_cannot_run_gets_one_static_problem(llama, case: str) -> None:  # type: ignore[no-untyped-def]
+    """colwise or sequence_parallel on the token embedding, head_dim divided: each named by
+    its static check, with the fix, and not told again by the dry run."""
+    want = CASES[case]
+    (p,) = check_plan(unrunnable(case), llama, tp_size=2)
+    assert p.rule == want.rule and p.kind != "dry_run"
+    assert want.static is not None and want.static in p.message
+    assert want.fix in p.fix
+
+
+def test_an_embedding_split_by_columns_and_gathered_is_sound(llama) -> None:  # type: ignore[no-untyped-def]
+    plan = Plan.from_yaml(
+        CASES["colwise_embedding"].edit.replace(
+            "    style: colwise\n", "    style: colwise\n    output: replicate\n", 1
+        )
+    )
+    assert check_plan(plan, llama, tp_size=2) == []
+
+
+def test_a_count_the_views_read_may_be_divided() -> None:
+    """OPT views by its stored num_heads: the attribute its inferred plan divides passes."""
+    model = opt()
+    plan = infer_plan(model, tp_size=2)
+    assert [a.divide for a in plan.attributes] == [["num_heads"]]
+    assert check_plan(plan, model, tp_size=2) == []
+
+
+def test_a_plan_that_does_not_run_names_the_rule_and_where_torch_raised(llama) -> None:  # type: ignore[no-untyped-def]
+    """A mistake no static check knows (a sequence-parallel boundary in a plan that is not
+    sequence-parallel) is found by running the plan on a meta copy over fake ranks."""
+    want = CASES["prepare_in_the_wrong_place"]
+    (p,) = check_plan(unrunnable("prepare_in_the_wrong_place"), llama, tp_size=2)
+    assert p.kind == "dry_run" and p.rule == want.rule and p.module == "model.layers.0.mlp"
+    assert p.message.startswith("a forward on a copy sharded over 2 fake ranks")
+    assert want.ran in p.message and want.fix in p.fix
+
+
+def test_the_last_of_many_identical_blocks_is_run_when_its_rules_differ() -> None:
+    """Long stacks of identical blocks are run through their first blocks only, unless the
+    plan treats a later one otherwise: a mistake in block 9 of 10 is found."""
+    model = tiny_llama(layers=10, device="meta")
+    plan = Plan.from_yaml(
+        CASES["prepare_in_the_wrong_place"].edit.replace(
+            "match: model.layers.*.mlp,", "match: model.layers.9.mlp,"
+        )
+    )
+    (p,) = check_plan(plan, model, tp_size=2)
+    assert p.kind == "dry_run" and p.module == "model.layers.9.mlp"
+    assert check_plan(load_plan(LLAMA_PLAN), model, tp_size=2) == []
+
+
+def test_checking_leaves_no_process_group_and_the_model_whole(llama) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.tensor import DTensor, _random
+
+    before = {n: id(p) for n, p in llama.named_parameters()}
+    assert check_plan(unrunnable("prepare_in_the_wrong_place"), llama, tp_size=2)
+    assert not torch.distributed.is_initialized() and _random._rng_tracker is None
+    assert {n: id(p) for n, p in llama.named_parameters()} == before
+    assert not any(isinstance(p, DTensor) for p in llama.parameters())
+
+
+def test_a_plan_that_splits_nothing_is_sound(llama) -> None:  # type: ignore[no-untyped-def]
+    empty = Plan.from_yaml("tpplan: 7\nrules: []\n")
+    whole = Plan.from_yaml("tpplan: 7\nrules:\n  - {match: lm_head, style: replicate, why: x}\n")
+    assert check_plan(empty, llama, tp_size=2) == [] and splits_nothing(empty)
+    assert check_plan(whole, llama, tp_size=2) == [] and splits_nothing(whole)
+    assert not splits_nothing(load_plan(LLAMA_PLAN))

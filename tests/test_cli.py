@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from unrunnable import CASES
 
 from tpplan import Plan
 from tpplan.cli import main
@@ -57,6 +58,32 @@ def test_check_fails_with_every_problem(capsys: pytest.CaptureFixture[str]) -> N
     # k_proj and v_proj, and q_proj: its 8 heads divide by 8, but pairs share a k/v head
     assert "problem: rules[1] (match: model.layers.*.self_attn.q_proj)" in out
     assert out.strip().endswith("3 problem(s) at tp 8.")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_check_fails_a_plan_that_cannot_run(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / f"{case}.yaml"
+    path.write_text(CASES[case].edit)
+    code, out, _ = run(capsys, "check", str(path), "llama", "--tp", "2", *SMALL)
+    want = CASES[case]
+    assert code == 1 and out.strip().endswith("1 problem(s) at tp 2.")
+    assert f"problem: {want.rule}" in out
+    assert (want.static or want.ran) in out and want.fix in out
+
+
+def test_check_says_when_a_plan_splits_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("tpplan: 7\nrules: []\n")
+    code, out, _ = run(capsys, "check", str(path), "llama", "--tp", "2", *SMALL)
+    assert code == 0
+    assert out == (
+        f"{path}: sound at tp 2, but it splits nothing (0 rules, none splitting a module): "
+        "every rank would hold and run the whole model.\n"
+    )
 
 
 def test_check_refuses_a_plan_written_for_another_model(

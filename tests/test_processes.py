@@ -37,6 +37,18 @@ def test_gloo_parity(tp: int) -> None:
 
 
 @pytest.mark.slow
+def test_a_plan_is_dry_run_inside_a_real_gloo_group() -> None:
+    """check_plan's dry run on gloo ranks: it refuses an unrunnable plan without a collective
+    (at tp 2 and at tp 4 beside a world of 2), and the good plan applies after it."""
+    run = torchrun(
+        HERE / "gloo_parity.py", "--standalone", "--nproc-per-node=2", script_args=("refuse",)
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _ranks(run.stdout, " refused") == [0, 1], run.stdout
+    assert _ranks(run.stdout, "/2 worst") == [0, 1], run.stdout
+
+
+@pytest.mark.slow
 def test_gloo_parity_of_a_table_that_writes_a_split_parameter() -> None:
     run = torchrun(
         HERE / "gloo_parity.py", "--standalone", "--nproc-per-node=4", script_args=("written",)

@@ -7,6 +7,8 @@ never left with a half-sharded model because of a bad rule.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
@@ -14,13 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ._check import check_plan, tied_groups
+from ._check import check_plan, splits_nothing, tied_groups
 from ._guard import guard_inputs, wants_guard
 from ._patterns import match_names
 from .errors import MeshError, ModelError, PlanProblemsError
 from .plan import Plan, load_plan
 
-__all__ = ["apply_plan", "resolve_plan", "tp_mesh"]
+__all__ = ["apply_plan", "resolve_plan", "shard_model", "tp_mesh"]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -102,16 +104,42 @@ def apply_plan(
     problems = check_plan(plan, model, tp_size=tp_size)
     if problems:
         raise PlanProblemsError(problems, tp_size=tp_size)
-    styles = plan.to_torch(model)
-    tied = _tied(model)
-    if styles:
-        parallelize_module(model, mesh, styles)
-    _retie(model, tied)
-    _divide_attributes(plan, model, tp_size)
+    if tp_size > 1 and splits_nothing(plan):
+        # not an error (a baseline run may want it), but tp ranks that each run the whole
+        # model are a waste nobody asks for by accident; at tp 1 there is nothing to split
+        warnings.warn(
+            f"the plan splits nothing ({len(plan.rules)} rules, none splitting a module): "
+            f"each of the {tp_size} tp ranks holds and runs the whole model.",
+            UserWarning,
+            stacklevel=2,
+        )
+    shard_model(model, mesh, plan)
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
     return model
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Plan,
+    *,
+    on_module: Callable[[str], None] | None = None,
+) -> None:
+    """Apply a checked plan's styles and attribute fixes to `model` in place, no check.
+
+    `on_module` is told each module's name before its style is applied (the dry run names
+    the module a failure came from). Styles are applied one module at a time, which is what
+    parallelize_module does with a dict of full names.
+    """
+    tied = _tied(model)
+    for name, style in plan.to_torch(model).items():
+        if on_module is not None:
+            on_module(name)
+        parallelize_module(model, mesh, {name: style})
+    _retie(model, tied)
+    _divide_attributes(plan, model, mesh.size())
 
 
 def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -1,8 +1,9 @@
-"""check_plan: every static problem of a plan against a model and a tp size, at once.
+"""check_plan: every problem of a plan against a model and a tp size, at once.
 
-Nothing here touches torch.distributed or runs the model: it reads module types, shapes
-and attributes, so it works on a model on the meta device, of any size, in milliseconds.
-Start at `check_plan`; each `_check_*` function adds one kind of Problem.
+The checks here read module types, shapes and attributes, and a trace of the model on fake
+tensors; none touches torch.distributed, so they work on a model on the meta device, of any
+size. A plan they pass is then run once by tpplan/_dry_run.py. Start at `check_plan`; each
+`_check_*` function adds one kind of Problem.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .plan import Plan, Rule, parse_layout
 if TYPE_CHECKING:
     from ._trace import Trace
 
-__all__ = ["check_plan"]
+__all__ = ["check_plan", "splits_nothing"]
 
 # Module types each style can be applied to; None means any module.
 _TYPES: dict[str, tuple[type[nn.Module], ...] | None] = {
@@ -91,6 +92,12 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     types they cannot apply to, split dims (features, heads, vocab) that tp_size does not
     divide, column-parallel regions no row-parallel module closes (and the reverse),
     attribute fixes that cannot be made, and a fingerprint that does not match the model.
+
+    A plan with none of these is applied to a weightless copy of the model over `tp_size`
+    fake ranks and run forward and backward (tpplan/_dry_run.py); a failure is one problem
+    naming the rule, the module where torch raised and torch's error. Where no such run can
+    be set up (inputs tpplan cannot make up, a model that does not run on meta tensors even
+    unsharded, parameters that are already DTensors), the checks above stand alone.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}.")
@@ -126,7 +133,19 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     problems.extend(_check_regions(plan, matched, model, tp_size, flagged))
     problems.extend(_check_attributes(plan, names, modules, tp_size))
     problems.extend(_check_fingerprint(plan, model))
-    return _merge_layers(problems, names)
+    if problems:
+        return _merge_layers(problems, names)
+    # Last, the proof: the plan applied to a meta copy runs a forward and a backward. Only
+    # for a plan the checks above pass, so that one mistake is not told twice.
+    from ._dry_run import run_plan
+
+    return run_plan(plan, model, tp_size=tp_size)
+
+
+def splits_nothing(plan: Plan) -> bool:
+    """Whether applying the plan leaves every parameter and activation whole on every rank
+    (no rules, or only replicate ones): sound, but each rank then runs the whole model."""
+    return all(r.style in ("replicate", "replicate_grad_sum") for r in plan.rules)
 
 
 def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
@@ -350,6 +369,19 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
             )
         )
         return out
+    if rule.style == "sequence_parallel" and isinstance(module, nn.Embedding):
+        return [
+            Problem(
+                "module_type",
+                _where(i, rule),
+                name,
+                "style 'sequence_parallel' takes a module's input as this rank's share of the "
+                "sequence, but an nn.Embedding's input is the token ids, which every rank "
+                "holds whole: its rows would be read as 1/tp of a sequence tp times as long.",
+                "use vocab_parallel (`output: shard(1)` starts a sequence-parallel region, "
+                "as `tpplan infer --sequence-parallel` writes it) or replicate.",
+            )
+        ]
     if rule.style == "replicate_grad_sum" and not any(True for _ in module.parameters(False)):
         out.append(
             Problem(
@@ -460,12 +492,17 @@ def _check_regions(
     def having(keep: Any) -> list[tuple[int, str]]:
         return [(i, n) for i, r in enumerate(plan.rules) if keep(r) for n in matched[i]]
 
+    names = [n for n, _ in model.named_modules() if n]
+
     checked = _Checked(
         openers=having(_opens_region),
         closers=having(_closes_region),
         tables=having(lambda r: r.style == "vocab_parallel"),
         # a colwise layer gathered right after is no opener, but its parts must still be right
         widths=having(lambda r: r.head_dim or r.parts or r.fused),
+        divided=[
+            (i, n) for i, a in enumerate(plan.attributes) for n in match_names(a.match, names)
+        ],
     )
     if not any(checked):
         return []
@@ -474,8 +511,8 @@ def _check_regions(
     except TpplanError:
         return _check_regions_by_structure(plan, checked.openers, checked.closers, model)
     out = _check_traced(plan, checked, trace, tp, flagged)
-    names = (name for pairs in checked for _, name in pairs)
-    for root in idle_roots(names, trace.ran, lambda n: _traced(trace, n)):
+    checked_names = (name for pairs in checked for _, name in pairs)
+    for root in idle_roots(checked_names, trace.ran, lambda n: _traced(trace, n)):
         out += _check_part(plan, checked, model, root, tp, flagged)
     return out
 
@@ -487,6 +524,8 @@ class _Checked(NamedTuple):
     closers: list[tuple[int, str]]
     tables: list[tuple[int, str]]
     widths: list[tuple[int, str]]
+    divided: list[tuple[int, str]]
+    """(attribute rule index, module name): the rule indexes plan.attributes."""
 
 
 def _check_traced(
@@ -497,7 +536,44 @@ def _check_traced(
         + _check_heads(plan, checked.openers, trace, tp, flagged)
         + _check_widths(plan, checked.widths, trace)
         + _check_lookups(plan, checked.tables, trace)
+        + _check_divided(plan, checked, trace)
     )
+
+
+def _check_divided(plan: Plan, checked: _Checked, trace: Trace) -> list[Problem]:
+    """An attribute a plan divides must be a count the model's views read to cut the split
+    features, as the trace saw them (what infer divides); divided, any other size its
+    forward reads (head_dim, a width) shrinks what every rank keeps whole. Judged only where
+    the trace followed every split the plan opens to its end (a split it lost may have
+    read counts it did not see); the dry run speaks for the rest."""
+    if any(_traced(trace, n) in trace.broken for _, n in checked.openers):
+        return []
+    counts = [*trace.counts.values(), *trace.expert_counts.values()]
+    legal = {(m, a) for found in counts for m, a, _ in found}
+    out: list[Problem] = []
+    for i, name in checked.divided:
+        rule, t = plan.attributes[i], _traced(trace, name)
+        for attr in rule.divide:
+            if (t, attr) in legal or (t, attr) not in trace.int_reads:
+                continue
+            read = sorted(a for m, a in legal if m == t)
+            views = (
+                f"its views read {', '.join(read)} for that"
+                if read
+                else "its views read no count for that (they size the split with -1 or off the tensor)"
+            )
+            out.append(
+                Problem(
+                    "attribute",
+                    f"attributes[{i}] (match: {rule.match})",
+                    name,
+                    f"its forward reads {attr}, but not as a count of the split features' "
+                    f"heads: {views}. Divided, {attr} would shrink a size every rank keeps whole.",
+                    f"remove {attr} from divide (the attributes `tpplan infer` writes are the "
+                    "ones to divide).",
+                )
+            )
+    return out
 
 
 def _check_part(
@@ -759,6 +835,8 @@ def _check_regions_by_flow(
     out: list[Problem] = []
     for i, name in openers:
         rule, t = plan.rules[i], traced(name)
+        if t in trace.lookups and t not in trace.openers:
+            out.append(_split_rows(i, rule, name))
         if t not in trace.openers:
             continue  # not a Linear called on a whole input; the type check speaks for it
         missing = sorted(wildcard(c) for c in partners(t, trace.closers) - close_t)
@@ -806,6 +884,21 @@ def _check_regions_by_flow(
                 )
             )
     return out
+
+
+def _split_rows(i: int, rule: Rule, name: str) -> Problem:
+    """colwise on a table whose rows are looked up (not one looked up at computed positions
+    to open a split, as T5's relative position bias is) and whose output stays split."""
+    return Problem(
+        "unclosed_region",
+        _where(i, rule),
+        name,
+        "colwise on an nn.Embedding gives each rank a slice of every looked-up row's "
+        f"features and leaves its output split ({rule.output or 'shard(-1)'}), but the "
+        "layers after a lookup take whole rows.",
+        "colwise on an Embedding: use vocab_parallel (each rank holds a share of the vocab; "
+        "one all-reduce) or replicate, or gather its rows with `output: replicate`.",
+    )
 
 
 def _check_regions_by_structure(

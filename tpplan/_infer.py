@@ -334,26 +334,19 @@ def _bent_lookup(op: str) -> str:
 
 
 def _try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs: Any) -> None:
-    """Run the plan once on a meta copy over a fake process group: a stream the model mixes
-    with plain tensors (positions added to it, a gathered layer's output) fails here, with a
-    message, rather than in the user's first forward."""
-    import torch.distributed as dist
+    """Run the plan once as check_plan does (a meta copy over fake ranks): a stream the model
+    mixes with plain tensors (positions added to it, a gathered layer's output) fails here,
+    with a message, rather than in the user's first forward."""
+    from ._dry_run import run_plan
 
-    from ._stats import plan_stats
-
-    if dist.is_initialized() or example_inputs is not None:
-        return  # a real group is up (or the inputs are the caller's): their first forward tells
-    try:
-        plan_stats(model, plan, tp_size=tp, seq=16)
-    except TpplanError:
-        raise
-    except Exception as e:
+    if example_inputs is not None:
+        return  # the inputs are the caller's: their first forward tells
+    for problem in run_plan(plan, model, tp_size=tp):
         raise TpplanError(
             f"sequence parallel does not fit {type(model).__name__}: its forward mixes the "
-            f"sequence-split stream with whole tensors ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200]}). Infer without sequence parallel, or write those "
-            "rules by hand."
-        ) from None
+            f"sequence-split stream with whole tensors ({problem.message.rstrip('.')}). "
+            "Infer without sequence parallel, or write those rules by hand."
+        )
 
 
 # ---- regions -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 The single place that uses torch's private LocalTensorMode, so that a change of that API is
 mended here only. Used by the tests and by `tpplan verify` for numeric parity without
-spawning processes. `fake_ranks` is the same without numbers (shapes and collectives only).
+spawning processes. `fake_ranks` is the same without numbers (shapes and collectives only);
+`solo_fake_mesh` is a fake mesh of its own beside whatever process group is already there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["fake_ranks", "outside_simulation", "own_replicas", "rank_values", "simulated_ranks"]
+__all__ = [
+    "fake_ranks",
+    "outside_simulation",
+    "own_replicas",
+    "rank_values",
+    "simulated_ranks",
+    "solo_fake_mesh",
+]
 
 
 @contextmanager
@@ -51,6 +59,52 @@ def fake_ranks(world_size: int) -> Iterator[DeviceMesh]:
     """A 1-D CPU mesh of `world_size` ranks on a fake process group: shapes, no numbers."""
     with _fake_group(world_size):
         yield init_device_mesh("cpu", (world_size,))
+
+
+@contextmanager
+def solo_fake_mesh(world_size: int) -> Iterator[DeviceMesh]:
+    """A 1-D mesh of `world_size` fake ranks (this process is rank 0) on a fake process group
+    of its own, beside any process group this process already has (gloo, NCCL, fake), which
+    it neither needs nor touches: no rendezvous, no collective with the other ranks. Its
+    collectives send nothing. For DTensor runs on meta tensors (shapes only).
+
+    Built from torch's private pieces (a DeviceMesh without backend init, a registered
+    FakeProcessGroup); a torch that changes them raises here, and callers give up the run.
+    """
+    from torch._C._distributed_c10d import (
+        FakeProcessGroup,
+        ProcessGroup,
+        _register_process_group,
+        _unregister_process_group,
+    )
+    from torch.distributed.distributed_c10d import GroupName
+
+    # One name per size, and one axis name no user mesh has: DTensor caches sharding
+    # decisions by mesh equality (ranks, device type, axis names), so a real mesh must never
+    # equal this one, and a cached decision that names an earlier solo mesh of this size
+    # must find its group registered again.
+    name = GroupName(f"tpplan-solo-fake-{world_size}")
+    group = ProcessGroup(dist.HashStore(), 0, world_size)
+    backend = FakeProcessGroup._create_internal(0, world_size)
+    for device in ("cpu", "meta"):
+        group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    group._set_group_name(name)
+    mesh = DeviceMesh(
+        "cpu",
+        torch.arange(world_size),
+        mesh_dim_names=("tpplan-solo",),
+        _init_backend=False,
+        _rank=0,
+    )
+    mesh._dim_group_names = [name]
+    mesh._pg_registry[name] = group
+    _unregister_process_group(name)  # a group left by a run that never got to its finally
+    _register_process_group(name, group)
+    try:
+        yield mesh
+    finally:
+        _unregister_process_group(name)
 
 
 @contextmanager

@@ -7,7 +7,6 @@ Start at `plan_stats`; `_Collectives` is the dispatch mode that sees every colle
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._apply import apply_plan
+from ._dry_run import meta_copy
 from ._inputs import example_inputs
 from ._local import fake_ranks
 from ._trace import run_op
@@ -78,19 +78,6 @@ class _Collectives(TorchDispatchMode):
         return run_op(func, args, kwargs or {})  # meta kernels as the tracer runs them
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """The model with every parameter and buffer on the meta device, no storage copied (a
-    plain deepcopy would copy every weight first). Tied parameters stay tied."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(
-            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
-        )
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
-
-
 def plan_stats(
     model: nn.Module,
     plan: Plan,
@@ -101,7 +88,7 @@ def plan_stats(
     seq: int = 128,
 ) -> Stats:
     """Costs of `plan` on `model` at `tp_size`, measured on a meta copy of the model."""
-    meta = _meta_copy(model)
+    meta = meta_copy(model)
     total = sum(local_bytes(p) for p in meta.parameters())
     inputs = example_inputs(meta, batch=batch, seq=seq, device="meta")
     tokens = batch * seq

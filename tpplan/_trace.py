@@ -118,6 +118,8 @@ class Trace:
     """(module, attribute) read to size an op on unsplit tensors: never to be divided."""
     counts: dict[str, set[tuple[str, str, int]]] = field(default_factory=dict)
     """Opener -> (module, attribute, value) of head counts its views read from attributes."""
+    int_reads: set[tuple[str, str]] = field(default_factory=set)
+    """(module, attribute) of every integer attribute a module's forward read."""
     lookups: dict[str, bool] = field(default_factory=dict)
     """Embedding -> whether every lookup it made read the model's input (token ids); absent
     when it made no plain lookup."""
@@ -1846,6 +1848,7 @@ def _watched(cls: type) -> type:
                 log = object.__getattribute__(self, "__dict__").get(_READS)
                 if log is not None:
                     log[0].reads[-1].append((log[1], attr, value))
+                    log[0].trace.int_reads.add((log[1], attr))
                     log[0].fresh.append((log[1], attr, value))
             return value
 

@@ -284,7 +284,7 @@ def _check_output(path: Path) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from ._check import check_plan
+    from ._check import check_plan, splits_nothing
     from .plan import load_plan
 
     plan = load_plan(args.plan)
@@ -296,6 +296,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if problems:
         print(f"{args.plan}: {len(problems)} problem(s) at tp {args.tp}.")
         return 1
+    if splits_nothing(plan):
+        # sound, but most likely not what was meant: say so, and still pass
+        print(
+            f"{args.plan}: sound at tp {args.tp}, but it splits nothing ({len(plan.rules)} "
+            "rules, none splitting a module): every rank would hold and run the whole model."
+        )
+        return 0
     print(f"{args.plan}: sound at tp {args.tp} ({len(plan.rules)} rules).")
     return 0
 

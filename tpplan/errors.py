@@ -61,6 +61,7 @@ ProblemKind = Literal[
     "parts",
     "tied",
     "lookup",
+    "dry_run",
 ]
 
 
