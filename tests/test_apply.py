@@ -169,7 +169,8 @@ def test_a_model_a_plan_that_split_nothing_was_applied_to_is_named() -> None:
     model = tiny_llama()
     plan = Plan.model_validate({"tpplan": 1, "rules": []})
     with fake_ranks(2) as mesh:
-        apply_plan(model, mesh, plan)
+        with pytest.warns(UserWarning, match="the plan splits nothing"):
+            apply_plan(model, mesh, plan)
         with pytest.raises(tpplan.ModelError, match=r"already sharded \(apply_plan ran on it\)"):
             apply_plan(model, mesh, plan)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,8 +119,9 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
 
 def _ok(run: subprocess.CompletedProcess[str], nproc: int, mode: str) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
-    done = sorted(line for line in run.stdout.splitlines() if f" {mode} ok" in line)
-    assert len(done) == nproc, run.stdout
+    # ranks print concurrently, so their lines may share a line of stdout
+    done = sorted(int(r) for r in re.findall(rf"rank (\d+)/{nproc} {mode} ok", run.stdout))
+    assert done == list(range(nproc)), run.stdout
 
 
 @pytest.mark.slow
