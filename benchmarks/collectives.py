@@ -46,9 +46,9 @@ def _count(name: str, layers: int, tp: int, seq: int, plan: str) -> dict[str, An
     import torch
 
     import tpplan
-    from tpplan._inputs import example_inputs
-    from tpplan._local import fake_ranks
-    from tpplan._tree import first_tensor
+    from tpplan._runtime.inputs import example_inputs
+    from tpplan._runtime.local import fake_ranks
+    from tpplan._runtime.tree import first_tensor
 
     model = _common.build_meta(name, dtype=torch.bfloat16, num_hidden_layers=layers)
     inputs = example_inputs(model, batch=1, seq=seq, device="meta")

@@ -353,7 +353,7 @@ def model_inputs(model_type: str, model: Any) -> tuple[dict[str, Any], dict[str,
 
     import torch
 
-    from tpplan._inputs import example_inputs
+    from tpplan._runtime.inputs import example_inputs
 
     make = INPUTS.get(model_type) or RUN_INPUTS.get(model_type)
     if make is not None:
@@ -678,7 +678,7 @@ def _hf_plan(model: Any) -> dict[str, str]:
 
 
 def _expand(plan: dict[str, str], names: list[str]) -> dict[str, str]:
-    from tpplan._patterns import match_names
+    from tpplan.plan.patterns import match_names
 
     out: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -705,7 +705,7 @@ def _hf_bytes_per_rank(model: Any, hf: dict[str, str]) -> int:
 def _compare(model: Any, plan: Any) -> dict[str, Any]:
     """Module for module: transformers' style against ours, on every module either side
     does not leave replicated."""
-    from tpplan._patterns import match_names, wildcard
+    from tpplan.plan.patterns import match_names, wildcard
 
     modules = [n for n, _ in model.named_modules() if n]
     params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -754,7 +754,7 @@ def _bytes_per_rank(model: Any) -> int:
     """Parameter bytes the most loaded simulated rank holds once a plan is applied."""
     from torch.distributed.tensor import DTensor
 
-    from tpplan._local import rank_values
+    from tpplan._runtime.local import rank_values
 
     total = 0
     for p in model.parameters():
@@ -765,7 +765,7 @@ def _bytes_per_rank(model: Any) -> int:
 
 def _max_diff(got: Any, want: Any) -> float:
     """Max abs difference over the simulated ranks (a DTensor is gathered whole first)."""
-    from tpplan._local import rank_values
+    from tpplan._runtime.local import rank_values
 
     worst = 0.0
     for value in rank_values(got):
@@ -795,8 +795,8 @@ def _run_one(model_type: str, part: str) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     import tpplan
-    from tpplan._local import simulated_ranks
-    from tpplan._tree import first_tensor
+    from tpplan._runtime.local import simulated_ranks
+    from tpplan._runtime.tree import first_tensor
 
     hf_logging.set_verbosity_error()
     res: dict[str, Any] = {"arch": model_type, "part": part, "source": _source_hash()}

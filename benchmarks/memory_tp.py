@@ -47,8 +47,8 @@ def _forward_runs(spec: str, tp: int, shard: Any) -> str:
     """'ok', or the error one forward of a 2-layer copy raises once sharded."""
     import torch
 
-    from tpplan._inputs import example_inputs
-    from tpplan._local import fake_ranks
+    from tpplan._runtime.inputs import example_inputs
+    from tpplan._runtime.local import fake_ranks
 
     model = _model(spec, num_hidden_layers=2)
     try:
@@ -71,7 +71,7 @@ def _kept_whole(plan: Any, tp: int) -> list[str]:
 
 def measure(spec: str, tp: int) -> dict[str, Any]:
     import tpplan
-    from tpplan._local import fake_ranks
+    from tpplan._runtime.local import fake_ranks
 
     experts = spec.split(":")[1] if ":" in spec else "tensor"
     row: dict[str, Any] = {"model": spec, "tp": tp}

@@ -93,8 +93,8 @@ def _ours(
     import torch
 
     import tpplan
-    from tpplan._local import simulated_ranks
-    from tpplan._tree import first_tensor
+    from tpplan._runtime.local import simulated_ranks
+    from tpplan._runtime.tree import first_tensor
 
     row: dict[str, Any] = {}
     try:
@@ -103,7 +103,7 @@ def _ours(
         return {"error": infer_bar._reason(e)["reason"]}
     rules = [r for r in plan.rules if r.style == "experts"]
     names = [n for n, _ in model.named_modules() if n]
-    from tpplan._patterns import match_names
+    from tpplan.plan.patterns import match_names
 
     row["experts_split"] = sum(len(match_names(r.match, names)) for r in rules)
     row["experts_in_mode"] = sum(
@@ -159,7 +159,7 @@ def _theirs_rank(folder: Path, cls_name: str) -> None:
     import transformers
     from transformers.utils import logging as hf_logging
 
-    from tpplan._tree import first_tensor
+    from tpplan._runtime.tree import first_tensor
 
     hf_logging.set_verbosity_error()
     dist.init_process_group("gloo")
@@ -194,7 +194,7 @@ def _run_one(model_type: str) -> dict[str, Any]:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from tpplan._tree import first_tensor
+    from tpplan._runtime.tree import first_tensor
 
     hf_logging.set_verbosity_error()
     res: dict[str, Any] = {"arch": model_type, "source": infer_bar._source_hash()}

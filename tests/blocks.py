@@ -24,9 +24,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tpplan
-from tpplan._local import rank_values, simulated_ranks
-from tpplan._patterns import match_names
+from tpplan._runtime.local import rank_values, simulated_ranks
 from tpplan.plan import Plan
+from tpplan.plan.patterns import match_names
 
 __all__ = [
     "HEAD_DIM",

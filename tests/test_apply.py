@@ -16,7 +16,8 @@ from unrunnable import CASES, unrunnable
 
 import tpplan
 from tpplan import MeshError, Plan, PlanProblemsError, apply_plan, load_plan
-from tpplan._local import fake_ranks, rank_values, simulated_ranks
+from tpplan._runtime.local import fake_ranks, rank_values, simulated_ranks
+from tpplan.compile import plan_to_torch
 
 LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
 # fp32 logits of a 2-layer model: sharded matmuls sum in another order, which moves the last
@@ -188,7 +189,7 @@ def test_to_torch_expands_every_rule_to_full_names() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     model = tiny_llama(layers=3)
-    styles = load_plan(LLAMA_PLAN).to_torch(model)
+    styles = plan_to_torch(load_plan(LLAMA_PLAN), model)
     assert len(styles) == 3 * 7 + 2
     assert isinstance(styles["model.layers.2.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(styles["model.layers.0.mlp.down_proj"], RowwiseParallel)

@@ -12,8 +12,8 @@ from torch import nn
 from unrunnable import CASES, unrunnable
 
 from tpplan import Plan, Problem, check_plan, infer_plan, load_plan
-from tpplan._check import splits_nothing
-from tpplan._fingerprint import fingerprint, parameter_shapes
+from tpplan._runtime.facts import fingerprint, parameter_shapes
+from tpplan.check.static import splits_nothing
 from tpplan.plan import ModelInfo
 
 LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
@@ -250,7 +250,7 @@ def test_a_head_dim_other_than_the_models_names_both() -> None:
     """The shipped llama plan states head_dim 128; a Llama whose heads are 64 wide passes the
     rule's own check at tp 2 (2048 features are 16 whole "heads" of 128, and 16 divides by
     2), so only the trace can tell that the plan was written for other heads."""
-    from tpplan._models import build_model
+    from tpplan._runtime.models import build_model
 
     model = build_model("llama", overrides={"head_dim": 64, "num_hidden_layers": 2})
     problems = check_plan(load_plan("llama"), model, tp_size=2)
@@ -305,7 +305,7 @@ def test_fused_parts_other_than_the_models_name_both() -> None:
     """Parts that add up to the width pass the rule's own check however they cut it; GPT-2's
     c_attn cut as 512 | 1024 | 768 would hand each rank the wrong slices of q, k and v (its
     forward differs from the unsharded one by ~1.6 at tp 2)."""
-    from tpplan._models import build_model
+    from tpplan._runtime.models import build_model
 
     model = build_model("gpt2", overrides={"n_layer": 2})
     wrong = Plan.from_yaml(

@@ -27,9 +27,14 @@ from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 import tpplan
-from tpplan._checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
-from tpplan._local import rank_values, simulated_ranks
-from tpplan._safetensors_io import StreamingWriter, index_folder, open_files, read_region_into
+from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan.checkpoint.api import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+from tpplan.checkpoint.safetensors_io import (
+    StreamingWriter,
+    index_folder,
+    open_files,
+    read_region_into,
+)
 
 HERE = Path(__file__).parent
 LLAMA_PLAN = HERE / "plans" / "llama.yaml"

@@ -217,8 +217,8 @@ def test_diff_against_a_model_compares_module_by_module(
     )
     from models import tiny_llama
 
-    from tpplan._diff import diff_plans
     from tpplan.plan import load_plan
+    from tpplan.plan.diff import diff_plans
 
     names = [n for n, _ in tiny_llama(device="meta").named_modules()]
     assert diff_plans(load_plan(LLAMA_PLAN), load_plan(respelled), module_names=names) == []

@@ -13,8 +13,8 @@ from torch import nn
 from unrunnable import CASES, LLAMA_PLAN, unrunnable
 
 from tpplan import Plan, load_plan
-from tpplan._dry_run import meta_copy, run_plan
-from tpplan._local import fake_ranks
+from tpplan._runtime.local import fake_ranks
+from tpplan.check.run import meta_copy, run_plan
 
 
 @pytest.fixture(scope="module")

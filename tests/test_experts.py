@@ -13,8 +13,8 @@ from test_infer import _tokens, assert_parity, rule_for
 from torch import nn
 
 import tpplan
-from tpplan._checkpoint import full_state_dict
-from tpplan._local import rank_values, simulated_ranks
+from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan.checkpoint.api import full_state_dict
 from tpplan.plan import Plan, Rule
 
 

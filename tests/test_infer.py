@@ -46,11 +46,11 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tpplan
-import tpplan._inputs
-from tpplan._local import rank_values, simulated_ranks
-from tpplan._patterns import match_names
-from tpplan._verify import verify_plan
+import tpplan._runtime.inputs
+from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan.diagnose.verify import verify_plan
 from tpplan.plan import Plan, load_plan
+from tpplan.plan.patterns import match_names
 
 # fp32 forward and backward of a two-layer model: a sharded run sums the same products in
 # another order, which moves the last bits only (seen: ~1e-6); 1e-4 leaves room, and any real
@@ -485,7 +485,7 @@ def test_encoder_decoder_self_and_cross_attention(family: str) -> None:
         ("colwise", "replicate"),
     }
     assert _layers(plan, model, cross)
-    inputs = tpplan._inputs.example_inputs(model, batch=2, seq=8)
+    inputs = tpplan._runtime.inputs.example_inputs(model, batch=2, seq=8)
     for tp in (2, 4):
         result = verify_plan(
             model, tpplan.infer_plan(model, tp_size=tp), tp_size=tp, backward=True, inputs=inputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpplan._patterns import collapse, match_names, matches
+from tpplan.plan.patterns import collapse, match_names, matches
 
 NAMES = [
     "model.layers.0.mlp.up_proj",

@@ -15,11 +15,11 @@ import torch
 
 import tpplan
 from tpplan import cli
-from tpplan._local import simulated_ranks
-from tpplan._models import build_model, parse_overrides
-from tpplan._shipped import shipped_plans
-from tpplan._verify import verify_plan
+from tpplan._runtime.local import simulated_ranks
+from tpplan._runtime.models import build_model, parse_overrides
+from tpplan.diagnose.verify import verify_plan
 from tpplan.plan import load_plan
+from tpplan.plan.shipped import shipped_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = sorted((ROOT / "plans").rglob("*.yaml"))
@@ -150,9 +150,9 @@ def test_infer_is_silent_when_no_plan_is_shipped(capsys) -> None:
     assert "ships" not in capsys.readouterr().err
 
 
-@pytest.mark.slow  # builds a wheel; pip fetches setuptools into an isolated build environment
+@pytest.mark.slow  # builds a wheel; pip fetches hatchling into an isolated build environment
 def test_the_wheel_carries_the_shipped_plans(tmp_path: Path) -> None:
-    """An installed tpplan finds its plans as tpplan/plans (see tpplan/_shipped.py)."""
+    """An installed tpplan finds its plans as tpplan/plans (see tpplan/plan/shipped.py)."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(tmp_path)],
         check=True, timeout=600, capture_output=True,

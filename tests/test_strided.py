@@ -1,4 +1,4 @@
-"""Fused layers as honest DTensors (tpplan/_strided.py): which part of the whole each rank
+"""Fused layers as honest DTensors (tpplan/compile/strided.py): which part of the whole each rank
 holds, checked against DTensor's own split, and what a fused colwise layer costs."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import tpplan
-from tpplan._local import fake_ranks, rank_values, simulated_ranks
-from tpplan._strided import boxes, local_runs, split_parts
+from tpplan._runtime.local import fake_ranks, rank_values, simulated_ranks
+from tpplan.compile.strided import boxes, local_runs, split_parts
 
 
 class _Mesh:

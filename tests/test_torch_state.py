@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import tpplan
-from tpplan._local import own_replicas, rank_values, simulated_ranks
+from tpplan._runtime.local import own_replicas, rank_values, simulated_ranks
 
 HERE = Path(__file__).parent
 MODELS = {"gpt2": gpt2, "phi3": phi3, "qwen3_moe": lambda seed=0: qwen3_moe(seed=seed)}

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from tpplan import InputMismatchError, Plan, apply_plan, infer_plan, load_plan
-from tpplan._local import own_replicas, rank_values, simulated_ranks
+from tpplan._runtime.local import own_replicas, rank_values, simulated_ranks
 
 LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
 TOL = 1e-5  # the bar for fp32; observed errors are ~1e-7

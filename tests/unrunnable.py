@@ -1,6 +1,6 @@
 """Hand edits of the tiny Llama's plan (tests/plans/llama.yaml) that pass the schema but
 crash inside torch at the first forward, each with the words its problem must say: the
-static check's where one names it, and the dry run's (tpplan/_dry_run.py) for all of them.
+static check's where one names it, and the dry run's (tpplan/check/run.py) for all of them.
 Shared by test_check, test_dry_run, test_apply and test_cli."""
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """tpplan: infer, check and apply tensor-parallel plans for PyTorch models.
 
-Start with `apply_plan(model, mesh)`; plans are `Plan` objects (tpplan/plan.py), checked by
-`check_plan` (tpplan/_check.py), applied through torch's parallelize_module
-(tpplan/_apply.py). Importing tpplan does not import torch: the names that need it load it
-on first use, so reading and validating plan files stays instant.
+Start with `apply_plan(model, mesh)`. The package is the pipeline, one subpackage per stage,
+each importing only those before it: plan/ (the plan file, no torch) -> _runtime/ (ranks,
+inputs, model facts) -> trace/ -> compile/ (rules to torch styles) -> check/ -> infer/ ->
+apply/ -> checkpoint/ -> diagnose/ -> cli.py; README.md's "How it works" is the map.
+Importing tpplan does not import torch: the names that need it load it on first use, so
+reading and validating plan files stays instant.
 """
 
 from __future__ import annotations
@@ -22,15 +24,12 @@ from .errors import (
 from .plan import SCHEMA_VERSION, Plan, Rule, load_plan
 
 if TYPE_CHECKING:
-    from ._apply import apply_plan
-    from ._check import check_plan
-    from ._checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
-    from ._guard import InputMismatchError
-    from ._infer import infer_plan
-    from ._launch import LaunchError, launch
-    from ._parallelize import parallelize
-    from ._stats import plan_stats
-    from ._verify import verify_plan
+    from ._runtime.launch import LaunchError, launch
+    from .apply import InputMismatchError, apply_plan, parallelize
+    from .check import check_plan
+    from .checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+    from .diagnose import plan_stats, verify_plan
+    from .infer import infer_plan
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -62,19 +61,19 @@ __version__ = "0.1.0"
 
 # name -> module; these import torch, so they load on first use
 _LAZY = {
-    "apply_plan": "._apply",
-    "check_plan": "._check",
-    "infer_plan": "._infer",
-    "CheckpointError": "._checkpoint",
-    "full_state_dict": "._checkpoint",
-    "load_checkpoint": "._checkpoint",
-    "save_checkpoint": "._checkpoint",
-    "InputMismatchError": "._guard",
-    "launch": "._launch",
-    "LaunchError": "._launch",
-    "parallelize": "._parallelize",
-    "plan_stats": "._stats",
-    "verify_plan": "._verify",
+    "apply_plan": ".apply",
+    "check_plan": ".check",
+    "infer_plan": ".infer",
+    "CheckpointError": ".checkpoint",
+    "full_state_dict": ".checkpoint",
+    "load_checkpoint": ".checkpoint",
+    "save_checkpoint": ".checkpoint",
+    "InputMismatchError": ".apply",
+    "launch": "._runtime.launch",
+    "LaunchError": "._runtime.launch",
+    "parallelize": ".apply",
+    "plan_stats": ".diagnose",
+    "verify_plan": ".diagnose",
 }
 
 

@@ -189,14 +189,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace, spec: str | None = None, *, device: str = "meta") -> Any:
-    from ._models import build_model, parse_overrides
+    from ._runtime.models import build_model, parse_overrides
 
     return build_model(spec or args.model, parse_overrides(args.overrides), device=device)
 
 
 def _plan_for(args: argparse.Namespace, model: Any, tp: int | None) -> Any:
     """The plan file given with --plan, else the plan inferred for the model."""
-    from ._apply import resolve_plan
+    from .apply.api import resolve_plan
 
     return resolve_plan(getattr(args, "plan", None), model, tp_size=tp)
 
@@ -224,8 +224,8 @@ def _infer_command(args: argparse.Namespace) -> str:
 
 
 def _cmd_infer(args: argparse.Namespace) -> int:
-    from ._infer import infer_plan
-    from ._shipped import shipped_for_class, shipped_plans
+    from .infer.decide import infer_plan
+    from .plan.shipped import shipped_for_class, shipped_plans
 
     if args.output:
         _check_output(Path(args.output))  # before the model is built and traced
@@ -284,8 +284,8 @@ def _check_output(path: Path) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from ._check import check_plan, splits_nothing
-    from .plan import load_plan
+    from .check.static import check_plan, splits_nothing
+    from .plan.schema import load_plan
 
     plan = load_plan(args.plan)
     # every problem apply_plan would refuse, a fingerprint of another model included: a
@@ -310,8 +310,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ._diff import diff_plans
-    from .plan import load_plan
+    from .plan.diff import diff_plans
+    from .plan.schema import load_plan
 
     plans, names = [], None
     for spec in (args.a, args.b):
@@ -330,11 +330,11 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ._verify import verify_in_processes, verify_plan
+    from .diagnose.verify import verify_in_processes, verify_plan
 
     if args.processes:
-        from ._check import check_plan
-        from ._models import parse_overrides
+        from ._runtime.models import parse_overrides
+        from .check.static import check_plan
 
         # The plan is resolved and checked here, on the meta device, so that a bad plan is
         # the same one message (and exit 1) as without --processes, not a failed rank.
@@ -371,7 +371,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from ._stats import plan_stats
+    from .diagnose.stats import plan_stats
 
     model = _build(args)
     plan = _plan_for(args, model, args.tp)
@@ -398,7 +398,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    from .plan import plan_json_schema
+    from .plan.schema import plan_json_schema
 
     sys.stdout.write(json.dumps(plan_json_schema(), indent=2) + "\n")
     return 0

@@ -1,6 +1,6 @@
 """The tracer: run a model once on fake tensors and record where each Linear's output features go.
 
-Start at `trace_model`; it returns a `Trace`, a bag of facts that `tpplan/_infer.py` turns into
+Start at `trace_model`; it returns a `Trace`, a bag of facts that `tpplan/infer/decide.py` turns into
 rules. Nothing here decides a style.
 
 How it works. The model is copied onto fake tensors (shapes and dtypes, no storage), hooks mark
@@ -41,11 +41,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._inputs import example_inputs as _derived_inputs
-from ._local import outside_simulation
-from ._styles import put_in_lookup_place
-from ._tree import tensor_leaves
-from .errors import TpplanError
+from .._runtime.inputs import example_inputs as _derived_inputs
+from .._runtime.local import outside_simulation
+from .._runtime.lookup import put_in_lookup_place
+from .._runtime.tree import tensor_leaves
+from ..errors import TpplanError
 
 __all__ = ["Split", "Trace", "TraceError", "trace_model"]
 

@@ -32,14 +32,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._apply import shard_model
-from ._inputs import example_inputs
-from ._local import outside_simulation, solo_fake_mesh
-from ._patterns import match_names
-from ._trace import _quiet_fake_tensor_log, _repeats, run_op
-from ._tree import tensor_leaves
-from .errors import Problem, TpplanError
-from .plan import Plan
+from .._runtime.inputs import example_inputs
+from .._runtime.local import outside_simulation, solo_fake_mesh
+from .._runtime.tree import tensor_leaves
+from ..compile.shard import shard_model
+from ..errors import Problem, TpplanError
+from ..plan.patterns import match_names
+from ..plan.schema import Plan
+from ..trace.tracer import _quiet_fake_tensor_log, _repeats, run_op
 
 __all__ = ["meta_copy", "run_plan"]
 

@@ -1,6 +1,6 @@
 """Safetensors folders as the unsharded world writes and reads them, without whole models in memory.
 
-Used by tpplan/_checkpoint.py; start there. `index_folder` reads only the headers of a
+Used by tpplan/checkpoint/api.py; start there. `index_folder` reads only the headers of a
 folder's `.safetensors` files (the files named by `model.safetensors.index.json` when there
 is one), so a checkpoint is checked against a model before any data is read.
 `read_region_into` reads one rectangular region of one tensor straight into the tensor that
@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import TpplanError
+from ..errors import TpplanError
 
 __all__ = [
     "INDEX_NAME",

@@ -6,15 +6,15 @@ Start at `load_checkpoint`, then `save_checkpoint` and `full_state_dict`. Two fo
   Hugging Face model a folder `from_pretrained` loads. Rank 0 writes it tensor by tensor
   while every rank takes part in gathering each tensor, so no rank holds the whole model.
   Loading one, each rank reads only the region of each tensor its DTensor placement gives
-  it (tpplan/_safetensors_io.py does the file work);
+  it (tpplan/checkpoint/safetensors_io.py does the file work);
 - torch.distributed.checkpoint (`sharded=True`): each rank writes its own shards; DCP
   reshards on load, so a checkpoint saved at tp 2 loads at tp 4 or tp 1.
 
 Both are written whole to a staging folder inside the target, then replace only the files a
-save writes (tpplan/_checkpoint_folder.py): a crash mid-save leaves a complete checkpoint, and
+save writes (tpplan/checkpoint/folder.py): a crash mid-save leaves a complete checkpoint, and
 the folder's other files (tokenizer, README) are never touched. Loading checks every key and
 shape (and that every file is whole) before the first byte is copied, so a bad checkpoint is
-refused with the model untouched. Under `tpplan._local.simulated_ranks` (every rank in one process)
+refused with the model untouched. Under `tpplan._runtime.local.simulated_ranks` (every rank in one process)
 the safetensors paths work per rank; DCP needs real processes.
 """
 
@@ -39,7 +39,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._checkpoint_folder import (
+from .._runtime.local import outside_simulation, rank_values
+from .._runtime.tree import local_bytes
+from ..compile.strided import local_runs, teach_checkpoint_chunks
+from .converted import Unsupported, read_region, shape_of, virtual_tensors
+from .folder import (
     STAGE,
     check_replaceable,
     discard_stage,
@@ -48,9 +52,7 @@ from ._checkpoint_folder import (
     readable_folder,
     replace_files,
 )
-from ._converted import Unsupported, read_region, shape_of, virtual_tensors
-from ._local import outside_simulation, rank_values
-from ._safetensors_io import (
+from .safetensors_io import (
     INDEX_NAME,
     CheckpointError,
     StreamingWriter,
@@ -59,8 +61,6 @@ from ._safetensors_io import (
     read_region_into,
     safetensors_files,
 )
-from ._strided import local_runs, teach_checkpoint_chunks
-from ._tree import local_bytes
 
 __all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -605,7 +605,7 @@ def _copy_from_file(
     shape: tuple[int, ...],
 ) -> None:
     """Each rank reads the regions its placement gives it, straight into its local tensor
-    (one region, or one per fused part: tpplan/_strided.py)."""
+    (one region, or one per fused part: tpplan/compile/strided.py)."""
     if not isinstance(target, DTensor):
         whole = tuple(slice(0, n) for n in shape)
         _each_rank(target.data, lambda rank, local: fill_region(whole, local))
@@ -772,7 +772,7 @@ def _init_owner(modules: dict[str, nn.Module], name: str) -> Any:
 
 
 # --- ranks: real processes and simulated ones -----------------------------------------------
-# The simulation is torch's private LocalTensorMode (see tpplan/_local.py); these three
+# The simulation is torch's private LocalTensorMode (see tpplan/_runtime/local.py); these three
 # helpers are the only code here that knows about it.
 
 

@@ -8,21 +8,19 @@ never left with a half-sharded model because of a bad rule.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
-from ._check import check_plan, splits_nothing, tied_groups
-from ._guard import guard_inputs, wants_guard
-from ._patterns import match_names
-from .errors import MeshError, ModelError, PlanProblemsError
-from .plan import Plan, load_plan
+from ..check.static import check_plan, splits_nothing
+from ..compile.shard import shard_model
+from ..errors import MeshError, ModelError, PlanProblemsError
+from ..plan.schema import Plan, load_plan
+from .guard import guard_inputs, wants_guard
 
-__all__ = ["apply_plan", "resolve_plan", "shard_model", "tp_mesh"]
+__all__ = ["apply_plan", "resolve_plan", "tp_mesh"]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -69,7 +67,7 @@ def resolve_plan(plan: Plan | str | Path | None, model: nn.Module, *, tp_size: i
     if isinstance(plan, Plan):
         return plan
     if plan is None:
-        from ._infer import infer_plan
+        from ..infer.decide import infer_plan
 
         return infer_plan(model, tp_size=tp_size)
     if isinstance(plan, (str, Path)):
@@ -118,51 +116,3 @@ def apply_plan(
         guard_inputs(model, mesh)
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
     return model
-
-
-def shard_model(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    plan: Plan,
-    *,
-    on_module: Callable[[str], None] | None = None,
-) -> None:
-    """Apply a checked plan's styles and attribute fixes to `model` in place, no check.
-
-    `on_module` is told each module's name before its style is applied (the dry run names
-    the module a failure came from). Styles are applied one module at a time, which is what
-    parallelize_module does with a dict of full names.
-    """
-    tied = _tied(model)
-    for name, style in plan.to_torch(model).items():
-        if on_module is not None:
-            on_module(name)
-        parallelize_module(model, mesh, {name: style})
-    _retie(model, tied)
-    _divide_attributes(plan, model, mesh.size())
-
-
-def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """Groups of (module, parameter name) that share one parameter (tied weights)."""
-    return [[(model.get_submodule(m), p) for m, p in group] for group in tied_groups(model)]
-
-
-def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
-    """parallelize_module distributes each module's parameters on its own, so a tied weight
-    comes out as one copy per holder; check_plan made sure they are split alike, so the
-    first copy serves them all again."""
-    for group in tied:
-        now = [module._parameters[name] for module, name in group]
-        # a holder no style touched (a module keeping a reference) takes the split copy
-        shared = next((p for p in now if isinstance(p, DTensor)), now[0])
-        for module, name in group:
-            module.register_parameter(name, shared)
-
-
-def _divide_attributes(plan: Plan, model: nn.Module, tp_size: int) -> None:
-    """Each rank now holds 1/tp of the heads, so reshapes by stored counts use the local count."""
-    modules = dict(model.named_modules())
-    for rule in plan.attributes:
-        for name in match_names(rule.match, list(modules)):
-            for attr in rule.divide:
-                setattr(modules[name], attr, getattr(modules[name], attr) // tp_size)

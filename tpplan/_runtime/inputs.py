@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import TpplanError
+from ..errors import TpplanError
 
 __all__ = ["InputsError", "example_inputs", "features_input", "part_inputs"]
 

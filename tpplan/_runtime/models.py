@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import TpplanError, did_you_mean
+from ..errors import TpplanError, did_you_mean
 
 __all__ = ["ModelSpecError", "build_model", "parse_overrides"]
 

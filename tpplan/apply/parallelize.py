@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._apply import apply_plan
-from .errors import MeshError
-from .plan import Plan
+from ..errors import MeshError
+from ..plan.schema import Plan
+from .api import apply_plan
 
 __all__ = ["parallelize"]
 

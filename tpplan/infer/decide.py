@@ -1,6 +1,6 @@
 """infer_plan: a tensor-parallel plan from a model's data flow.
 
-Start at `infer_plan`. `tpplan/_trace.py` runs the model once on fake tensors and returns facts
+Start at `infer_plan`. `tpplan/trace/tracer.py` runs the model once on fake tensors and returns facts
 (which Linear's split features reach which Linear, through which ops, and what stopped them);
 this module groups those facts into regions and decides each module's style:
 
@@ -24,13 +24,12 @@ from typing import Any
 
 from torch import nn
 
-from ._check import tied_groups, weight_split
-from ._fingerprint import fingerprint, parameter_shapes
-from ._inputs import part_inputs
-from ._patterns import collapse, wildcard
-from ._trace import Trace, _structure, idle_roots, trace_model
-from .errors import TpplanError
-from .plan import AttributeRule, ModelInfo, Options, Plan, Rule
+from .._runtime.facts import fingerprint, parameter_shapes, tied_groups, weight_split
+from .._runtime.inputs import part_inputs
+from ..errors import TpplanError
+from ..plan.patterns import collapse, wildcard
+from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
+from ..trace.tracer import Trace, _structure, idle_roots, trace_model
 
 __all__ = ["infer_plan"]
 
@@ -337,7 +336,7 @@ def _try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs
     """Run the plan once as check_plan does (a meta copy over fake ranks): a stream the model
     mixes with plain tensors (positions added to it, a gathered layer's output) fails here,
     with a message, rather than in the user's first forward."""
-    from ._dry_run import run_plan
+    from ..check.run import run_plan
 
     if example_inputs is not None:
         return  # the inputs are the caller's: their first forward tells

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._patterns import collapse, match_names
-from .plan import Plan, Rule
+from .patterns import collapse, match_names
+from .schema import Plan, Rule
 
 __all__ = ["Change", "diff_plans"]
 

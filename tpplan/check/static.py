@@ -2,7 +2,7 @@
 
 The checks here read module types, shapes and attributes, and a trace of the model on fake
 tensors; none touches torch.distributed, so they work on a model on the meta device, of any
-size. A plan they pass is then run once by tpplan/_dry_run.py. Start at `check_plan`; each
+size. A plan they pass is then run once by tpplan/check/run.py. Start at `check_plan`; each
 `_check_*` function adds one kind of Problem.
 """
 
@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 
-from ._fingerprint import describe_mismatch, fingerprint
-from ._patterns import collapse, match_names, wildcard
-from .errors import Problem, TpplanError, did_you_mean
-from .plan import Plan, Rule, parse_layout
+from .._runtime.facts import describe_mismatch, fingerprint, tied_groups, weight_split
+from ..errors import Problem, TpplanError, did_you_mean
+from ..plan.patterns import collapse, match_names, wildcard
+from ..plan.schema import Plan, Rule, parse_layout
 
 if TYPE_CHECKING:
-    from ._trace import Trace
+    from ..trace.tracer import Trace
 
 __all__ = ["check_plan", "splits_nothing"]
 
@@ -94,7 +94,7 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     attribute fixes that cannot be made, and a fingerprint that does not match the model.
 
     A plan with none of these is applied to a weightless copy of the model over `tp_size`
-    fake ranks and run forward and backward (tpplan/_dry_run.py); a failure is one problem
+    fake ranks and run forward and backward (tpplan/check/run.py); a failure is one problem
     naming the rule, the module where torch raised and torch's error. Where no such run can
     be set up (inputs tpplan cannot make up, a model that does not run on meta tensors even
     unsharded, parameters that are already DTensors), the checks above stand alone.
@@ -137,7 +137,7 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
         return _merge_layers(problems, names)
     # Last, the proof: the plan applied to a meta copy runs a forward and a backward. Only
     # for a plan the checks above pass, so that one mistake is not told twice.
-    from ._dry_run import run_plan
+    from .run import run_plan
 
     return run_plan(plan, model, tp_size=tp_size)
 
@@ -146,22 +146,6 @@ def splits_nothing(plan: Plan) -> bool:
     """Whether applying the plan leaves every parameter and activation whole on every rank
     (no rules, or only replicate ones): sound, but each rank then runs the whole model."""
     return all(r.style in ("replicate", "replicate_grad_sum") for r in plan.rules)
-
-
-def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
-    """How a rule splits one parameter of its module, in words ("whole" when it does not)."""
-    if rule is None or rule.style not in ("colwise", "rowwise", "vocab_parallel"):
-        return "whole"
-    if param != "weight":
-        if param in (rule.written or ()):
-            return f"dim {getattr(module, param).dim() - 1}"
-        return (
-            "dim 0" if rule.style == "colwise" and not isinstance(module, nn.Embedding) else "whole"
-        )
-    if isinstance(module, nn.Embedding):
-        return "dim 1" if rule.style == "colwise" else "dim 0"
-    dim = int(rule.style == "rowwise") ^ int(bool(rule.transposed))
-    return f"dim {dim}" + (" as fused parts" if rule.parts else "")
 
 
 def _check_inside_experts(plan: Plan, owner: dict[str, int]) -> list[Problem]:
@@ -185,15 +169,6 @@ def _check_inside_experts(plan: Plan, owner: dict[str, int]) -> list[Problem]:
             )
         )
     return out
-
-
-def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
-    """(module, parameter name) of every holder of each parameter held more than once."""
-    holders: dict[int, list[tuple[str, str]]] = {}
-    for full, p in model.named_parameters(remove_duplicate=False):
-        mod, _, name = full.rpartition(".")
-        holders.setdefault(id(p), []).append((mod, name))
-    return [g for g in holders.values() if len(g) > 1]
 
 
 def _check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Problem]:
@@ -483,11 +458,11 @@ def _check_regions(
     split into whole heads as the model itself views them; the heads and fused pieces a
     rule states must be the model's; a vocab-parallel table must sum where its rows are.
 
-    The model is traced (tpplan/_trace.py) to see where each layer's output goes; a model
+    The model is traced (tpplan/trace/tracer.py) to see where each layer's output goes; a model
     that cannot be traced (its inputs cannot be guessed) gets the structural check instead.
     Parts its forward does not call are traced on their own, as infer_plan splits them.
     """
-    from ._trace import idle_roots, trace_model
+    from ..trace.tracer import idle_roots, trace_model
 
     def having(keep: Any) -> list[tuple[int, str]]:
         return [(i, n) for i, r in enumerate(plan.rules) if keep(r) for n in matched[i]]
@@ -582,8 +557,8 @@ def _check_part(
     """The checks on a trace of one part alone, on the inputs infer_plan traces it on; a
     part that cannot run alone is tried child by child, as infer_plan does. What nothing can
     run stays unchecked by flow (infer_plan keeps it whole)."""
-    from ._inputs import example_inputs, part_inputs
-    from ._trace import trace_model
+    from .._runtime.inputs import example_inputs, part_inputs
+    from ..trace.tracer import trace_model
 
     part = model.get_submodule(root)
     try:

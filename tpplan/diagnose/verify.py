@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._apply import apply_plan
-from ._inputs import example_inputs
-from ._local import rank_values, simulated_ranks
-from ._patterns import match_names, wildcard
-from ._styles import EXPERTS_MARK
-from ._tree import first_tensor
-from .plan import Plan
+from .._runtime.inputs import example_inputs
+from .._runtime.local import rank_values, simulated_ranks
+from .._runtime.tree import first_tensor
+from ..apply.api import apply_plan
+from ..compile.styles import EXPERTS_MARK
+from ..plan.patterns import match_names, wildcard
+from ..plan.schema import Plan
 
 __all__ = ["Verification", "verify_in_processes", "verify_plan"]
 
@@ -208,7 +208,7 @@ def verify_in_processes(
     its module outputs (and gradients) with its own unsharded copy; the result is the worst
     error of every row over all ranks.
     """
-    from ._launch import launch
+    from .._runtime.launch import launch
 
     per_rank = launch(
         _verify_rank,
@@ -231,7 +231,7 @@ def _verify_rank(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from ._models import build_model
+    from .._runtime.models import build_model
 
     rank, tp_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)

@@ -2,7 +2,8 @@
 
 Start at `Plan`. A plan is an ordered list of `Rule`s, each mapping a module-name pattern to
 a parallel style, with the layouts it uses and a `why`. This module imports no torch, so
-reading, printing and validating a plan file is instant; `Plan.to_torch` imports it lazily.
+reading, printing and validating a plan file is instant; tpplan/compile/ turns a plan into
+torch's styles.
 """
 
 from __future__ import annotations
@@ -10,16 +11,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import PlanFileError, did_you_mean
-
-if TYPE_CHECKING:
-    from torch import nn
-    from torch.distributed.tensor.parallel import ParallelStyle
+from ..errors import PlanFileError, did_you_mean
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -509,16 +506,6 @@ class Plan(_Strict):
         path = Path(path)
         path.write_text(self.to_json() if path.suffix == ".json" else self.to_yaml())
 
-    # ---- using -------------------------------------------------------------------------
-    def to_torch(self, model: nn.Module) -> dict[str, ParallelStyle]:
-        """The fully expanded {full module name: ParallelStyle} for parallelize_module.
-
-        Rules of style `replicate` leave their modules as they are and are not in the map.
-        """
-        from ._styles import plan_to_torch
-
-        return plan_to_torch(self, model)
-
 
 class _Dumper(yaml.SafeDumper):
     """Block style with lists indented under their key; lists of layouts stay on one line."""
@@ -659,7 +646,7 @@ def plan_json_schema() -> dict[str, Any]:
 def load_plan(path: str | Path) -> Plan:
     """Read a plan file (YAML, or JSON for `.json`), or a plan shipped with tpplan by its
     name (`load_plan("llama")`) when no file of that name exists."""
-    from ._shipped import shipped_plan, unknown_plan_hint
+    from .shipped import shipped_plan, unknown_plan_hint
 
     path = Path(path)
     bare = len(path.parts) == 1 and not path.suffix

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import TpplanError
+from ..errors import TpplanError
 
 __all__ = ["LaunchError", "launch"]
 

@@ -8,7 +8,7 @@ cases built here on the same classes:
 - `vocab_parallel` with `sum_at: lookup`: `SumAtLookup`;
 - `vocab_parallel` with `written`: `WrittenRows`;
 - fused colwise layers (`parts`): `Colwise` gives each rank its slice of each part, so a
-  rank's output is its own q, k and v (or gate and up) laid end to end (tpplan/_strided.py);
+  rank's output is its own q, k and v (or gate and up) laid end to end (tpplan/compile/strided.py);
 - weights stored (in, out) (`transposed`, GPT-2's Conv1D): `Colwise` / `Rowwise` shard the
   other dim of the weight.
 
@@ -46,13 +46,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ._patterns import match_names
-from ._strided import equal_parts, fused_order, split_parts, teach_checkpoint_chunks
-from .errors import TpplanError
-from .plan import parse_layout
+from .._runtime.lookup import put_in_lookup_place
+from ..errors import TpplanError
+from ..plan.patterns import match_names
+from ..plan.schema import parse_layout
+from .strided import equal_parts, fused_order, split_parts, teach_checkpoint_chunks
 
 if TYPE_CHECKING:
-    from .plan import Plan, Rule
+    from ..plan.schema import Plan, Rule
 
 __all__ = [
     "Colwise",
@@ -64,7 +65,6 @@ __all__ = [
     "WrittenRows",
     "placement",
     "plan_to_torch",
-    "put_in_lookup_place",
     "rule_to_style",
 ]
 
@@ -121,7 +121,7 @@ def _distribute(
 ) -> None:
     """Split the parameter `name` of `module` (dotted for a child's) along `dim`; with equal
     fused `parts`, as each rank's slice of each part (a `_StridedShard`, see
-    tpplan/_strided.py). Either way the parameter's full tensor is the original one."""
+    tpplan/compile/strided.py). Either way the parameter's full tensor is the original one."""
     path, _, name = name.rpartition(".")
     module = module.get_submodule(path)
     param = getattr(module, name)
@@ -266,20 +266,6 @@ class _SumAtLookup(nn.Embedding):
         rows = partial_rows.redistribute(mesh, [Replicate()]).to_local()
         # its own tensor while grad is recorded, so the forward may change it in place
         return rows.clone() if torch.is_grad_enabled() else rows
-
-
-_LOOKUP_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def put_in_lookup_place(module: nn.Embedding, place: type[nn.Embedding]) -> None:
-    """Give `module` a class of its own (of the same name) with `place`, an nn.Embedding
-    subclass, where nn.Embedding was in its class order: `place.forward` then runs wherever
-    the module's own forward calls `super().forward(ids)`."""
-    cls = type(module)
-    if (cls, place) not in _LOOKUP_CLASSES:
-        bases = (place,) if cls is nn.Embedding else (cls, place)
-        _LOOKUP_CLASSES[cls, place] = type(cls.__name__, bases, {})
-    module.__class__ = _LOOKUP_CLASSES[cls, place]
 
 
 class SumAtLookup(ParallelStyle):

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from .errors import TpplanError
+from ..errors import TpplanError
 
 __all__ = ["ENV_VAR", "InputMismatchError", "guard_inputs", "wants_guard"]
 

@@ -25,9 +25,9 @@ __all__ = [
 
 def plans_folder() -> Path:
     """tpplan/plans in an installed package; the repository's plans/ in a source checkout."""
-    here = Path(__file__).resolve().parent
-    installed = here / "plans"
-    return installed if installed.is_dir() else here.parent / "plans"
+    package = Path(__file__).resolve().parents[1]  # tpplan/
+    installed = package / "plans"
+    return installed if installed.is_dir() else package.parent / "plans"
 
 
 def shipped_plans() -> dict[str, Path]:

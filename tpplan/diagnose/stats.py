@@ -14,13 +14,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._apply import apply_plan
-from ._dry_run import meta_copy
-from ._inputs import example_inputs
-from ._local import fake_ranks
-from ._trace import run_op
-from ._tree import first_tensor, local_bytes
-from .plan import Plan
+from .._runtime.inputs import example_inputs
+from .._runtime.local import fake_ranks
+from .._runtime.tree import first_tensor, local_bytes
+from ..apply.api import apply_plan
+from ..check.run import meta_copy
+from ..plan.schema import Plan
+from ..trace.tracer import run_op
 
 __all__ = ["Stats", "plan_stats"]
 

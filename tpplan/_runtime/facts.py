@@ -1,17 +1,27 @@
-"""A model's fingerprint: its class and parameter shapes, to tell when a plan was written for
-another model, and to say what differs when it was. Works on meta models; no weights read."""
+"""Facts about a model that inferring and checking a plan both need, read from the module
+tree alone (meta models too; no weights read): its fingerprint (class and parameter shapes,
+to tell when a plan was written for another model, and what differs), the parameters it
+holds more than once (tied weights), and how a rule splits a parameter."""
 
 from __future__ import annotations
 
 import hashlib
 from typing import TYPE_CHECKING
 
-from ._patterns import wildcard
+from torch import nn
+
+from ..plan.patterns import wildcard
 
 if TYPE_CHECKING:
-    from torch import nn
+    from ..plan.schema import Rule
 
-__all__ = ["describe_mismatch", "fingerprint", "parameter_shapes"]
+__all__ = [
+    "describe_mismatch",
+    "fingerprint",
+    "parameter_shapes",
+    "tied_groups",
+    "weight_split",
+]
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -70,3 +80,28 @@ def describe_mismatch(
         if diffs
         else "(the recorded shapes agree; the class differs)"
     )
+
+
+def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module, parameter name) of every holder of each parameter held more than once."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        mod, _, name = full.rpartition(".")
+        holders.setdefault(id(p), []).append((mod, name))
+    return [g for g in holders.values() if len(g) > 1]
+
+
+def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
+    """How a rule splits one parameter of its module, in words ("whole" when it does not)."""
+    if rule is None or rule.style not in ("colwise", "rowwise", "vocab_parallel"):
+        return "whole"
+    if param != "weight":
+        if param in (rule.written or ()):
+            return f"dim {getattr(module, param).dim() - 1}"
+        return (
+            "dim 0" if rule.style == "colwise" and not isinstance(module, nn.Embedding) else "whole"
+        )
+    if isinstance(module, nn.Embedding):
+        return "dim 1" if rule.style == "colwise" else "dim 0"
+    dim = int(rule.style == "rowwise") ^ int(bool(rule.transposed))
+    return f"dim {dim}" + (" as fused parts" if rule.parts else "")

@@ -1,0 +1,8 @@
+"""Below every stage: what runs models and ranks, and facts read from a model's module tree.
+
+tree.py (tensors inside outputs), local.py (simulated and fake ranks), inputs.py (made-up
+example inputs), models.py (models built from a type, folder or id), launch.py (ranks
+started through torch's launcher), facts.py (fingerprint, tied weights, how a rule splits a
+parameter), lookup.py (a table's lookup put in nn.Embedding's place)."""
+
+from __future__ import annotations

@@ -1,0 +1,69 @@
+"""shard_model: a plan's styles and attribute fixes applied to a model, module by module.
+
+What apply_plan does once the plan is checked, and what the dry run of `check` does on a
+weightless copy; no check here. Start at `shard_model`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from .._runtime.facts import tied_groups
+from ..plan.patterns import match_names
+from ..plan.schema import Plan
+from .styles import plan_to_torch
+
+__all__ = ["shard_model"]
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Plan,
+    *,
+    on_module: Callable[[str], None] | None = None,
+) -> None:
+    """Apply a checked plan's styles and attribute fixes to `model` in place, no check.
+
+    `on_module` is told each module's name before its style is applied (the dry run names
+    the module a failure came from). Styles are applied one module at a time, which is what
+    parallelize_module does with a dict of full names.
+    """
+    tied = _tied(model)
+    for name, style in plan_to_torch(plan, model).items():
+        if on_module is not None:
+            on_module(name)
+        parallelize_module(model, mesh, {name: style})
+    _retie(model, tied)
+    _divide_attributes(plan, model, mesh.size())
+
+
+def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, parameter name) that share one parameter (tied weights)."""
+    return [[(model.get_submodule(m), p) for m, p in group] for group in tied_groups(model)]
+
+
+def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """parallelize_module distributes each module's parameters on its own, so a tied weight
+    comes out as one copy per holder; check_plan made sure they are split alike, so the
+    first copy serves them all again."""
+    for group in tied:
+        now = [module._parameters[name] for module, name in group]
+        # a holder no style touched (a module keeping a reference) takes the split copy
+        shared = next((p for p in now if isinstance(p, DTensor)), now[0])
+        for module, name in group:
+            module.register_parameter(name, shared)
+
+
+def _divide_attributes(plan: Plan, model: nn.Module, tp_size: int) -> None:
+    """Each rank now holds 1/tp of the heads, so reshapes by stored counts use the local count."""
+    modules = dict(model.named_modules())
+    for rule in plan.attributes:
+        for name in match_names(rule.match, list(modules)):
+            for attr in rule.divide:
+                setattr(modules[name], attr, getattr(modules[name], attr) // tp_size)
