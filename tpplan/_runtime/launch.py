@@ -8,8 +8,10 @@ torch.distributed.launcher. Start at `launch`.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import TpplanError
@@ -100,7 +102,30 @@ def launch(
         start_method=start_method,
     )
     try:
-        results = elastic_launch(config, _on_rank)(fn, tuple(args), backend)
+        with _signal_handlers_kept():
+            results = elastic_launch(config, _on_rank)(fn, tuple(args), backend)
     except ChildFailedError as e:
         raise LaunchError(_first_cause(e.failures, nprocs)) from None
     return [results[r] for r in sorted(results)]
+
+
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """torch's elastic launcher sets this process's handlers for SIGTERM and friends (to
+    stop its children) and leaves them set: afterwards a SIGTERM only raises an exception
+    inside whatever runs, and a test runner or a notebook kernel no longer stops on it. The
+    caller's handlers are put back when the launch returns."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers belong to the main thread; the launcher sets none elsewhere
+        return
+    numbers = [getattr(signal, name) for name in _SIGNALS if hasattr(signal, name)]
+    kept = {n: signal.getsignal(n) for n in numbers}
+    try:
+        yield
+    finally:
+        for n, handler in kept.items():
+            if handler is not None:  # set from outside Python: nothing to put back
+                signal.signal(n, handler)

@@ -1,0 +1,24 @@
+"""Shared test settings: no test may leave the process's signal handlers changed.
+
+torch's elastic launcher (under tpplan.launch, `verify --processes`) sets handlers for
+SIGTERM and SIGINT; left in place, a SIGTERM to pytest only fails the running test and the
+run goes on. A test that leaves a handler changed fails, naming the signal."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+_WATCHED = [signal.SIGTERM, signal.SIGINT]
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_unchanged() -> Iterator[None]:
+    before = {s: signal.getsignal(s) for s in _WATCHED}
+    yield
+    changed = [signal.Signals(s).name for s in _WATCHED if signal.getsignal(s) != before[s]]
+    for s in _WATCHED:
+        signal.signal(s, before[s])  # the next tests run with the handlers they expect
+    assert not changed, f"the test left the handlers of {', '.join(changed)} changed"
