@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests` is what CI and the README run.
+"""Developer sessions. `nox` alone runs the default ones, tests, lint and typecheck: what CI
+and the README run. `nox -s unit` is the tier that answers in under a minute.
 
 torch is pinned first in every session that installs it: 2.13.0 is the CPU build the
 project is tested against, and unpinned pip would fetch a multi-GB CUDA build instead.
@@ -24,6 +25,14 @@ def tests(session: nox.Session) -> None:
     """The whole suite, slow multi-process tests included (pass `-- -m 'not slow'` to skip them)."""
     _install(session, "test")
     session.run("pytest", *session.posargs)
+
+
+@nox.session(default=False)
+def unit(session: nox.Session) -> None:
+    """The unit tier: schema, patterns, split algebra, messages, each style on the fake
+    process group (`pytest -m unit`); under a minute on 2 cores."""
+    _install(session, "test")
+    session.run("pytest", "-m", "unit", *session.posargs)
 
 
 @nox.session
