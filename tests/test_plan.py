@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from tpplan import Plan, PlanFileError, load_plan
 from tpplan.plan import SCHEMA_VERSION, plan_json_schema
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PLAN = ROOT / "tests" / "plans" / "llama.yaml"
 
