@@ -188,7 +188,7 @@ def test_schema_changes_bump_the_version() -> None:
     )
     assert recorded == digest, (
         f"the plan schema changed but SCHEMA_VERSION is still {SCHEMA_VERSION}: bump it in "
-        "tpplan/plan/schema.py and record the new hash"
+        "tpplan/plan/versions.py and record the new hash"
     )
 
 
