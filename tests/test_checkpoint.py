@@ -28,7 +28,7 @@ from transformers import LlamaForCausalLM
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
-from tpplan.checkpoint.api import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+from tpplan.checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
 from tpplan.checkpoint.safetensors_io import StreamingWriter
 
 HERE = Path(__file__).parent
