@@ -97,7 +97,7 @@ def worker(method: str, folder: Path, out: Path) -> None:
     from transformers import AutoConfig, LlamaForCausalLM
 
     import tpplan
-    from tpplan.checkpoint.api import load_checkpoint, save_checkpoint
+    from tpplan.checkpoint import load_checkpoint, save_checkpoint
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import tiny_llama, token_batch
 
 import tpplan
-import tpplan.checkpoint.api
-from tpplan.checkpoint.api import full_state_dict, load_checkpoint, save_checkpoint
+import tpplan.checkpoint.dcp
+from tpplan.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 
 PLAN = Path(__file__).parent / "plans" / "llama.yaml"
 TOL = 1e-5  # as in test_apply.py: sharded matmuls only reorder fp32 sums
@@ -107,7 +107,7 @@ def _save_by_pieces(model: torch.nn.Module, folder: Path) -> None:
 def main() -> None:
     mode, folder = sys.argv[1], Path(sys.argv[2])
     # tiny models: store chunks of 1 KiB, so that loading reassembles regions from many
-    tpplan.checkpoint.api._DCP_CHUNK_BYTES = (1024, 1024)
+    tpplan.checkpoint.dcp.CHUNK_BYTES = (1024, 1024)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if mode.startswith("fused-"):

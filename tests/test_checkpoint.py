@@ -28,13 +28,8 @@ from transformers import LlamaForCausalLM
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
-from tpplan.checkpoint.api import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
-from tpplan.checkpoint.safetensors_io import (
-    StreamingWriter,
-    index_folder,
-    open_files,
-    read_region_into,
-)
+from tpplan.checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+from tpplan.checkpoint.safetensors_io import StreamingWriter
 
 HERE = Path(__file__).parent
 LLAMA_PLAN = HERE / "plans" / "llama.yaml"
@@ -208,32 +203,6 @@ def test_rotary_buffers_of_a_meta_model_are_rebuilt(saved_at_tp2: Path) -> None:
         load_checkpoint(model, saved_at_tp2)
         assert torch.equal(rotary.inv_freq, ref.model.rotary_emb.inv_freq)
         assert torch.equal(rotary.original_inv_freq, ref.model.rotary_emb.original_inv_freq)
-
-
-@pytest.mark.parametrize(
-    ("shape", "region"),
-    [
-        ((6, 10), (slice(2, 4), slice(0, 10))),  # rows: one run
-        ((6, 10), (slice(0, 6), slice(5, 10))),  # columns: one short run per row, in blocks
-        ((4, 5, 6), (slice(1, 3), slice(0, 5), slice(2, 4))),  # runs over two outer dims
-        ((3, 40000), (slice(0, 3), slice(20000, 40000))),  # runs long enough to read one by one
-        ((), ()),  # a 0-dim tensor
-        ((5, 0), (slice(0, 5), slice(0, 0))),  # nothing to read
-    ],
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_region_is_read_exactly(
-    tmp_path: Path, shape: tuple[int, ...], region: tuple[slice, ...], dtype: torch.dtype
-) -> None:
-    """Whatever the stored dtype, the region lands in an fp32 tensor as torch indexing gives it."""
-    g = torch.Generator().manual_seed(0)
-    full = torch.randn(shape, generator=g).to(dtype)
-    save_file({"pad": torch.ones(3), "t": full}, tmp_path / "x.safetensors")
-    out = torch.full(full[region].shape, SENTINEL)
-    with open_files([tmp_path / "x.safetensors"]) as fds:
-        entry = index_folder(fds)["t"]
-        read_region_into(fds[entry.file], entry, region, out)
-    assert torch.equal(out, full[region].float())
 
 
 def test_a_model_left_on_meta_is_refused(saved_at_tp2: Path) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
-from tpplan.checkpoint.api import full_state_dict
+from tpplan.checkpoint import full_state_dict
 from tpplan.plan import Plan, Rule
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from tpplan.plan.patterns import collapse, match_names, matches
 
+pytestmark = pytest.mark.unit
+
 NAMES = [
     "model.layers.0.mlp.up_proj",
     "model.layers.1.mlp.up_proj",

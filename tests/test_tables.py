@@ -19,7 +19,7 @@ from torch import nn
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
-from tpplan.checkpoint.api import full_state_dict, load_checkpoint, save_checkpoint
+from tpplan.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from tpplan.plan import Plan
 
 SPECIAL = 3  # the token whose rows the table overwrites

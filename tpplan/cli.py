@@ -285,7 +285,7 @@ def _check_output(path: Path) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from .check.static import check_plan, splits_nothing
-    from .plan.schema import load_plan
+    from .plan.load import load_plan
 
     plan = load_plan(args.plan)
     # every problem apply_plan would refuse, a fingerprint of another model included: a
@@ -311,7 +311,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .plan.diff import diff_plans
-    from .plan.schema import load_plan
+    from .plan.load import load_plan
 
     plans, names = [], None
     for spec in (args.a, args.b):

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from ..check.static import check_plan, splits_nothing
 from ..compile.shard import shard_model
 from ..errors import MeshError, ModelError, PlanProblemsError
-from ..plan.schema import Plan, load_plan
+from ..plan.load import load_plan
+from ..plan.schema import Plan
 from .guard import guard_inputs, wants_guard
 
 __all__ = ["apply_plan", "resolve_plan", "tp_mesh"]

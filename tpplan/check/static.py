@@ -14,8 +14,9 @@ from torch import nn
 
 from .._runtime.facts import describe_mismatch, fingerprint, tied_groups, weight_split
 from ..errors import Problem, TpplanError, did_you_mean
+from ..plan.layouts import parse_layout
 from ..plan.patterns import collapse, match_names, wildcard
-from ..plan.schema import Plan, Rule, parse_layout
+from ..plan.schema import Plan, Rule
 
 if TYPE_CHECKING:
     from ..trace.tracer import Trace

@@ -1,9 +1,23 @@
 """Stage 7, checkpoints of a sharded model: saved whole (safetensors) or sharded (DCP), loaded
-at any tp size, each rank reading its own slices. Start at api.py."""
+at any tp size, each rank reading its own slices.
+
+Start at load.py (`load_checkpoint`) and save.py (`save_checkpoint`, `full_state_dict`);
+then, by concern:
+
+- dcp.py: torch.distributed.checkpoint, saved in small chunks and resharded on load;
+- keys.py: a checkpoint's keys and shapes against the model's, every mismatch at once;
+- buffers.py: non-persistent buffers, recomputed after a load;
+- folder.py: the folder a save replaces its own files in, safe against a kill at any step;
+- safetensors_io.py: safetensors headers, region reads and streamed writes;
+- converted.py: tensors a Hugging Face checkpoint stores in another layout;
+- ranks.py: real and simulated ranks, and agreeing on failure so none hangs;
+- progress.py: the loading progress bar.
+"""
 
 from __future__ import annotations
 
-from .api import full_state_dict, load_checkpoint, save_checkpoint
+from .load import load_checkpoint
 from .safetensors_io import CheckpointError
+from .save import full_state_dict, save_checkpoint
 
 __all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]

@@ -1,6 +1,6 @@
 """The folder a checkpoint is saved into: tpplan replaces its own files there, and no others.
 
-Used by tpplan/checkpoint/api.py; start at `replace_files`. A save writes the whole new
+Used by tpplan/checkpoint/save.py; start at `replace_files`. A save writes the whole new
 checkpoint into a staging folder inside the target (`.tpplan-save`), then replaces the
 files of tpplan's kinds (`_OURS`: safetensors weights and index, config.json and
 generation_config.json, DCP's .metadata and .distcp files) with the new ones and removes

@@ -1,6 +1,6 @@
 """Safetensors folders as the unsharded world writes and reads them, without whole models in memory.
 
-Used by tpplan/checkpoint/api.py; start there. `index_folder` reads only the headers of a
+Used by tpplan/checkpoint/load.py and save.py; start there. `index_folder` reads only the headers of a
 folder's `.safetensors` files (the files named by `model.safetensors.index.json` when there
 is one), so a checkpoint is checked against a model before any data is read.
 `read_region_into` reads one rectangular region of one tensor straight into the tensor that

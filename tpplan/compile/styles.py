@@ -48,8 +48,8 @@ from torch.distributed.tensor.parallel import (
 
 from .._runtime.lookup import put_in_lookup_place
 from ..errors import TpplanError
+from ..plan.layouts import parse_layout
 from ..plan.patterns import match_names
-from ..plan.schema import parse_layout
 from .strided import equal_parts, fused_order, split_parts, teach_checkpoint_chunks
 
 if TYPE_CHECKING:

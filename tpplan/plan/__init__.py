@@ -1,21 +1,21 @@
-"""Stage 1, the plan file: pydantic models, YAML/JSON with why-comments, module-name patterns,
-the shipped plans, and the diff of two plans. Imports no torch: reading, printing and
-validating a plan file is instant. Start at schema.py (`Plan`, `Rule`)."""
+"""Stage 1, the plan file. Imports no torch: reading, printing and validating a plan file is
+instant. Start at schema.py (`Plan`, `Rule`); then, by concern:
+
+- load.py: `load_plan`, from a file or a shipped plan's name; shipped.py finds those;
+- comments.py: the YAML text, each rule's `why` the comment above it;
+- styles.py, layouts.py, versions.py: what a rule may say, as plain checks;
+- messages.py: pydantic's errors as one sentence per problem, with its line;
+- patterns.py: module-name patterns, matched as parallelize_module matches;
+- diff.py: what changes between two plans.
+"""
 
 from __future__ import annotations
 
-from .schema import (
-    SCHEMA_VERSION,
-    STYLES,
-    AttributeRule,
-    ModelInfo,
-    Options,
-    Plan,
-    Rule,
-    load_plan,
-    parse_layout,
-    plan_json_schema,
-)
+from .layouts import parse_layout
+from .load import load_plan
+from .schema import AttributeRule, ModelInfo, Options, Plan, Rule, plan_json_schema
+from .styles import STYLES
+from .versions import SCHEMA_VERSION
 
 __all__ = [
     "SCHEMA_VERSION",

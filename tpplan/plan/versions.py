@@ -1,0 +1,80 @@
+"""Schema versions: which versions this tpplan reads, and what each one added.
+
+A plan file names its schema version on its first line (`tpplan: 7`). Every version is a
+subset of the next, so older files are read as they are; a file that uses a field or a style
+newer than its version is told which version it needs. Start at `check_fields_fit_version`.
+No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+__all__ = [
+    "READABLE_VERSIONS",
+    "SCHEMA_VERSION",
+    "check_fields_fit_version",
+    "version_problem",
+]
+
+# A new version is added here, to READABLE_VERSIONS and to Plan.tpplan's Literal (schema.py),
+# with its schema hash in plans/schema_versions.json (tests/test_plan.py checks it).
+SCHEMA_VERSION = 7
+# Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# What each version added: a file naming any of these needs at least that version.
+_ADDED_FIELDS = {
+    2: ("parts", "transposed"),
+    3: ("mode", "shard", "fused", "after_sum"),
+    5: ("added_whole",),
+    6: ("sum_at",),
+    7: ("written",),
+}
+_ADDED_STYLES = {3: ("experts",), 4: ("split_params",)}
+_ADDED_MODEL_FIELDS = {4: ("command",)}
+
+
+def version_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with a plan's `tpplan:` key (missing, or a version this tpplan does not
+    read), or None when it is one this tpplan reads."""
+    if "tpplan" not in data:
+        return (
+            f"not a tpplan plan: the top-level key 'tpplan: {SCHEMA_VERSION}' (the schema "
+            "version) is missing."
+        )
+    version = data["tpplan"]
+    if version not in READABLE_VERSIONS:
+        return (
+            f"schema version {version!r} is not one this tpplan reads (it reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}). Upgrade tpplan (pip install -U tpplan) "
+            "if the file is newer, or regenerate it with `tpplan infer`."
+        )
+    return None
+
+
+def check_fields_fit_version(
+    version: int, *, model_fields: Collection[str], rules: Sequence[tuple[str, Collection[str]]]
+) -> None:
+    """Raise ValueError naming every field and style newer than `version`, with the newest
+    version they need: `rules` is each rule's (style, fields given)."""
+    for needed in sorted({*_ADDED_FIELDS, *_ADDED_STYLES, *_ADDED_MODEL_FIELDS}, reverse=True):
+        if version >= needed:
+            break
+        newer = [f"model.{f}" for f in _ADDED_MODEL_FIELDS.get(needed, ()) if f in model_fields]
+        newer += [
+            f"rules[{i}].{f}"
+            for i, (_, fields) in enumerate(rules)
+            for f in _ADDED_FIELDS.get(needed, ())
+            if f in fields
+        ]
+        newer += [
+            f"rules[{i}].style {style}"
+            for i, (style, _) in enumerate(rules)
+            if style in _ADDED_STYLES.get(needed, ())
+        ]
+        if newer:
+            raise ValueError(
+                f"{', '.join(newer)} need schema version {needed}; change the first line "
+                f"to 'tpplan: {needed}'."
+            )
