@@ -15,7 +15,15 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import tpplan
 from tpplan._runtime.local import fake_ranks, rank_values, simulated_ranks
-from tpplan.compile.strided import boxes, local_runs, split_parts
+from tpplan.compile import strided
+from tpplan.compile.strided import (
+    boxes,
+    equal_parts,
+    fused_order,
+    local_runs,
+    split_parts,
+    teach_checkpoint_chunks,
+)
 
 
 class _Mesh:
@@ -50,6 +58,7 @@ CASES = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("n", "placements", "sizes"), CASES)
 def test_local_runs_are_the_indices_dtensor_gives_each_rank(n, placements, sizes) -> None:
     for coordinate in itertools.product(*(range(s) for s in sizes)):
@@ -62,6 +71,7 @@ def test_local_runs_are_the_indices_dtensor_gives_each_rank(n, placements, sizes
         )
 
 
+@pytest.mark.unit
 def test_a_plain_shard_is_one_box_and_a_split_of_three_pieces_is_three() -> None:
     whole = torch.arange(24.0).reshape(12, 2)
     with fake_ranks(2) as mesh:
@@ -76,6 +86,7 @@ def test_a_plain_shard_is_one_box_and_a_split_of_three_pieces_is_three() -> None
         ]
 
 
+@pytest.mark.unit
 def test_split_parts_is_each_ranks_slice_of_each_piece_and_the_whole_is_the_original() -> None:
     whole = torch.arange(36.0).reshape(12, 3)
     with simulated_ranks(2) as mesh:
@@ -84,6 +95,72 @@ def test_split_parts_is_each_ranks_slice_of_each_piece_and_the_whole_is_the_orig
         assert torch.equal(locals_[0], whole[[0, 1, 4, 5, 8, 9]])
         assert torch.equal(locals_[1], whole[[2, 3, 6, 7, 10, 11]])
         assert all(torch.equal(v, whole) for v in rank_values(t.full_tensor()))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("parts", "tp", "want"),
+    [
+        ([4, 4, 4], 2, [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]),
+        ([4, 2, 2], 2, [0, 1, 4, 6, 2, 3, 5, 7]),  # unequal: each part cut on its own
+        ([2, 2], 1, [0, 1, 2, 3]),
+    ],
+)
+def test_fused_order_puts_each_ranks_slice_of_every_part_together(
+    parts: list[int], tp: int, want: list[int]
+) -> None:
+    assert fused_order(parts, tp) == want
+    assert sorted(want) == list(range(sum(parts)))  # a permutation: nothing lost
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("parts", "want"), [([4, 4, 4], True), ([4, 2, 2], False), ([3], True)])
+def test_equal_parts(parts: list[int], want: bool) -> None:
+    assert equal_parts(parts) is want
+
+
+@pytest.mark.unit
+def test_split_parts_refuses_unequal_parts() -> None:
+    with fake_ranks(2) as mesh, pytest.raises(ValueError, match=r"parts \[4, 2, 2\] are not all"):
+        split_parts(torch.zeros(8, 2), mesh, 0, [4, 2, 2], src_data_rank=None)
+
+
+@pytest.mark.unit
+def test_a_fused_in_out_weight_is_split_along_dim_1_in_three_boxes() -> None:
+    """GPT-2's c_attn, stored (in, out): the pieces lie along dim 1, whole along dim 0."""
+    whole = torch.arange(24.0).reshape(2, 12)
+    with fake_ranks(2) as mesh:
+        fused = split_parts(whole, mesh, 1, [4, 4, 4], src_data_rank=None)
+        assert fused.placements == (_StridedShard(1, split_factor=3),)
+        assert fused.to_local().shape == (2, 6)
+        assert boxes(fused) == [
+            ((0, 0), (0, 0), (2, 2)),
+            ((0, 2), (0, 4), (2, 2)),
+            ((0, 4), (0, 8), (2, 2)),
+        ]
+
+
+@pytest.mark.unit
+def test_a_replicated_tensor_is_one_box() -> None:
+    with fake_ranks(2) as mesh:
+        t = torch.distributed.tensor.distribute_tensor(torch.zeros(4, 2), mesh, [Replicate()])
+        assert boxes(t) is None
+
+
+@pytest.mark.unit
+def test_local_runs_read_a_negative_dim_from_the_end() -> None:
+    runs = local_runs((3, 8), [Shard(-1)], _Mesh(2), [1])
+    assert runs == [[(0, 0, 3)], [(0, 4, 4)]]
+
+
+@pytest.mark.unit
+def test_teaching_checkpoint_chunks_twice_keeps_torchs_own_protocol() -> None:
+    teach_checkpoint_chunks()
+    teach_checkpoint_chunks()
+    from torch.distributed.tensor import DTensor
+
+    assert DTensor.__create_chunk_list__ is strided._chunk_list
+    assert strided._TORCH_PROTOCOL["__create_chunk_list__"] is not strided._chunk_list
 
 
 # CommDebugMode hooks every module for backward, which cannot fire on HF output dataclasses

@@ -1,11 +1,21 @@
-"""Stage 3, plan rules to torch's ParallelStyles: the styles torch lacks (fused layers, tables
-whose forward does more than look up, experts, per-head parameters), the strided layout of
-fused layers and its checkpoint chunks, and `shard_model`, which applies a plan's styles
-module by module. Start at styles.py (`plan_to_torch`)."""
+"""Stage 3, the plan-to-torch compiler: each plan rule becomes a torch ParallelStyle, and
+`shard_model` applies them module by module.
+
+Start at rules.py (`plan_to_torch`, `rule_to_style`), which maps every style of the schema
+to torch's own or to one built here for what torch lacks, one concern per module:
+- linear.py: `Colwise`, `Rowwise` for fused layers (q|k|v) and weights stored (in, out);
+- embeddings.py: `SumAtLookup`, `WrittenRows` for embeddings whose forward does more than
+  look up;
+- experts.py: `Experts` for 3-D expert weights;
+- params.py: `split_param` (used by all of them), `ReplicateGradSum`, `SplitParams`;
+- strided.py: the layout of a fused layer split rank by rank (`_StridedShard`) and its
+  checkpoint chunks;
+- shard.py: `shard_model`.
+"""
 
 from __future__ import annotations
 
+from .rules import plan_to_torch, rule_to_style
 from .shard import shard_model
-from .styles import plan_to_torch, rule_to_style
 
 __all__ = ["plan_to_torch", "rule_to_style", "shard_model"]

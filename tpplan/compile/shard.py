@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from .._runtime.facts import tied_groups
 from ..plan.patterns import match_names
 from ..plan.schema import Plan
-from .styles import plan_to_torch
+from .rules import plan_to_torch
 
 __all__ = ["shard_model"]
 

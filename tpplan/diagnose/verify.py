@@ -19,7 +19,7 @@ from .._runtime.inputs import example_inputs
 from .._runtime.local import rank_values, simulated_ranks
 from .._runtime.tree import first_tensor
 from ..apply.api import apply_plan
-from ..compile.styles import EXPERTS_MARK
+from ..compile.experts import EXPERTS_MARK
 from ..plan.patterns import match_names, wildcard
 from ..plan.schema import Plan
 

@@ -1,0 +1,176 @@
+"""torch's ColwiseParallel and RowwiseParallel, extended to the Linear-like layers torch's
+own cannot split: fused layers and weights stored (in, out).
+
+Start at `Colwise`:
+- fused layers (`parts`, q|k|v or gate|up laid end to end in one weight): each rank gets
+  its slice of every part, so its output is its own q, k and v (or gate and up) in order.
+  Parts of equal sizes make the weight a `_StridedShard` (strided.py) and cost nothing at
+  run time; unequal ones are no DTensor layout, so the weight is a plain Shard and each
+  rank gathers the output and picks its own slices;
+- weights stored (in, out) (`transposed`, GPT-2's Conv1D): the other dim of the weight is
+  split.
+`Rowwise` splits (in, out) weights too, and hands back an output the model may change in
+place. rules.py uses torch's own styles where these are not needed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from ..errors import TpplanError
+from .params import split_param
+from .strided import equal_parts, fused_order
+
+__all__ = ["Colwise", "Rowwise"]
+
+
+class Colwise(ColwiseParallel):
+    """ColwiseParallel for fused layers (`parts`) and (in, out) weights (`transposed`).
+
+    The output is split over its last dim like torch's: with parts, rank r's output holds
+    rank r's slice of each part in order, which is what a model splitting the output into
+    parts by sizes divided per rank (or into equal chunks) expects. An nn.Embedding is left
+    to torch's ColwiseParallel.
+
+    Keyword Args:
+        parts: sizes of the pieces laid end to end along the output features (q|k|v).
+        transposed: the weight is stored (in_features, out_features); its dim 1 is split.
+        input_layouts, output_layouts, use_local_output: as torch's ColwiseParallel; a
+            fused layer's output must be local (or gathered, `output_layouts=Replicate()`).
+
+    Example::
+        >>> parallelize_module(attn, mesh, {"c_attn": Colwise(parts=[768] * 3, transposed=True)})
+    """
+
+    def __init__(
+        self, *, parts: list[int] | None = None, transposed: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.parts = tuple(parts) if parts else None
+        self.transposed = transposed
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        src = self.src_data_rank
+        split_param(module, "weight", mesh, 1 if self.transposed else 0, self.parts, src)
+        if getattr(module, "bias", None) is not None:
+            split_param(module, "bias", mesh, 0, self.parts, src)
+
+    @staticmethod
+    def _own_output(
+        layouts: tuple[Placement, ...],
+        local: bool,
+        parts: tuple[int, ...] | None,
+        mod: nn.Module,
+        out: DTensor,
+        mesh: DeviceMesh,
+    ) -> Any:
+        if parts is not None and not isinstance(layouts[0], Replicate):
+            if not local:
+                raise TpplanError(
+                    "a fused colwise layer (parts) hands each rank its slice of every part as a "
+                    "plain tensor; drop local_output: false from its rule."
+                )
+            if equal_parts(parts):
+                # its weight is a _StridedShard: the local output already holds this rank's
+                # slice of each part, in order
+                return out.to_local()
+            # pieces of unequal sizes are no DTensor layout: the weight is a plain Shard of
+            # the original, so this rank's features are gathered and its slices picked out;
+            # the gradient is partial (each rank's picks only), summed back to the shards
+            whole = out.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+            return whole.index_select(-1, _own_parts(parts, mesh, whole.device))
+        if out.placements != layouts:
+            out = out.redistribute(placements=layouts)
+        if local and isinstance(layouts[0], Replicate) and torch.is_grad_enabled():
+            # a gathered output handed back as its own tensor, so that the model may change
+            # it in place (Gemma 3n); see `Rowwise`
+            return out.to_local().clone()
+        return out.to_local() if local else out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._own_output, self.output_layouts, self.use_local_output, self.parts),
+        )
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"
+
+
+def _own_parts(parts: tuple[int, ...], mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+    """The features of a whole fused output that make this rank's slice of each part, in
+    order (each rank's own index, also on simulated ranks)."""
+    order = torch.tensor(fused_order(parts, mesh.size()), device=device)
+    return distribute_tensor(order, mesh, [Shard(0)], src_data_rank=None).to_local()
+
+
+class Rowwise(RowwiseParallel):
+    """RowwiseParallel for Linear-like layers, also with weights stored (in, out) (their dim
+    0 is contracted), whose local output may be changed in place.
+
+    torch hands back the local output of a DTensor through an autograd Function that returns
+    it as a view, and autograd forbids changing such a view in place: a model that adds a
+    residual in place (Falcon's `mlp_output += attention_output`) cannot train. While grad
+    is recorded the output is handed back as its own tensor (one copy, beside the all-reduce
+    that made it). An nn.Embedding is left to torch's RowwiseParallel.
+
+    Keyword Args:
+        transposed: the weight is stored (in_features, out_features); its dim 0 is split.
+        input_layouts, output_layouts, use_local_output: as torch's RowwiseParallel.
+
+    Example::
+        >>> parallelize_module(mlp, mesh, {"c_proj": Rowwise(transposed=True)})
+    """
+
+    def __init__(self, *, transposed: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.transposed = transposed
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        split_param(module, "weight", mesh, 0 if self.transposed else 1, None, self.src_data_rank)
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, nn.Parameter):
+            replicated = distribute_tensor(
+                bias, mesh, [Replicate()], src_data_rank=self.src_data_rank
+            )
+            module.register_parameter("bias", nn.Parameter(replicated, bias.requires_grad))
+
+    @staticmethod
+    def _own_output(layouts: Any, local: bool, mod: nn.Module, out: DTensor, mesh: Any) -> Any:
+        out = RowwiseParallel._prepare_output_fn(layouts, local, mod, out, mesh)
+        return out.clone() if local and torch.is_grad_enabled() else out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._own_output, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, transposed={self.transposed})"

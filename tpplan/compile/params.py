@@ -1,0 +1,113 @@
+"""Splitting one parameter in place, and the two styles that only split or sum parameters.
+
+Start at `split_param`, which every style of tpplan's uses to make a parameter a DTensor
+whose full tensor is the original one (a fused weight of equal parts as a `_StridedShard`,
+see strided.py). Then the styles for parameters a module uses outside any Linear-like
+layer, inside a region the colwise layers around it split:
+- `ReplicateGradSum` (`replicate_grad_sum`): kept whole, its gradient summed over the ranks;
+- `SplitParams` (`split_params`): split, each rank's forward using its own part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .strided import equal_parts, split_parts, teach_checkpoint_chunks
+
+__all__ = ["ReplicateGradSum", "SplitParams", "split_param"]
+
+
+def split_param(
+    module: nn.Module,
+    name: str,
+    mesh: DeviceMesh,
+    dim: int,
+    parts: tuple[int, ...] | None,
+    src_data_rank: int | None,
+) -> None:
+    """Split the parameter `name` of `module` (dotted for a child's) along `dim`; with equal
+    fused `parts`, as each rank's slice of each part (a `_StridedShard`, see strided.py),
+    with unequal ones as a plain Shard. Either way the parameter's full tensor is the
+    original one, so state dicts and checkpoints see the unsharded model's layout."""
+    path, _, name = name.rpartition(".")
+    module = module.get_submodule(path)
+    param = getattr(module, name)
+    if parts is not None and equal_parts(parts):
+        teach_checkpoint_chunks()
+        data = split_parts(param, mesh, dim, parts, src_data_rank)
+    else:
+        data = distribute_tensor(param, mesh, [Shard(dim)], src_data_rank=src_data_rank)
+    module.register_parameter(name, nn.Parameter(data, param.requires_grad))
+
+
+class ReplicateGradSum(ParallelStyle):
+    """Parameters kept whole on every rank, used inside a sharded region.
+
+    Each rank sees only its own shard of the activations, so its gradient for such a
+    parameter (a per-head q/k norm weight, say) is a partial sum; summing the gradients
+    over the tp axis gives every rank the full gradient, so replicas never drift apart.
+    The forward pass is untouched, and the parameters stay plain tensors.
+
+    Example::
+        >>> parallelize_module(attn, mesh, {"q_norm": ReplicateGradSum()})
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh
+
+        def _sum(grad: Any) -> Any:
+            return funcol.wait_tensor(funcol.all_reduce(grad, "sum", group))
+
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                p.register_hook(_sum)
+        return module
+
+    def __repr__(self) -> str:
+        return "ReplicateGradSum()"
+
+
+class SplitParams(ParallelStyle):
+    """Parameters of the module itself split along a dim, and used in its forward as each
+    rank's own part: a per-head attention sink, met element by element by the heads the
+    colwise layers around split, so rank r needs exactly its heads' entries.
+
+    The local parts are put in the module's `__dict__` for the call (attribute lookup finds
+    them before the DTensor parameters); their gradients flow back into the rank's shard.
+
+    Keyword Args:
+        shard: parameter name (the module's own) -> the dim it is split on.
+
+    Example::
+        >>> parallelize_module(model, mesh, {"layers.0.attn": SplitParams(shard={"sinks": 0})})
+    """
+
+    def __init__(self, *, shard: dict[str, int]) -> None:
+        super().__init__()
+        self.shard = dict(shard)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, dim in self.shard.items():
+            split_param(module, name, device_mesh, dim, None, 0)
+
+        def before(mod: nn.Module, args: Any) -> None:
+            for name in self.shard:
+                p = mod._parameters[name]
+                assert isinstance(p, DTensor)  # made one at apply
+                mod.__dict__[name] = p.to_local()
+
+        def after(mod: nn.Module, args: Any, out: Any) -> None:
+            for name in self.shard:
+                mod.__dict__.pop(name, None)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SplitParams(shard={self.shard})"

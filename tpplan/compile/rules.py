@@ -1,0 +1,167 @@
+"""The plan-to-torch compiler: each rule of a plan becomes one torch ParallelStyle.
+
+Start at `plan_to_torch` (whose result `shard_model` applies): every rule is compiled by `rule_to_style` and expanded to the modules its pattern matches. Most rules
+become torch's own styles (ColwiseParallel, RowwiseParallel, SequenceParallel,
+PrepareModuleInput/Output); the styles torch lacks are built in the modules beside this one:
+
+- colwise with `parts`, `transposed` or `output`: `Colwise` (linear.py);
+- rowwise: `Rowwise` (linear.py);
+- vocab_parallel with `sum_at: lookup`: `SumAtLookup` (embeddings.py);
+- vocab_parallel with `written`: `WrittenRows` (embeddings.py);
+- replicate_grad_sum: `ReplicateGradSum`, split_params: `SplitParams` (params.py);
+- experts: `Experts` (experts.py).
+
+Every parameter stays a DTensor whose full tensor is the unsharded one (a fused one of equal
+parts a `_StridedShard`, strided.py), so torch's state-dict, optimizer and checkpoint APIs
+see the unsharded model's layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from ..plan.layouts import parse_layout
+from ..plan.patterns import match_names
+from .embeddings import SumAtLookup, WrittenRows
+from .experts import Experts
+from .linear import Colwise, Rowwise
+from .params import ReplicateGradSum, SplitParams
+
+if TYPE_CHECKING:
+    from ..plan.schema import Plan, Rule
+
+__all__ = ["placement", "plan_to_torch", "rule_to_style"]
+
+
+def plan_to_torch(plan: Plan, model: nn.Module) -> dict[str, ParallelStyle]:
+    """{full module name: style} in the model's module order, every rule expanded."""
+    names = [n for n, _ in model.named_modules() if n]
+    by_name: dict[str, ParallelStyle] = {}
+    for rule in plan.rules:
+        style = rule_to_style(rule)
+        if style is None:
+            continue
+        for name in match_names(rule.match, names):
+            by_name[name] = style
+    return {n: by_name[n] for n in names if n in by_name}
+
+
+def rule_to_style(rule: Rule) -> ParallelStyle | None:
+    """The style object for one rule; None for `replicate` (the module is left alone)."""
+    if rule.style in ("colwise", "rowwise", "vocab_parallel"):
+        return _split_style(rule)
+    if rule.style == "sequence_parallel":
+        _, dim = parse_layout(rule.input or "shard(1)")
+        return SequenceParallel(sequence_dim=dim if dim is not None else 1, **_local_output(rule))
+    if rule.style == "prepare":
+        return _prepare(rule)
+    if rule.style == "replicate_grad_sum":
+        return ReplicateGradSum()
+    if rule.style == "split_params":
+        assert rule.shard is not None  # the rule's validator requires it
+        return SplitParams(shard=rule.shard)
+    if rule.style == "experts":
+        assert rule.shard is not None  # the rule's validator requires it
+        return Experts(
+            mode=rule.mode or "tensor",
+            shard=rule.shard,
+            fused=rule.fused,
+            after_sum=rule.after_sum,
+            added_whole=rule.added_whole,
+        )
+    return None  # replicate
+
+
+def placement(layout: str | None) -> Placement | None:
+    """The DTensor placement a layout string names (None stays None)."""
+    if layout is None:
+        return None
+    kind, dim = parse_layout(layout)
+    if kind == "shard":
+        assert dim is not None  # parse_layout always returns a dim for shard
+        return Shard(dim)
+    return Replicate() if kind == "replicate" else Partial()
+
+
+def _placements(layouts: list[str | None] | None) -> tuple[Placement | None, ...] | None:
+    return None if layouts is None else tuple(placement(x) for x in layouts)
+
+
+def _local_output(rule: Rule) -> dict[str, Any]:
+    """The rule's `local_output` as torch's keyword, where the rule gives one."""
+    return {} if rule.local_output is None else {"use_local_output": rule.local_output}
+
+
+def _split_style(rule: Rule) -> ParallelStyle:
+    """colwise, rowwise and vocab_parallel: torch's own styles where they serve, tpplan's
+    where the weight is fused or stored (in, out), or the embedding's forward does more than
+    look up."""
+    kw = _local_output(rule)
+    if rule.input is not None:
+        kw["input_layouts"] = placement(rule.input)
+    elif rule.style == "vocab_parallel":
+        kw["input_layouts"] = Replicate()
+    if rule.output is not None:
+        kw["output_layouts"] = placement(rule.output)
+    if rule.style == "colwise" and (rule.parts or rule.transposed or rule.output):
+        return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
+    if rule.style == "rowwise":
+        return Rowwise(transposed=bool(rule.transposed), **kw)
+    if rule.sum_at == "lookup":
+        return SumAtLookup()
+    if rule.written is not None:
+        return WrittenRows(
+            written=rule.written,
+            output_layouts=kw.get("output_layouts"),
+            use_local_output=kw.get("use_local_output", True),
+        )
+    # a plain colwise layer, or a vocab_parallel embedding (torch's Rowwise on an Embedding)
+    return ColwiseParallel(**kw) if rule.style == "colwise" else RowwiseParallel(**kw)
+
+
+def _prepare(rule: Rule) -> ParallelStyle:
+    """prepare: torch's PrepareModuleInput, PrepareModuleOutput or both, by the layouts the
+    rule gives."""
+    has_in = any(
+        x is not None
+        for x in (rule.inputs, rule.desired_inputs, rule.input_kwargs, rule.desired_input_kwargs)
+    )
+    has_out = rule.outputs is not None or rule.desired_outputs is not None
+    ins: dict[str, Any] = {
+        "input_layouts": _placements(rule.inputs),
+        "desired_input_layouts": _placements(rule.desired_inputs),
+        "input_kwarg_layouts": {k: placement(v) for k, v in (rule.input_kwargs or {}).items()}
+        or None,
+        "desired_input_kwarg_layouts": {
+            k: placement(v) for k, v in (rule.desired_input_kwargs or {}).items()
+        }
+        or None,
+    }
+    outs: dict[str, Any] = {
+        "output_layouts": _placements(rule.outputs),
+        "desired_output_layouts": _placements(rule.desired_outputs),
+    }
+    local_in: dict[str, Any] = (
+        {} if rule.local_input is None else {"use_local_input": rule.local_input}
+    )
+    if has_in and has_out:
+        return PrepareModuleInputOutput(**ins, **outs, **local_in, **_local_output(rule))
+    if has_out:
+        return PrepareModuleOutput(**outs, **_local_output(rule))
+    # PrepareModuleInput names its flag for plain local inputs use_local_output
+    local_in_only: dict[str, Any] = (
+        {} if rule.local_input is None else {"use_local_output": rule.local_input}
+    )
+    return PrepareModuleInput(**ins, **local_in_only)
