@@ -46,38 +46,23 @@ from .._runtime.local import outside_simulation
 from .._runtime.lookup import put_in_lookup_place
 from .._runtime.tree import tensor_leaves
 from ..errors import TpplanError
+from .split import (
+    Split,
+    SplitEnds,
+    after_reduce,
+    carved,
+    every_step,
+    merge,
+    norm_dim,
+    permutation,
+    reshape,
+)
 
 __all__ = ["Split", "Trace", "TraceError", "trace_model"]
 
 
 class TraceError(TpplanError, RuntimeError):
     """The model could not be run on fake tensors to trace it."""
-
-
-@dataclass(frozen=True)
-class Split:
-    """Where some Linear layers' output features sit in a tensor.
-
-    Dim `dim` is read as a mixed-radix index (outer, n, inner): the features are split along
-    the middle digit, of size n. A tp-way split of the features is a split of that digit into
-    tp contiguous chunks, valid when tp divides n. Right after a Linear it is (1, out, 1);
-    after `view(B, S, -1, 8)` it is (1, heads, 1) on the heads dim; merged back by
-    `view(B, S, -1)` it is (1, heads, 8) on the feature dim.
-    """
-
-    dim: int
-    outer: int
-    n: int
-    inner: int
-    sources: frozenset[str]
-
-    def same_cut(self, other: Split) -> bool:
-        """Both describe the same partition of the same dim (up to how finely it may be cut)."""
-        return (
-            self.dim == other.dim
-            and self.outer == other.outer
-            and self.n * self.inner == other.n * other.inner
-        )
 
 
 @dataclass
@@ -293,73 +278,6 @@ _ADDS = {
 _COPIES = {"clone", "contiguous", "alias", "_reshape_alias", "_to_copy"}
 
 
-class _Break(Exception):
-    """An op ends the splits it received; the message says why."""
-
-
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    out = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        out[k] = out[k + 1] * shape[k + 1]
-    return out
-
-
-def _reshape(split: Split, before: tuple[int, ...], after: tuple[int, ...]) -> Split:
-    """Follow a split digit through a row-major reshape (views keep the flat order)."""
-    st = _strides(before)
-    low = split.inner * st[split.dim]  # flat stride of the split digit
-    top = low * split.n
-    st2 = _strides(after)
-    for k, size in enumerate(after):
-        if st2[k] < top <= st2[k] * size:
-            break
-    else:
-        raise _Break("a reshape scatters the split features")
-    if top % st2[k] or (st2[k] * size) % top:
-        raise _Break(f"a reshape to {list(after)} cuts across the split features")
-    if low >= st2[k]:  # the whole digit lands in dim k
-        if low % st2[k]:
-            raise _Break(f"a reshape to {list(after)} cuts across the split features")
-        inner, n = low // st2[k], split.n
-    else:  # the digit spans dim k and lower dims: its top part in dim k is the new split
-        if st2[k] % low:
-            raise _Break(f"a reshape to {list(after)} cuts across the split features")
-        inner, n = 1, top // st2[k]
-    return Split(k, size // (n * inner), n, inner, split.sources)
-
-
-def _carved(shape: list[int], k: int, whole: int) -> list[int]:
-    """The sizes of the dims from `k` on that a row-major reshape carved out of one input dim
-    of size `whole` (just [shape[k]] when dim k merges it with others)."""
-    out, product = [], 1
-    for size in shape[k:]:
-        if product >= whole:
-            break
-        out.append(size)
-        product *= size
-    return out if product == whole else out[:1]
-
-
-def _norm_dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
-def _merge(splits: list[Split], dims: list[int]) -> Split:
-    """One split from several that must cut the same dim the same way (kept at the finest n)."""
-    first = None
-    for old, d in zip(splits, dims, strict=True):
-        s = Split(d, old.outer, old.n, old.inner, old.sources)
-        if first is None:
-            first = s
-            continue
-        if not first.same_cut(s):
-            raise _Break("it combines tensors split along different dims or in different ways")
-        finest = first if first.n >= s.n else s
-        first = Split(d, finest.outer, finest.n, finest.inner, first.sources | s.sources)
-    assert first is not None  # callers pass at least one split
-    return first
-
-
 def run_op(func: Any, args: Any, kwargs: Any) -> Any:
     """The op, on fake or meta tensors too. The meta kernel of the grouped matmul
     (mixture-of-experts layers) takes bf16 only, though CPU runs it in fp32: its shapes are
@@ -511,7 +429,7 @@ class _Tracer(TorchDispatchMode):
             return
         if any(src in self.expert_params for src in s.sources):
             return
-        raise _Break(
+        raise SplitEnds(
             f"{op} meets an unsplit tensor computed from the weights (broadcast over the split "
             "dim): its gradient would be each rank's partial sum, with nothing to add them up"
         )
@@ -683,7 +601,7 @@ class _Tracer(TorchDispatchMode):
             return
         try:
             results = self.follow(func, name, args, kwargs, out)
-        except _Break as e:
+        except SplitEnds as e:
             self.trace.break_(sources, f"{name}: {e}")
             return
         for t, s in results:
@@ -727,7 +645,7 @@ class _Tracer(TorchDispatchMode):
                 "size; its gradient would be each rank's partial sum, with nothing to add them up",
             )
             return True
-        self.mark(out, Split(d, s.outer, s.n, s.inner, s.sources), name)
+        self.mark(out, s.at(d), name)
         return True
 
     def note_unsplit_sizes(self, name: str, args: Any, kwargs: Any) -> None:
@@ -787,20 +705,11 @@ class _Tracer(TorchDispatchMode):
         t, out = ins[0], outs[0]
         new: int | None = None
         if name == "unsqueeze":
-            new = vd + (1 if _norm_dim(a["dim"], out.dim()) <= vd else 0)
+            new = vd + (1 if norm_dim(a["dim"], out.dim()) <= vd else 0)
         elif name == "expand":
             new = vd + out.dim() - t.dim()
         elif name in ("t", "transpose", "permute"):
-            nd = t.dim()
-            if name == "permute":
-                order = [_norm_dim(d, nd) for d in a["dims"]]
-            else:
-                d0, d1 = (
-                    (0, 1) if name == "t" else (_norm_dim(a["dim0"], nd), _norm_dim(a["dim1"], nd))
-                )
-                order = list(range(nd))
-                order[d0], order[d1] = order[d1], order[d0]
-            new = order.index(vd)
+            new = permutation(name, a, t.dim()).index(vd)
         elif name in _RESHAPES:
             # only a view that keeps the entries in one dim, all others of size 1
             big = [d for d, n in enumerate(out.shape) if n != 1]
@@ -842,19 +751,11 @@ class _Tracer(TorchDispatchMode):
         if name in ("alias", "detach", "_to_copy", "clone", "contiguous", "lift_fresh", "slice"):
             new: tuple[int | None, ...] = dims
         elif name in ("t", "transpose", "permute"):
-            if name == "permute":
-                order = [_norm_dim(d, nd) for d in a["dims"]]
-            else:
-                order = list(range(nd))
-                d0, d1 = (
-                    (0, 1) if name == "t" else (_norm_dim(a["dim0"], nd), _norm_dim(a["dim1"], nd))
-                )
-                order[d0], order[d1] = order[d1], order[d0]
-            new = tuple(dims[k] for k in order)
+            new = tuple(dims[k] for k in permutation(name, a, nd))
         elif name == "index" and len(a["indices"]) == 1 and a["indices"][0] is not None:
             new = (None,) * a["indices"][0].dim() + dims[1:]  # experts gathered per token
         elif name == "select":
-            d = _norm_dim(a["dim"], nd)
+            d = norm_dim(a["dim"], nd)
             new = dims[:d] + dims[d + 1 :]
         else:
             return
@@ -1032,14 +933,14 @@ class _Tracer(TorchDispatchMode):
             if o.is_floating_point():
                 self.wholes[id(o)] = (o, children)
 
-    # ---- op rules: each returns [(output tensor, its Split)] or raises _Break ----------
+    # ---- op rules: each returns [(output tensor, its Split)] or raises SplitEnds ----------
     def follow(
         self, func: Any, name: str, args: Any, kwargs: Any, out: Any
     ) -> list[tuple[torch.Tensor, Split]]:
         a = _named(func, args, kwargs)
         if name in _RESHAPES:
             before = self.only_split(args[0])
-            s = _reshape(before, tuple(args[0].shape), tuple(out.shape))
+            s = reshape(before, tuple(args[0].shape), tuple(out.shape))
             self.check_count(a.get("size", a.get("shape")), s, before, args[0], out.shape)
             return [(out, s)]
         if name in ("transpose", "t", "permute"):
@@ -1047,14 +948,14 @@ class _Tracer(TorchDispatchMode):
         if name in ("view_as_complex", "view_as_real"):
             s = self.only_split(args[0])
             if s.dim == args[0].dim() - 1 and name == "view_as_complex":
-                raise _Break("it pairs up the split features as complex numbers")
+                raise SplitEnds("it pairs up the split features as complex numbers")
             return [(out, s)]  # a trailing pair of reals <-> one complex number
         if name == "expand":
             s = self.only_split(args[0])
             d = s.dim + out.dim() - args[0].dim()
             if out.shape[d] != args[0].shape[s.dim]:
-                raise _Break("it expands the split dim")
-            return [(out, Split(d, s.outer, s.n, s.inner, s.sources))]
+                raise SplitEnds("it expands the split dim")
+            return [(out, s.at(d))]
         if name in ("slice", "select", "narrow"):
             return self.sliced(name, a, args[0], out)
         if name == "constant_pad_nd":
@@ -1067,15 +968,15 @@ class _Tracer(TorchDispatchMode):
             return self.split_apart(name, a, args[0], out)
         if name in _SAME_SHAPE_OVER_DIM:
             s = self.only_split(args[0])
-            if _norm_dim(a["dim"], args[0].dim()) == s.dim:
-                raise _Break("it normalizes over the split dim")
+            if norm_dim(a["dim"], args[0].dim()) == s.dim:
+                raise SplitEnds("it normalizes over the split dim")
             return [(out, s)]
         if name in _REDUCTIONS:
             return self.reduced(a, args[0], out)
         if name in _NORMS:
             s = self.only_split(args[0])
             if s.dim >= args[0].dim() - len(a["normalized_shape"]):
-                raise _Break("it normalizes over the split features")
+                raise SplitEnds("it normalizes over the split features")
             first = out[0] if isinstance(out, (tuple, list)) else out
             self.check_affine(a, first, s)
             return [(first, s)]
@@ -1083,7 +984,7 @@ class _Tracer(TorchDispatchMode):
             return [(out, self.multiplied(name, a, out))]
         if name in _ELEMENTWISE or torch.Tag.pointwise in func.tags:
             return self.elementwise(func, args, kwargs, out)
-        raise _Break("the tracer does not know how this op treats a split dim")
+        raise SplitEnds("the tracer does not know how this op treats a split dim")
 
     def check_count(
         self, sizes: Any, s: Split, before: Split, x: torch.Tensor, out_shape: Any
@@ -1109,15 +1010,15 @@ class _Tracer(TorchDispatchMode):
             return  # the same shape again: on a shard, the shard's own
         read = {v for frame in self.reads for _, _, v in frame}
         kept = before.n == s.n and before.inner == s.inner and x.shape[before.dim] == sizes[k]
-        carved = _carved(list(out_shape), k, x.shape[before.dim])
+        pieces = carved(list(out_shape), k, x.shape[before.dim])
         if kept:
             if sizes[k] == -1 or (-1 not in sizes and sizes[k] not in read):
                 return
             fresh = {v for _, _, v in self.fresh}
             if sizes[k] in self.shapes_read and sizes[k] not in fresh:
                 return  # read off a split tensor just before (`*x.shape[:-1]`): the shard's own
-        elif len(carved) > 1:  # the split dim is cut into (count, ..., size) dims
-            *middle, last = carved[1:]
+        elif len(pieces) > 1:  # the split dim is cut into (count, ..., size) dims
+            *middle, last = pieces[1:]
             # `3 * self.head_size` (q|k|v interleaved per head, GPT-NeoX) is as fixed as the
             # attribute, unless the split tensor's width was just read (it may come from
             # that) or the attribute is a count the plan divides (nanoGPT's `C // n_head`
@@ -1128,8 +1029,8 @@ class _Tracer(TorchDispatchMode):
                 last == m * v for v in read - counts if v > 1 for m in (2, 3, 4)
             )
             if (last not in read and not multiple) or any(m not in read and m > 4 for m in middle):
-                raise _Break(
-                    f"it sizes the features beside the split dim at {carved[1:]}, which no "
+                raise SplitEnds(
+                    f"it sizes the features beside the split dim at {pieces[1:]}, which no "
                     "module attribute read in forward holds; computed from a shard's width "
                     "they would be wrong on every rank"
                 )
@@ -1150,13 +1051,13 @@ class _Tracer(TorchDispatchMode):
             ]
             if sizes[k] == -1 or not held:
                 if sizes[k] != -1 and -1 in sizes:
-                    raise _Break(
+                    raise SplitEnds(
                         f"it merges the split dim into one of fixed size {sizes[k]} with -1 elsewhere"
                     )
                 return
             others = [v for j, v in enumerate(sizes) if j != k]
             if len({(m, a) for m, a, _ in held}) != 1 or held[0][2] in others:
-                raise _Break(
+                raise SplitEnds(
                     f"it merges the split features into a fixed size {sizes[k]}, and which "
                     "attribute read just before it sized them is ambiguous "
                     f"({', '.join(sorted({a for _, a, _ in held}))})"
@@ -1187,33 +1088,25 @@ class _Tracer(TorchDispatchMode):
                 if read
                 else "no module attribute read in forward holds it"
             )
-            raise _Break(f"{doing} {value}, and {which}")
+            raise SplitEnds(f"{doing} {value}, and {which}")
         ((module, attr),) = read
         return module, attr, value
 
     def only_split(self, t: torch.Tensor) -> Split:
         s = self.split_of(t)
         if s is None:
-            raise _Break("unexpected unsplit operand")
+            raise SplitEnds("unexpected unsplit operand")
         return s
 
     def permuted(self, name: str, a: dict[str, Any], t: torch.Tensor) -> Split:
         s = self.only_split(t)
-        nd = t.dim()
-        if name == "permute":
-            order = [_norm_dim(d, nd) for d in a["dims"]]
-        else:
-            order = list(range(nd))
-            d0, d1 = (0, 1) if name == "t" else (_norm_dim(a["dim0"], nd), _norm_dim(a["dim1"], nd))
-            if nd >= 2:
-                order[d0], order[d1] = order[d1], order[d0]
-        return Split(order.index(s.dim), s.outer, s.n, s.inner, s.sources)
+        return s.at(permutation(name, a, t.dim()).index(s.dim))
 
     def sliced(
         self, name: str, a: dict[str, Any], t: torch.Tensor, out: torch.Tensor
     ) -> list[tuple[torch.Tensor, Split]]:
         s = self.only_split(t)
-        d = _norm_dim(a.get("dim", 0), t.dim())
+        d = norm_dim(a.get("dim", 0), t.dim())
         if d == s.dim:
             if name != "select" and out.shape[d] == t.shape[d]:
                 return [(out, s)]  # a full slice, `x[..., :n]` with n the whole size
@@ -1222,13 +1115,12 @@ class _Tracer(TorchDispatchMode):
             if step > 1 and 0 <= start < step and out.shape[d] == -(-(t.shape[d] - start) // step):
                 # every step-th feature (interleaved gate/up): on a shard whose size is a
                 # multiple of the step, the same pick of the shard's own features
-                if s.inner % step == 0:
-                    return [(out, Split(d, s.outer, s.n, s.inner // step, s.sources))]
-                if step % s.inner == 0 and s.n % (step // s.inner) == 0:
-                    return [(out, Split(d, s.outer, s.n // (step // s.inner), 1, s.sources))]
-            raise _Break("it takes part of the split dim")
+                picked = every_step(s, step)
+                if picked is not None:
+                    return [(out, picked)]
+            raise SplitEnds("it takes part of the split dim")
         if name == "select" and d < s.dim:
-            return [(out, Split(s.dim - 1, s.outer, s.n, s.inner, s.sources))]
+            return [(out, s.at(s.dim - 1))]
         return [(out, s)]
 
     def padded(self, pad: list[int], t: torch.Tensor) -> Split:
@@ -1240,22 +1132,22 @@ class _Tracer(TorchDispatchMode):
         nd = t.dim()
         for i in range(0, len(pad), 2):
             if nd - 1 - i // 2 == s.dim and (pad[i] or pad[i + 1]):
-                raise _Break("it pads the split dim")
+                raise SplitEnds("it pads the split dim")
         return s
 
     def concatenated(self, a: dict[str, Any]) -> Split:
         tensors = [t for t in a["tensors"] if t.numel() or t.dim() > 1]
         nd = tensors[0].dim()
-        d = _norm_dim(a.get("dim", 0), nd)
+        d = norm_dim(a.get("dim", 0), nd)
         splits = [s for s in (self.split_of(t) for t in tensors) if s is not None]
-        merged = _merge(splits, [s.dim for s in splits])
+        merged = merge(splits, [s.dim for s in splits])
         if merged.dim == d:
-            raise _Break("it concatenates along the split dim")
+            raise SplitEnds("it concatenates along the split dim")
         for t in tensors:
             # an unsplit part is fine only as a 1-D parameter split alike (GPT-OSS's sinks,
             # one per head, joined to the attention logits along the keys)
             if self.split_of(t) is None and not self.split_param(t, merged, nd):
-                raise _Break("it joins split and unsplit tensors")
+                raise SplitEnds("it joins split and unsplit tensors")
         return merged
 
     def stacked(self, a: dict[str, Any], out: torch.Tensor) -> Split:
@@ -1265,21 +1157,21 @@ class _Tracer(TorchDispatchMode):
         a shard's."""
         splits = [s for s in (self.split_of(t) for t in a["tensors"]) if s is not None]
         if len(splits) != len(a["tensors"]):
-            raise _Break("it stacks split and unsplit tensors")
-        merged = _merge(splits, [s.dim for s in splits])
-        d = _norm_dim(a.get("dim", 0), out.dim())
+            raise SplitEnds("it stacks split and unsplit tensors")
+        merged = merge(splits, [s.dim for s in splits])
+        d = norm_dim(a.get("dim", 0), out.dim())
         k = merged.dim + 1 if d <= merged.dim else merged.dim
-        return Split(k, merged.outer, merged.n, merged.inner, merged.sources)
+        return merged.at(k)
 
     def split_apart(
         self, name: str, a: dict[str, Any], t: torch.Tensor, out: Any
     ) -> list[tuple[torch.Tensor, Split]]:
         s = self.only_split(t)
-        d = _norm_dim(a.get("dim", 0), t.dim())
+        d = norm_dim(a.get("dim", 0), t.dim())
         if d == s.dim:
             return self.cut(name, a, s, t, out)
         dim = s.dim - 1 if name == "unbind" and d < s.dim else s.dim  # unbind drops its dim
-        return [(o, Split(dim, s.outer, s.n, s.inner, s.sources)) for o in out]
+        return [(o, s.at(dim)) for o in out]
 
     def cut(
         self, name: str, a: dict[str, Any], s: Split, t: torch.Tensor, out: Any
@@ -1292,14 +1184,14 @@ class _Tracer(TorchDispatchMode):
         module attributes, which the plan divides by the tp size.
         """
         if len(s.sources) != 1 or s.outer != 1 or name not in ("split", "split_with_sizes"):
-            raise _Break(
+            raise SplitEnds(
                 f"its split features are cut into {len(out)} parts in a way a fused split "
                 "cannot follow; a contiguous shard would mix the parts"
             )
         (src,) = s.sources
         sizes = [o.shape[s.dim] for o in out]
         if any(n % s.inner for n in sizes):
-            raise _Break("it cuts the split features inside a block that must stay whole")
+            raise SplitEnds("it cuts the split features inside a block that must stay whole")
         held: list[tuple[str, str, int]] = []
         if not self.chunking:
             asked = a["split_size"] if name == "split" else a["split_sizes"]
@@ -1309,7 +1201,7 @@ class _Tracer(TorchDispatchMode):
         per_unit = self.trace.openers[src] // (s.n * s.inner)
         parts = tuple(n * per_unit for n in sizes if n)
         if self.trace.parts.setdefault(src, parts) != parts:
-            raise _Break("the fused features are cut two different ways")
+            raise SplitEnds("the fused features are cut two different ways")
         self.trace.counts.setdefault(src, set()).update(held)
         return [
             (o, Split(s.dim, 1, n // s.inner, s.inner, s.sources))
@@ -1323,15 +1215,12 @@ class _Tracer(TorchDispatchMode):
         s = self.only_split(t)
         dims = a.get("dim")
         if dims is None or dims == []:
-            raise _Break("it reduces the whole tensor, split dim included")
+            raise SplitEnds("it reduces the whole tensor, split dim included")
         dims = [dims] if isinstance(dims, int) else list(dims)
-        dims = [_norm_dim(d, t.dim()) for d in dims]
-        if s.dim in dims:
-            raise _Break("it reduces over the split dim")
-        keep = bool(a.get("keepdim", False))
-        d = s.dim if keep else s.dim - sum(1 for x in dims if x < s.dim)
+        dims = [norm_dim(d, t.dim()) for d in dims]
+        result = after_reduce(s, dims, keepdim=bool(a.get("keepdim", False)))
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        return [(o, Split(d, s.outer, s.n, s.inner, s.sources)) for o in outs]
+        return [(o, result) for o in outs]
 
     def multiplied(self, name: str, a: dict[str, Any], out: torch.Tensor) -> Split:
         """mm/bmm (and addmm/baddbmm): batch dims must be split alike, rows or columns may be
@@ -1347,8 +1236,8 @@ class _Tracer(TorchDispatchMode):
         row, col = (1, 2) if batched else (0, 1)
         if sx is not None and sy is not None:
             if not (batched and sx.dim == 0 and sy.dim == 0):
-                raise _Break("it contracts split operands outside a Linear")
-            result = _merge([sx, sy], [0, 0])
+                raise SplitEnds("it contracts split operands outside a Linear")
+            result = merge([sx, sy], [0, 0])
         elif sx is not None and sx.dim == row:
             result = sx
             self.side_input(a[y], sx, "it")
@@ -1356,11 +1245,11 @@ class _Tracer(TorchDispatchMode):
             result = sy
             self.side_input(a[x], sy, "it")
         else:
-            raise _Break("it contracts or batches over the split dim against an unsplit operand")
+            raise SplitEnds("it contracts or batches over the split dim against an unsplit operand")
         if name in ("addmm", "baddbmm"):
             bias = a["self"]
             if self.split_of(bias) is not None:
-                raise _Break("it adds a split bias to a matrix product")
+                raise SplitEnds("it adds a split bias to a matrix product")
             self.check_broadcast(bias, result, out.dim())
         return result
 
@@ -1376,8 +1265,8 @@ class _Tracer(TorchDispatchMode):
         dims = [s.dim + nd - t.dim() for t, s in split_pairs]
         for (t, s), d in zip(split_pairs, dims, strict=True):
             if t.shape[s.dim] != shape[d]:
-                raise _Break("the split dim is broadcast")
-        result = _merge([s for _, s in split_pairs], dims)
+                raise SplitEnds("the split dim is broadcast")
+        result = merge([s for _, s in split_pairs], dims)
         for t, maybe in pairs:
             if (
                 maybe is None
@@ -1390,7 +1279,7 @@ class _Tracer(TorchDispatchMode):
                 self.check_broadcast(t, result, nd)
                 self.side_input(t, result, "it")
         if func._schema.is_mutable and self.split_of(args[0]) is None:
-            raise _Break("it writes split values into an unsplit tensor in place")
+            raise SplitEnds("it writes split values into an unsplit tensor in place")
         return [(o, result) for o in outs if o.dim() == nd]
 
     def expert_bias(self, t: torch.Tensor, s: Split, nd: int) -> bool:
@@ -1418,7 +1307,7 @@ class _Tracer(TorchDispatchMode):
         """An unsplit operand may meet a split one only where it is broadcast (size 1)."""
         k = s.dim - (nd - t.dim())
         if k >= 0 and t.shape[k] != 1:
-            raise _Break(
+            raise SplitEnds(
                 "it combines the split tensor with an unsplit one of full size along the split dim"
             )
 
@@ -1456,7 +1345,7 @@ class _Attention(TorchFunctionMode):
             out = func(*args, **kwargs)
             split = self.tracer.split_of(args[0])
             if split is not None:
-                if isinstance(out, int) and _norm_dim(args[1], args[0].dim()) == split.dim:
+                if isinstance(out, int) and norm_dim(args[1], args[0].dim()) == split.dim:
                     self.tracer.shapes_read.add(out)
                     self.tracer.shape_splits[out] = split
                 elif isinstance(out, tuple):
@@ -1514,12 +1403,9 @@ class _Attention(TorchFunctionMode):
                 if ms is None:
                     t.check_broadcast(mask, q, out.dim())
                     t.side_input(mask, q, "its mask")
-                elif (
-                    not ms.same_cut(Split(ms.dim, q.outer, q.n, q.inner, q.sources))
-                    or ms.dim != q.dim
-                ):
-                    raise _Break("the mask is split differently from the heads")
-        except _Break as e:
+                elif not ms.same_cut(q.at(ms.dim)) or ms.dim != q.dim:
+                    raise SplitEnds("the mask is split differently from the heads")
+        except SplitEnds as e:
             t.trace.break_(sources, f"scaled_dot_product_attention: {e}")
             return out
         mask_split = t.split_of(mask) if isinstance(mask, torch.Tensor) else None
@@ -1533,12 +1419,12 @@ class _Attention(TorchFunctionMode):
 
 def _attention_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:
     if any(s is None for s in splits):
-        raise _Break("query, key and value are not all split")
+        raise SplitEnds("query, key and value are not all split")
     dims = [x.dim() - 3 for x in qkv]
     for x, s, d in zip(qkv, splits, dims, strict=True):
         assert s is not None
         if s.dim != d or s.outer != 1 or s.n * s.inner != x.shape[d]:
-            raise _Break("query, key or value is not split along its heads dim")
+            raise SplitEnds("query, key or value is not split along its heads dim")
     q = splits[0]
     assert q is not None
     return q
