@@ -26,7 +26,6 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from .._runtime.local import outside_simulation
 from .._runtime.lookup import put_in_lookup_place
 from .._runtime.tree import tensor_leaves
 from ..errors import TpplanError
+from .record import Trace
 from .split import (
     Split,
     SplitEnds,
@@ -58,130 +58,11 @@ from .split import (
     reshape,
 )
 
-__all__ = ["Split", "Trace", "TraceError", "trace_model"]
+__all__ = ["Trace", "TraceError", "trace_model"]
 
 
 class TraceError(TpplanError, RuntimeError):
     """The model could not be run on fake tensors to trace it."""
-
-
-@dataclass
-class Trace:
-    """Facts seen in one traced forward; names are full module / parameter names of the model."""
-
-    called: set[str] = field(default_factory=set)
-    """Linear and Embedding modules (and linear-like ones) that ran."""
-    ran: set[str] = field(default_factory=set)
-    """Every module whose forward ran (the model itself is "")."""
-    linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
-    """Linear or linear-like module -> (in features, out features, weight stored (in, out))."""
-    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Opener whose output features are cut into pieces (fused q|k|v, gate|up) -> their sizes."""
-    openers: dict[str, int] = field(default_factory=dict)
-    """Linear called on an unsplit input -> its out_features (its output got a Split)."""
-    closers: dict[str, Split] = field(default_factory=dict)
-    """Linear whose input arrived split on its contracted dim -> that Split."""
-    misfits: dict[str, str] = field(default_factory=dict)
-    """Linear that cannot take a role (called both ways, or split along another dim) -> why."""
-    heads: dict[str, int] = field(default_factory=dict)
-    """Opener -> number of heads of the first view that split its features into heads."""
-    units: dict[str, int] = field(default_factory=dict)
-    """Opener -> gcd of every split size its features met; tp must divide it."""
-    links: set[frozenset[str]] = field(default_factory=set)
-    """Groups of openers/closers that exchanged split tensors: one region each."""
-    broken: dict[str, list[str]] = field(default_factory=dict)
-    """Opener -> why its split could not be followed to a closer."""
-    ops: dict[str, set[str]] = field(default_factory=dict)
-    """Opener -> the ops its split passed through (evidence for `why`)."""
-    at_output: set[str] = field(default_factory=set)
-    """Openers whose split reaches the model's output."""
-    params_in_region: dict[str, set[str]] = field(default_factory=dict)
-    """Parameter -> openers whose split tensors it was combined with (outside any Linear)."""
-    params_outside: set[str] = field(default_factory=set)
-    """Parameters used by ops on unsplit tensors only (outside any Linear/Embedding call)."""
-    unsplit_sizes: set[tuple[str, str]] = field(default_factory=set)
-    """(module, attribute) read to size an op on unsplit tensors: never to be divided."""
-    counts: dict[str, set[tuple[str, str, int]]] = field(default_factory=dict)
-    """Opener -> (module, attribute, value) of head counts its views read from attributes."""
-    int_reads: set[tuple[str, str]] = field(default_factory=set)
-    """(module, attribute) of every integer attribute a module's forward read."""
-    lookups: dict[str, bool] = field(default_factory=dict)
-    """Embedding -> whether every lookup it made read the model's input (token ids); absent
-    when it made no plain lookup."""
-    stand_ins: dict[str, str] = field(default_factory=dict)
-    """Untraced block prefix -> traced block prefix of identical structure."""
-    twins: dict[str, str] = field(default_factory=dict)
-    """Traced block prefix -> an earlier traced block of identical structure (must agree)."""
-    blocks: list[str] = field(default_factory=list)
-    """Prefixes of the traced blocks of shortened stacks."""
-    entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
-    """Module -> (positional index or keyword, id) of the first tensor its first call got."""
-    bent_lookups: dict[str, str] = field(default_factory=dict)
-    """Embedding whose forward returns something not linear in its looked-up rows -> the op
-    that was not linear (a norm inside the embedding module)."""
-    written_rows: dict[str, set[str]] = field(default_factory=dict)
-    """Embedding -> its own parameters (by their own names) that its forward writes over
-    looked-up rows as they are (`rows[ids == eoi] = self.eoi_embedding`), a write linear in
-    the rows when each rank writes its share of the parameter padded with zeros."""
-    table_params: set[str] = field(default_factory=set)
-    """Parameters of Embedding modules (not their weights) that an op inside the table's
-    forward used otherwise than to write them over rows: such a parameter cannot be split."""
-    lookup_slots: dict[str, bool] = field(default_factory=dict)
-    """Embedding subclass with a forward of its own -> whether every lookup of its table ran
-    in nn.Embedding.forward's place in its class order (its `super().forward(ids)`), where a
-    vocab-parallel split with `sum_at: lookup` sums the rows (and one with `written` looks
-    up each rank's own)."""
-    expert_roles: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """3-D expert weight -> ("open" | "close", the dim of the stored weight that holds the
-    features it makes or contracts), from a batched per-expert matmul (grouped_mm, bmm)."""
-    expert_biases: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """Per-expert bias added to an opening expert matmul's output -> (that weight, the
-    bias's dim that holds the features)."""
-    after_sum: dict[str, str] = field(default_factory=dict)
-    """Per-expert bias added to the closing matmul's partial sums -> its module."""
-    added_whole: dict[str, str] = field(default_factory=dict)
-    """Parameter-free submodule of a module holding 3-D expert weights, whose output (made
-    without the split weights, so the same on every rank: an identity expert) is added to
-    the closing matmuls' partial sums -> that module."""
-    bent_whole: dict[str, str] = field(default_factory=dict)
-    """Such a submodule -> how its output is also used other than added to the partial sums
-    (then scaling it by 1/tp would change more than the sum)."""
-    sum_breaks: dict[str, str] = field(default_factory=dict)
-    """Module holding 3-D expert weights -> why something its forward did to its sum before
-    any partial sum was in it cannot be split (seen where the routing reached no expert
-    with weights: no weight's split ends there, so the module holds the reason)."""
-    whole_params: set[str] = field(default_factory=set)
-    """1-D parameters also met whole by split tensors (broadcast along the split dim)."""
-    split_params: dict[str, set[str]] = field(default_factory=dict)
-    """1-D parameter met element by element with split tensors, one entry per element of
-    the split dim (a per-head attention sink) -> the openers of those splits: it can be
-    split alike, each rank holding its own entries."""
-    after_weighting: set[str] = field(default_factory=set)
-    """Those of them added after the routing weights scaled the partial sums."""
-    expert_exits: dict[str, str | None] = field(default_factory=dict)
-    """Module holding 3-D expert weights -> None when every floating-point output it returns
-    is a sum of its closing matmuls' partial sums (linear in them), else why not."""
-    expert_routing: dict[str, str | None] = field(default_factory=dict)
-    """Such a module -> None when it takes one integer tensor (the chosen experts) and one
-    floating-point tensor shaped like it (their weights), else why not."""
-    expert_counts: dict[str, set[tuple[str, str, int]]] = field(default_factory=dict)
-    """Such a module -> (module, attribute, value) of integer attributes its forward read that
-    hold its number of experts."""
-
-    def written_elsewhere(self, table: str, params: Any) -> bool:
-        """Whether any of the table's `params` (its own names) is used otherwise than by
-        being written over its looked-up rows, so that it cannot be split."""
-        full = [f"{table}.{p}".lstrip(".") for p in params]
-        return any(
-            p in self.table_params or p in self.params_outside or p in self.params_in_region
-            for p in full
-        )
-
-    def break_(self, sources: frozenset[str], reason: str) -> None:
-        for s in sources:
-            reasons = self.broken.setdefault(s, [])
-            if reason not in reasons:
-                reasons.append(reason)
 
 
 # ---- op vocabulary -------------------------------------------------------------------------
@@ -366,7 +247,7 @@ class _Tracer(TorchDispatchMode):
         # Once every layer behind a split has had it end somewhere, none of them will stay
         # split (each is kept whole or gathered), so what follows sees whole tensors: a
         # normed latent (DeepSeek's q_a_proj) does not tie the next layer into its region.
-        if all(src in self.trace.broken for src in entry[1].sources):
+        if all(src in self.trace.regions.broken for src in entry[1].sources):
             return None
         return entry[1]
 
@@ -374,13 +255,20 @@ class _Tracer(TorchDispatchMode):
         self.splits[id(t)] = (t, split)
         if len(split.sources) == 1:
             (src,) = split.sources
-            if split.n < self.trace.openers.get(src, 0) and src not in self.trace.parts:
-                self.trace.heads.setdefault(src, split.n)  # the first view into (heads, head_dim)
+            if (
+                split.n < self.trace.regions.openers.get(src, 0)
+                and src not in self.trace.regions.parts
+            ):
+                self.trace.regions.heads.setdefault(
+                    src, split.n
+                )  # the first view into (heads, head_dim)
         for s in split.sources:
-            self.trace.units[s] = math.gcd(self.trace.units.get(s, split.n), split.n)
-            self.trace.ops.setdefault(s, set()).add(op)
+            self.trace.regions.units[s] = math.gcd(
+                self.trace.regions.units.get(s, split.n), split.n
+            )
+            self.trace.regions.ops.setdefault(s, set()).add(op)
         if len(split.sources) > 1:
-            self.trace.links.add(split.sources)
+            self.trace.regions.links.add(split.sources)
 
     def param_of(self, t: Any) -> str | None:
         entry = self.params.get(id(t))
@@ -483,9 +371,9 @@ class _Tracer(TorchDispatchMode):
         if written is not None:
             table = self.embedding_calls[-1]
             if mine == [ins[0]]:
-                self.trace.written_rows.setdefault(table, set()).add(written)
+                self.trace.lookups.written_rows.setdefault(table, set()).add(written)
             else:  # written over something other than the rows
-                self.trace.table_params.add(f"{table}.{written}".lstrip("."))
+                self.trace.lookups.used_otherwise.add(f"{table}.{written}".lstrip("."))
         if not mine or bent:
             return
         others = [t for t in ins if rows.get(id(t)) is not t and t.is_floating_point()]
@@ -531,7 +419,7 @@ class _Tracer(TorchDispatchMode):
                 and values.shape[-1:] == target.shape[-1:]
             ):
                 return own[0][len(prefix) :]
-        self.trace.table_params.update(own)
+        self.trace.lookups.used_otherwise.update(own)
         return None
 
     def note_lookup(self, indices: torch.Tensor) -> None:
@@ -542,10 +430,10 @@ class _Tracer(TorchDispatchMode):
             return
         module = self.embedding_calls[-1]
         tokens = id(indices) in self.inputs and self.inputs[id(indices)] is indices
-        seen = self.trace.lookups.get(module)
-        self.trace.lookups[module] = tokens if seen is None else seen and tokens
+        seen = self.trace.lookups.token_ids.get(module)
+        self.trace.lookups.token_ids[module] = tokens if seen is None else seen and tokens
         if module in self.slotted:
-            slot = self.trace.lookup_slots
+            slot = self.trace.lookups.at_lookup_place
             slot[module] = slot.get(module, True) and self.slots[-1:] == [module]
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -597,12 +485,14 @@ class _Tracer(TorchDispatchMode):
             return
         if not outs:
             if func.namespace != "prim" and name not in _METADATA:
-                self.trace.break_(sources, f"{name} turns the split tensor into a plain value")
+                self.trace.regions.break_(
+                    sources, f"{name} turns the split tensor into a plain value"
+                )
             return
         try:
             results = self.follow(func, name, args, kwargs, out)
         except SplitEnds as e:
-            self.trace.break_(sources, f"{name}: {e}")
+            self.trace.regions.break_(sources, f"{name}: {e}")
             return
         for t, s in results:
             self.mark(t, s, name)
@@ -639,7 +529,7 @@ class _Tracer(TorchDispatchMode):
         s = self.shape_splits[out.shape[d]]
         if name == "expand" and self.carries(ins[0]) and self.param_of(ins[0]) is None:
             # each rank would broadcast it over its own share only: its gradient is partial
-            self.trace.break_(
+            self.trace.regions.break_(
                 s.sources,
                 "expand: it broadcasts an unsplit tensor computed from the weights to the split "
                 "size; its gradient would be each rank's partial sum, with nothing to add them up",
@@ -657,7 +547,7 @@ class _Tracer(TorchDispatchMode):
             if type(v) is int and v > 1:
                 for module, attr, value in self.fresh:
                     if value == v:
-                        self.trace.unsplit_sizes.add((module, attr))
+                        self.trace.reads.unsplit_sizes.add((module, attr))
 
     def note_params(
         self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor], sources: frozenset[str]
@@ -683,9 +573,9 @@ class _Tracer(TorchDispatchMode):
             return  # a query (`weight.device`, a size) computes nothing a gradient flows through
         for p in used:
             if sources:
-                self.trace.params_in_region.setdefault(p, set()).update(sources)
+                self.trace.params.in_region.setdefault(p, set()).update(sources)
             else:
-                self.trace.params_outside.add(p)
+                self.trace.params.outside.add(p)
 
     def note_vectors(
         self,
@@ -731,9 +621,9 @@ class _Tracer(TorchDispatchMode):
         pname, vd = found
         if vd != s.dim - (nd - t.dim()) or t.shape[vd] != s.n * s.inner:
             return False
-        if pname.rpartition(".")[0] in self.trace.linears:
+        if pname.rpartition(".")[0] in self.trace.layers.linears:
             return False  # a Linear's own bias used elsewhere: not the Linear's rule to make
-        self.trace.split_params.setdefault(pname, set()).update(s.sources)
+        self.trace.params.split_vectors.setdefault(pname, set()).update(s.sources)
         return True
 
     # ---- mixture-of-experts --------------------------------------------------------------
@@ -786,25 +676,32 @@ class _Tracer(TorchDispatchMode):
             return False
         out_dim = out.dim() - 1 if w_out == w.dim() - 1 else 1
         s = self.split_of(x)
-        roles = self.trace.expert_roles
+        roles = self.trace.experts.roles
         if s is None:
             if roles.get(pname, ("open",))[0] != "open":
-                self.trace.misfits[pname] = "it is called both on split and on unsplit inputs"
+                self.trace.regions.misfits[pname] = (
+                    "it is called both on split and on unsplit inputs"
+                )
             features = out.shape[out_dim]
-            self.trace.openers[pname] = features
+            self.trace.regions.openers[pname] = features
             roles[pname] = ("open", stored_out)
             self.mark(out, Split(out_dim, 1, features, 1, frozenset({pname})), name)
         elif s.dim == x_in and s.outer == 1:
             if roles.get(pname, ("close",))[0] != "close" or (
-                pname in self.trace.closers and not self.trace.closers[pname].same_cut(s)
+                pname in self.trace.regions.closers
+                and not self.trace.regions.closers[pname].same_cut(s)
             ):
-                self.trace.misfits[pname] = "it is called both on split and on unsplit inputs"
+                self.trace.regions.misfits[pname] = (
+                    "it is called both on split and on unsplit inputs"
+                )
             roles[pname] = ("close", stored_in)
-            self.trace.closers[pname] = s
-            self.trace.links.add(s.sources | {pname})
+            self.trace.regions.closers[pname] = s
+            self.trace.regions.links.add(s.sources | {pname})
             self.partials[id(out)] = (out, s.sources | {pname})
         else:
-            self.trace.break_(s.sources, f"{name}: an expert matmul takes it along another dim")
+            self.trace.regions.break_(
+                s.sources, f"{name}: an expert matmul takes it along another dim"
+            )
         return True
 
     def follow_partial(
@@ -841,12 +738,12 @@ class _Tracer(TorchDispatchMode):
             )
             for b in biases:
                 if b is not None:
-                    self.trace.after_sum[b[0]] = b[0].rpartition(".")[0]
+                    self.trace.experts.after_sum[b[0]] = b[0].rpartition(".")[0]
                     if any(self.weighted.get(id(t)) is t for t in partial):
-                        self.trace.after_weighting.add(b[0])
+                        self.trace.experts.after_weighting.add(b[0])
             if ok:
                 for child in frozenset().union(*(w for w in wholes if w is not None)):
-                    self.trace.added_whole[child] = self.whole_owner[child]
+                    self.trace.experts.added_whole[child] = self.whole_owner[child]
             elif others and all(self.split_of(t) is None for t in others):
                 self.end_partial(
                     sources,
@@ -877,18 +774,18 @@ class _Tracer(TorchDispatchMode):
                     self.weighted[id(o)] = o
 
     def end_partial(self, sources: frozenset[str], partial: list[torch.Tensor], why: str) -> None:
-        self.trace.break_(sources, why)
+        self.trace.regions.break_(sources, why)
         if not sources and self.running:
             # a sum no expert with weights has reached yet: no weight to blame, so the
             # experts module running holds the reason (`Trace.sum_breaks`)
-            self.trace.sum_breaks.setdefault(self.running[-1], why)
+            self.trace.experts.sum_breaks.setdefault(self.running[-1], why)
         for t in partial:
             self.partials.pop(id(t), None)
 
     def bend_whole(self, wholes: list[frozenset[str] | None], why: str) -> None:
         for w in wholes:
             for child in w or ():
-                self.trace.bent_whole.setdefault(child, why)
+                self.trace.experts.whole_used_otherwise.setdefault(child, why)
 
     def linear_in(
         self,
@@ -1023,7 +920,7 @@ class _Tracer(TorchDispatchMode):
             # attribute, unless the split tensor's width was just read (it may come from
             # that) or the attribute is a count the plan divides (nanoGPT's `C // n_head`
             # equals 2 * n_head by chance, and changes when n_head is divided)
-            counts = {v for found in self.trace.counts.values() for _, _, v in found}
+            counts = {v for found in self.trace.reads.counts.values() for _, _, v in found}
             counts.add(sizes[k])
             multiple = x.shape[before.dim] not in self.shapes_read and any(
                 last == m * v for v in read - counts if v > 1 for m in (2, 3, 4)
@@ -1063,7 +960,7 @@ class _Tracer(TorchDispatchMode):
                     f"({', '.join(sorted({a for _, a, _ in held}))})"
                 )
             for src in s.sources:
-                self.trace.counts.setdefault(src, set()).add(held[0])
+                self.trace.reads.counts.setdefault(src, set()).add(held[0])
             return
         fresh = {v for _, _, v in self.fresh}
         if sizes[k] in self.shapes_read and sizes[k] not in fresh:
@@ -1072,7 +969,7 @@ class _Tracer(TorchDispatchMode):
             doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
             count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
             for src in s.sources:
-                self.trace.counts.setdefault(src, set()).add(count)
+                self.trace.reads.counts.setdefault(src, set()).add(count)
 
     def attribute_holding(self, value: int, doing: str) -> tuple[str, str, int]:
         """(module, attribute, value) of the one integer attribute read just before this op
@@ -1198,11 +1095,11 @@ class _Tracer(TorchDispatchMode):
             for size in sorted(set([asked] if isinstance(asked, int) else asked)):
                 if size > 0:  # nothing to divide in an empty piece
                     held.append(self.attribute_holding(size, "it cuts the fused features at"))
-        per_unit = self.trace.openers[src] // (s.n * s.inner)
+        per_unit = self.trace.regions.openers[src] // (s.n * s.inner)
         parts = tuple(n * per_unit for n in sizes if n)
-        if self.trace.parts.setdefault(src, parts) != parts:
+        if self.trace.regions.parts.setdefault(src, parts) != parts:
             raise SplitEnds("the fused features are cut two different ways")
-        self.trace.counts.setdefault(src, set()).update(held)
+        self.trace.reads.counts.setdefault(src, set()).update(held)
         return [
             (o, Split(s.dim, 1, n // s.inner, s.inner, s.sources))
             for o, n in zip(out, sizes, strict=True)
@@ -1275,7 +1172,7 @@ class _Tracer(TorchDispatchMode):
             ):
                 vector = self.vector_view(t)
                 if vector is not None:
-                    self.trace.whole_params.add(vector[0])
+                    self.trace.params.whole_vectors.add(vector[0])
                 self.check_broadcast(t, result, nd)
                 self.side_input(t, result, "it")
         if func._schema.is_mutable and self.split_of(args[0]) is None:
@@ -1290,12 +1187,12 @@ class _Tracer(TorchDispatchMode):
             return False
         (src,) = s.sources
         k = s.dim - (nd - t.dim())
-        if self.trace.expert_roles.get(src, ("",))[0] != "open" or k < 0:
+        if self.trace.experts.roles.get(src, ("",))[0] != "open" or k < 0:
             return False
         stored = found[1][k]
         if stored in (None, 0) or t.shape[k] != s.outer * s.n * s.inner:
             return False
-        self.trace.expert_biases[found[0]] = (src, stored)
+        self.trace.experts.biases[found[0]] = (src, stored)
         return True
 
     def check_affine(self, a: dict[str, Any], out: torch.Tensor, s: Split) -> None:
@@ -1406,13 +1303,15 @@ class _Attention(TorchFunctionMode):
                 elif not ms.same_cut(q.at(ms.dim)) or ms.dim != q.dim:
                     raise SplitEnds("the mask is split differently from the heads")
         except SplitEnds as e:
-            t.trace.break_(sources, f"scaled_dot_product_attention: {e}")
+            t.trace.regions.break_(sources, f"scaled_dot_product_attention: {e}")
             return out
         mask_split = t.split_of(mask) if isinstance(mask, torch.Tensor) else None
         if mask_split is not None:
             sources |= mask_split.sources  # a per-head bias joins the heads' region
         for s in sources:
-            t.trace.units[s] = math.gcd(t.trace.units.get(s, q.n), *(x.n for x in splits if x))
+            t.trace.regions.units[s] = math.gcd(
+                t.trace.regions.units.get(s, q.n), *(x.n for x in splits if x)
+            )
         t.mark(out, Split(q.dim, 1, q.n, q.inner, sources), "scaled_dot_product_attention")
         return out
 
@@ -1554,34 +1453,36 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
     arrived: list[Split | None] = []  # the split of each call's input, until the call returns
 
     def before(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        trace.called.add(name)
+        trace.layers.called.add(name)
         x = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(module, nn.Embedding):
             tracer.embedding_calls.append(name)  # its lookups are judged as they happen
             tracer.looked_up.append(({}, []))
             s = tracer.split_of(x)
             if s is not None:
-                trace.break_(s.sources, "it is used as indices of an embedding lookup")
+                trace.regions.break_(s.sources, "it is used as indices of an embedding lookup")
         else:
             p = tracer.partial_of(x)
             if p:
-                trace.break_(p, "a Linear takes the experts' partial sums")
+                trace.regions.break_(p, "a Linear takes the experts' partial sums")
             s = tracer.split_of(x)
             role = "opener" if s is None else "closer"
             if s is not None and x is not None and (s.dim != x.dim() - 1 or s.outer != 1):
-                trace.break_(
+                trace.regions.break_(
                     s.sources, "it reaches a Linear along a dim the Linear does not contract"
                 )
-                trace.misfits[name] = "its input arrives split along a dim it does not contract"
+                trace.regions.misfits[name] = (
+                    "its input arrives split along a dim it does not contract"
+                )
             elif s is not None:
-                if name in trace.closers and not trace.closers[name].same_cut(s):
-                    trace.misfits[name] = "it is called twice with inputs split differently"
-                trace.closers[name] = s
-                trace.links.add(s.sources | {name})
-            if (role == "opener" and name in trace.closers) or (
-                role == "closer" and name in trace.openers
+                if name in trace.regions.closers and not trace.regions.closers[name].same_cut(s):
+                    trace.regions.misfits[name] = "it is called twice with inputs split differently"
+                trace.regions.closers[name] = s
+                trace.regions.links.add(s.sources | {name})
+            if (role == "opener" and name in trace.regions.closers) or (
+                role == "closer" and name in trace.regions.openers
             ):
-                trace.misfits[name] = "it is called both on split and on unsplit inputs"
+                trace.regions.misfits[name] = "it is called both on split and on unsplit inputs"
         tracer.quiet += 1
         arrived.append(tracer.split_of(x))
 
@@ -1593,26 +1494,26 @@ def _hook(tracer: _Tracer, name: str, module: nn.Module) -> None:
             tracer.embedding_calls.pop()
             rows, bent = tracer.looked_up.pop()
             if bent or not (isinstance(out, torch.Tensor) and rows.get(id(out)) is out):
-                trace.bent_lookups.setdefault(name, bent[0] if bent else "an op")
+                trace.lookups.not_linear.setdefault(name, bent[0] if bent else "an op")
         unsplit = arrived.pop() is None
-        if name in trace.linears and unsplit and isinstance(out, torch.Tensor):
-            features = trace.linears[name][1]
-            trace.openers[name] = features
+        if name in trace.layers.linears and unsplit and isinstance(out, torch.Tensor):
+            features = trace.layers.linears[name][1]
+            trace.regions.openers[name] = features
             if name in tracer.whole:
                 # its split ends anyway: its output is whole, so it ties no one to it
                 for reason in tracer.whole[name]:
-                    trace.break_(frozenset({name}), reason)
+                    trace.regions.break_(frozenset({name}), reason)
                 return
             tracer.mark(out, Split(out.dim() - 1, 1, features, 1, frozenset({name})), "linear")
         elif (
             isinstance(module, nn.Embedding)
-            and trace.lookups.get(name) is False
+            and trace.lookups.token_ids.get(name) is False
             and isinstance(out, torch.Tensor)
             and out.shape[-1] == module.embedding_dim
         ):
             # A table looked up at computed positions (T5's relative position bias, one
             # column per head) may be split by its columns like a Linear's outputs.
-            trace.openers[name] = module.embedding_dim
+            trace.regions.openers[name] = module.embedding_dim
             tracer.mark(
                 out,
                 Split(out.dim() - 1, 1, module.embedding_dim, 1, frozenset({name})),
@@ -1649,12 +1550,12 @@ def _experts(
         tracer.running.append(name)
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(tracer.split_of(t) is not None for t in leaves):
-            trace.expert_exits[name] = "its input arrives split"
+            trace.experts.exits[name] = "its input arrives split"
         ids = [t for t in leaves if not t.is_floating_point()]
         weights = [t for t in leaves if t.is_floating_point() and ids and t.shape == ids[0].shape]
         if len(ids) == 1 and len(weights) == 1:
             tracer.routing[id(weights[0])] = weights[0]
-        trace.expert_routing.setdefault(
+        trace.experts.routing.setdefault(
             name,
             None
             if len(ids) == 1 and len(weights) == 1
@@ -1668,13 +1569,13 @@ def _experts(
         outs = [t for t in outs if t.is_floating_point()]
         partial = [tracer.partial_of(t) for t in outs]
         if not outs or not all(partial):
-            trace.expert_exits.setdefault(
+            trace.experts.exits.setdefault(
                 name, "its output is not a sum of its experts' partial sums"
             )
         else:
-            trace.expert_exits.setdefault(name, None)
+            trace.experts.exits.setdefault(name, None)
         frame = tracer.reads[-1] if tracer.reads else []
-        trace.expert_counts.setdefault(name, set()).update(
+        trace.experts.counts.setdefault(name, set()).update(
             (m, a, v) for m, a, v in frame if v in experts and m == name
         )
         if not sums:
@@ -1734,7 +1635,7 @@ def _watched(cls: type) -> type:
                 log = object.__getattribute__(self, "__dict__").get(_READS)
                 if log is not None:
                     log[0].reads[-1].append((log[1], attr, value))
-                    log[0].trace.int_reads.add((log[1], attr))
+                    log[0].trace.reads.ints.add((log[1], attr))
                     log[0].fresh.append((log[1], attr, value))
             return value
 
@@ -1760,15 +1661,15 @@ def _track(tracer: _Tracer, name: str, module: nn.Module) -> None:
 
     def enter(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         tracer.reads.append([])
-        tracer.trace.ran.add(name)
-        if name not in tracer.trace.entries:
+        tracer.trace.layers.ran.add(name)
+        if name not in tracer.trace.layers.entries:
             # where its first tensor input came in, and which tensor it was
             found: list[tuple[int | str, torch.Tensor]]
             found = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
             found += [(k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
             if found:
                 where, tensor = found[0]
-                tracer.trace.entries[name] = (where, id(tensor))
+                tracer.trace.layers.entries[name] = (where, id(tensor))
                 tracer.held.append(tensor)
 
     def leave(mod: nn.Module, args: Any, out: Any) -> None:
@@ -1845,9 +1746,9 @@ def _fake_copy(
             prefix = f"{name}." if name else ""
             blocks = list(m.children())
             memo[id(m)] = nn.ModuleList([copy.deepcopy(blocks[i], memo) for i in range(keep)])
-            trace.blocks.extend(f"{prefix}{i}" for i in range(keep))
+            trace.stacks.traced.extend(f"{prefix}{i}" for i in range(keep))
             for i, j in twin.items():
-                into = trace.stand_ins if i >= keep else trace.twins
+                into = trace.stacks.untraced if i >= keep else trace.stacks.twins
                 into[f"{prefix}{i}"] = f"{prefix}{j}"
     return copy.deepcopy(model, memo)
 
@@ -1943,10 +1844,10 @@ def _trace_once(model: nn.Module, example_inputs: Any, shorten: bool, *, real: b
         trace = _trace_pass(model, example_inputs, shorten, real=real, whole=whole)
         tied = {
             src: reasons
-            for src, reasons in trace.broken.items()
-            if src in trace.openers
+            for src, reasons in trace.regions.broken.items()
+            if src in trace.regions.openers
             and src not in whole
-            and any(src in group and len(group) > 1 for group in trace.links)
+            and any(src in group and len(group) > 1 for group in trace.regions.links)
         }
         if not tied:
             break
@@ -1973,14 +1874,16 @@ def _trace_pass(
     tracer.whole = whole
     for name, m in copy_.named_modules():
         if isinstance(m, nn.Linear) and _plain_forward(m, nn.Linear):
-            trace.linears[name] = (m.in_features, m.out_features, False)
+            trace.layers.linears[name] = (m.in_features, m.out_features, False)
         elif not isinstance(m, nn.Embedding):
             # a Linear subclass with a forward of its own (a block-diagonal grouped product,
             # say) is judged by what it computes, like any other module
             stored_in_out = _linear_like(m, fake)
             if stored_in_out is not None:
                 rows, cols = m.weight.shape
-                trace.linears[name] = (rows, cols, True) if stored_in_out else (cols, rows, False)
+                trace.layers.linears[name] = (
+                    (rows, cols, True) if stored_in_out else (cols, rows, False)
+                )
     # after the probes: reads made by a probe's forward are no evidence of the traced one
     _watch_reads(copy_, tracer)
     _watch_lookup_slots(copy_, tracer)
@@ -1988,7 +1891,7 @@ def _trace_pass(
         name: m
         for name, m in copy_.named_modules()
         if not isinstance(m, (nn.Linear, nn.Embedding))
-        and name not in trace.linears
+        and name not in trace.layers.linears
         and any(p.dim() == 3 for p in m.parameters(recurse=False))
     }
     # experts whose weights two children hold (JetMoE's block: one child's per-expert matmuls
@@ -2011,7 +1914,7 @@ def _trace_pass(
         _experts(tracer, name, m, holders=[h for h in holders if _under(h, [name])])
     for name, m in copy_.named_modules():
         _track(tracer, name, m)
-        if name in trace.linears or isinstance(m, nn.Embedding):
+        if name in trace.layers.linears or isinstance(m, nn.Embedding):
             _hook(tracer, name, m)
     args, kwargs = _example_inputs(model, example_inputs, device)
     if not real:
@@ -2036,5 +1939,5 @@ def _trace_pass(
     for t in tensor_leaves(out):
         s = tracer.split_of(t)
         if s is not None:
-            trace.at_output |= s.sources
+            trace.regions.at_output |= s.sources
     return trace
