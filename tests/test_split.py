@@ -17,6 +17,8 @@ from tpplan.trace.split import (
     SplitEnds,
     after_reduce,
     carved,
+    check_broadcast,
+    check_padding,
     every_step,
     merge,
     norm_dim,
@@ -358,3 +360,54 @@ def test_after_reduce_moves_the_split_down_by_the_dims_before_it(
 def test_a_reduction_over_the_split_dim_ends_the_split(dims: list[int]) -> None:
     with pytest.raises(SplitEnds, match="it reduces over the split dim"):
         after_reduce(_split(2, 1, 8, 1), dims, keepdim=False)
+
+
+# ---- check_broadcast, check_padding -------------------------------------------------------
+@pytest.mark.parametrize(
+    ("shape", "ok"),
+    [
+        ((64,), False),  # a bias of full width meets every feature: a shard needs its own
+        ((1,), True),
+        ((), True),  # a scalar
+        ((16, 1), True),  # per token, broadcast over the features
+        ((2, 16, 1), True),
+        ((2, 1, 64), False),
+        ((1, 1, 1), True),
+        ((16, 64), False),
+    ],
+)
+def test_check_broadcast_lets_an_unsplit_operand_meet_the_split_dim_only_as_size_1(
+    shape: tuple[int, ...], ok: bool
+) -> None:
+    """x (2, 16, 64) split on its features meets an unsplit operand of `shape`."""
+    s = _split(2, 1, 64, 1)
+    assert torch.broadcast_shapes(shape, (2, 16, 64)) == (2, 16, 64)
+    if ok:
+        check_broadcast(shape, s, 3)
+    else:
+        with pytest.raises(SplitEnds, match="unsplit one of full size along the split dim"):
+            check_broadcast(shape, s, 3)
+
+
+@pytest.mark.parametrize(
+    ("pad", "ok"),
+    [
+        ([0, 0], True),
+        ([0, 0, 1, 2], True),  # the sequence padded to whole chunks
+        ([1, 0], False),  # the last dim, the split one
+        ([0, 3], False),
+        ([0, 0, 0, 0, 2, 2], True),  # the batch dim
+        ([0, 1, 1, 0], False),
+    ],
+)
+def test_check_padding_refuses_padding_on_the_split_dim(pad: list[int], ok: bool) -> None:
+    s = _split(2, 1, 8, 1)
+    x = _ranks((2, 3, 8), s, 2)
+    padded = torch.nn.functional.pad(x, pad, value=-1)
+    # padding only other dims keeps the split dim's size, so each rank keeps its features
+    assert (padded.shape[2] == 8) is ok
+    if ok:
+        check_padding(pad, 3, s)
+    else:
+        with pytest.raises(SplitEnds, match="it pads the split dim"):
+            check_padding(pad, 3, s)

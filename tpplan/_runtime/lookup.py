@@ -3,7 +3,7 @@ nn.Embedding's place, so that a subclass's `super().forward(ids)` runs that look
 
 Used by the styles that split a table whose forward does more than look up (tpplan/compile/
 styles.py) and by the tracer's probe that proves such a table looks up only through that
-place (tpplan/trace/tracer.py): both use this one helper, so the probe proves what apply does.
+place (tpplan/trace/hooks.py): both use this one helper, so the probe proves what apply does.
 """
 
 from __future__ import annotations

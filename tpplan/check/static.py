@@ -18,7 +18,7 @@ from ..plan.patterns import collapse, match_names, wildcard
 from ..plan.schema import Plan, Rule, parse_layout
 
 if TYPE_CHECKING:
-    from ..trace.tracer import Trace
+    from ..trace import Trace
 
 __all__ = ["check_plan", "splits_nothing"]
 
@@ -458,11 +458,11 @@ def _check_regions(
     split into whole heads as the model itself views them; the heads and fused pieces a
     rule states must be the model's; a vocab-parallel table must sum where its rows are.
 
-    The model is traced (tpplan/trace/tracer.py) to see where each layer's output goes; a model
+    The model is traced (tpplan/trace/) to see where each layer's output goes; a model
     that cannot be traced (its inputs cannot be guessed) gets the structural check instead.
     Parts its forward does not call are traced on their own, as infer_plan splits them.
     """
-    from ..trace.tracer import idle_roots, trace_model
+    from ..trace import idle_roots, trace_model
 
     def having(keep: Any) -> list[tuple[int, str]]:
         return [(i, n) for i, r in enumerate(plan.rules) if keep(r) for n in matched[i]]
@@ -558,7 +558,7 @@ def _check_part(
     part that cannot run alone is tried child by child, as infer_plan does. What nothing can
     run stays unchecked by flow (infer_plan keeps it whole)."""
     from .._runtime.inputs import example_inputs, part_inputs
-    from ..trace.tracer import trace_model
+    from ..trace import trace_model
 
     part = model.get_submodule(root)
     try:

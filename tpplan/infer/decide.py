@@ -1,6 +1,6 @@
 """infer_plan: a tensor-parallel plan from a model's data flow.
 
-Start at `infer_plan`. `tpplan/trace/tracer.py` runs the model once on fake tensors and returns facts
+Start at `infer_plan`. `tpplan/trace/` runs the model once on fake tensors and returns facts
 (which Linear's split features reach which Linear, through which ops, and what stopped them);
 this module groups those facts into regions and decides each module's style:
 
@@ -29,7 +29,7 @@ from .._runtime.inputs import part_inputs
 from ..errors import TpplanError
 from ..plan.patterns import collapse, wildcard
 from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
-from ..trace.tracer import Trace, _structure, idle_roots, trace_model
+from ..trace import Trace, block_structure, idle_roots, trace_model
 
 __all__ = ["infer_plan"]
 
@@ -236,7 +236,7 @@ def _copy_from_twins(
     twins: dict[Any, str] = {}
     for name in sorted(ran):
         if name and name in modules and next(modules[name].parameters(), None) is not None:
-            twins.setdefault(_structure(modules[name]), name)
+            twins.setdefault(block_structure(modules[name]), name)
     for name, module in modules.items():
         if not name or name in ran or name.rpartition(".")[0] not in ran:
             continue
@@ -244,7 +244,7 @@ def _copy_from_twins(
             continue
         if _tied_outside(shared, name):
             continue  # tied to the rest: apply keeps it with the copy that ran
-        twin = twins.get(_structure(module))
+        twin = twins.get(block_structure(module))
         if twin is None or not closed(twin):
             continue
         why = f"as {twin}, which has the same structure and ran (the model's forward did not call this one)"
@@ -446,7 +446,7 @@ class _Decider:
         groups: dict[Any, list[str]] = {}
         for owner in sorted(trace.experts.exits):
             if owner in self.modules:
-                groups.setdefault(_structure(self.modules[owner]), []).append(owner)
+                groups.setdefault(block_structure(self.modules[owner]), []).append(owner)
         for group in groups.values():
             self.alike.update(dict.fromkeys(group, group))
 

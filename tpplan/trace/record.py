@@ -1,7 +1,7 @@
 """`Trace`, what one traced forward showed: a record of records, one per concern.
 
-Start at `Trace`. Each record below holds one concern of what the tracer saw, and is read
-by infer/ and check/; nothing here decides a style. Names are full module
+Start at `Trace`. Each record below is written by one tracker of the tracer (named in its
+docstring) and read by infer/ and check/; nothing here decides a style. Names are full module
 or parameter names of the model ("" is the model itself).
 
 Words used throughout the tracer:
@@ -38,7 +38,7 @@ AttributeRead = tuple[str, str, int]
 
 @dataclass
 class LayerFacts:
-    """Which modules ran, and which of them are linear layers (the hooks in tracer.py)."""
+    """Which modules ran, and which of them are linear layers (hooks.py, run.py)."""
 
     called: set[str] = field(default_factory=set)
     """Linear and Embedding modules (and linear-like ones) that ran."""
@@ -52,7 +52,7 @@ class LayerFacts:
 
 @dataclass
 class RegionFacts:
-    """Where each opener's split went and where it ended."""
+    """Where each opener's split went and where it ended (the `DenseSplits` tracker)."""
 
     openers: dict[str, int] = field(default_factory=dict)
     """Linear called on an unsplit input -> its out_features (its output got a Split)."""
@@ -85,7 +85,8 @@ class RegionFacts:
 
 @dataclass
 class ParamFacts:
-    """How parameters met tensors outside any Linear/Embedding call: a parameter used so keeps its gradient right only where the plan
+    """How parameters met tensors outside any Linear/Embedding call (the `Origins` and
+    `Vectors` trackers): a parameter used so keeps its gradient right only where the plan
     shards it like the tensors it meets."""
 
     in_region: dict[str, set[str]] = field(default_factory=dict)
@@ -102,8 +103,8 @@ class ParamFacts:
 
 @dataclass
 class ReadFacts:
-    """Integer attributes the forward read, and what they sized: the plan divides the ones
-    that size a split dim, and no other."""
+    """Integer attributes the forward read, and what they sized (the `AttributeReads`
+    tracker): the plan divides the ones that size a split dim, and no other."""
 
     counts: dict[str, set[AttributeRead]] = field(default_factory=dict)
     """Opener -> (module, attribute, value) of head counts (and fused cut sizes) its views
@@ -116,7 +117,7 @@ class ReadFacts:
 
 @dataclass
 class LookupFacts:
-    """How tables looked up their rows: a vocab-parallel table hands
+    """How tables looked up their rows (the `Lookups` tracker): a vocab-parallel table hands
     each rank its partial rows, summed after the lookup."""
 
     token_ids: dict[str, bool] = field(default_factory=dict)
@@ -142,7 +143,7 @@ class LookupFacts:
 @dataclass
 class ExpertFacts:
     """Mixture-of-experts modules: modules holding 3-D expert weights used by batched
-    per-expert matmuls. Split per expert, each
+    per-expert matmuls (the `Experts` and `WholeOutputs` trackers). Split per expert, each
     rank's experts leave a partial sum that the all-reduce at the module's output adds up."""
 
     roles: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -179,7 +180,7 @@ class ExpertFacts:
 
 @dataclass
 class StackFacts:
-    """Long stacks of identical blocks, traced through a prefix (tracer.py)."""
+    """Long stacks of identical blocks, traced through a prefix (blocks.py)."""
 
     traced: list[str] = field(default_factory=list)
     """Prefixes of the traced blocks of shortened stacks."""

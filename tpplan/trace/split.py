@@ -9,6 +9,7 @@ against real tensor ops (tests/test_split.py). An op the algebra cannot follow r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "SplitEnds",
     "after_reduce",
     "carved",
+    "check_broadcast",
+    "check_padding",
     "every_step",
     "merge",
     "norm_dim",
@@ -160,3 +163,23 @@ def after_reduce(split: Split, dims: list[int], *, keepdim: bool) -> Split:
     if split.dim in dims:
         raise SplitEnds("it reduces over the split dim")
     return split.at(split.dim if keepdim else split.dim - sum(1 for x in dims if x < split.dim))
+
+
+def check_broadcast(shape: Sequence[int], split: Split, nd: int) -> None:
+    """An unsplit operand of this shape may meet a split tensor of `nd` dims only where it
+    is broadcast along the split dim (size 1 there, or no dim there at all)."""
+    k = split.dim - (nd - len(shape))
+    if k >= 0 and shape[k] != 1:
+        raise SplitEnds(
+            "it combines the split tensor with an unsplit one of full size along the split dim"
+        )
+
+
+def check_padding(pad: Sequence[int], nd: int, split: Split) -> None:
+    """`F.pad` pads the last dims, two numbers each, last dim first. Padding dims beside the
+    split (a sequence padded to whole chunks) keeps each rank's features where they were;
+    padding the split dim itself would add features at the ends of the whole dim, which no
+    shard holds."""
+    for i in range(0, len(pad), 2):
+        if nd - 1 - i // 2 == split.dim and (pad[i] or pad[i + 1]):
+            raise SplitEnds("it pads the split dim")
