@@ -117,7 +117,7 @@ def _hook_whole_output(st: Trackers, name: str, owner: str, module: nn.Module) -
     def after(mod: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
         if st.experts.partial_of(out) is not None:
             return None
-        return st.wholes.note_output(name, owner, args, kwargs, out)
+        return st.whole_outputs.note_output(name, owner, args, kwargs, out)
 
     module.register_forward_hook(after, with_kwargs=True)
 

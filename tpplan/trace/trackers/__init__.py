@@ -42,7 +42,7 @@ class Trackers:
     vectors: Vectors
     reads: AttributeReads
     lookups: Lookups
-    wholes: WholeOutputs
+    whole_outputs: WholeOutputs
     experts: Experts
     quiet: int = 0
     """> 0 inside a hooked module or an op taken whole (attention): ops there are not ours."""
@@ -55,7 +55,7 @@ class Trackers:
         the traced copy; `kept_whole`: layers an earlier pass found cannot stay split."""
         origins = Origins(trace.params, params)
         splits = DenseSplits(trace.regions, kept_whole)
-        wholes = WholeOutputs(trace.experts, splits)
+        whole_outputs = WholeOutputs(trace.experts, splits)
         return cls(
             trace=trace,
             origins=origins,
@@ -63,6 +63,6 @@ class Trackers:
             vectors=Vectors(trace.params, trace.layers, origins),
             reads=AttributeReads(trace.reads),
             lookups=Lookups(trace.lookups, origins),
-            wholes=wholes,
-            experts=Experts(trace.experts, trace.regions, origins, splits, wholes),
+            whole_outputs=whole_outputs,
+            experts=Experts(trace.experts, trace.regions, origins, splits, whole_outputs),
         )

@@ -83,13 +83,13 @@ class Experts:
         regions: RegionFacts,
         origins: Origins,
         splits: DenseSplits,
-        wholes: WholeOutputs,
+        whole_outputs: WholeOutputs,
     ) -> None:
         self.facts = facts
         self.regions = regions
         self.origins = origins
         self.splits = splits
-        self.wholes = wholes
+        self.whole_outputs = whole_outputs
         self.weights = ExpertWeights(origins)
         # Tensors holding each rank's partial sum of expert outputs (closing expert matmuls
         # and what is linear in them): id -> (tensor, sources). Zeros are a partial sum of
@@ -144,8 +144,8 @@ class Experts:
         if any(partial) or into_empty:
             self.follow_partial(op, frozenset().union(*partial))
             return True
-        if self.wholes.wholes and any(self.wholes.of(t) is not None for t in ins):
-            self.wholes.follow(op)
+        if self.whole_outputs.tensors and any(self.whole_outputs.of(t) is not None for t in ins):
+            self.whole_outputs.follow(op)
         return name in ("_grouped_mm", "bmm", "mm") and self.product(op)
 
     def product(self, op: Op) -> bool:
@@ -214,17 +214,19 @@ class Experts:
         floats = [t for t in ins if t.is_floating_point()]
         partial = [t for t in floats if self.partial_of(t) is not None]
         others = [t for t in floats if self.partial_of(t) is None]
-        wholes = [self.wholes.of(t) for t in others]
+        made_whole = [self.whole_outputs.of(t) for t in others]
         if name in METADATA or op.func.namespace == "prim":
             return
         if name not in ADDS:
-            self.wholes.used_otherwise(wholes, f"{name} combines it with the experts' partial sums")
+            self.whole_outputs.used_otherwise(
+                made_whole, f"{name} combines it with the experts' partial sums"
+            )
         ok: bool | None = linear_in(name, ins, partial, others, self._unsplit)
         if ok is not None:
             if ok and any(self.routing.get(id(t)) is t for t in others):
                 self.weighted.update((id(o), o) for o in outs)
         elif name in ADDS:
-            ok = self._add(name, partial, others, wholes, sources)
+            ok = self._add(name, partial, others, made_whole, sources)
             if ok is None:
                 return
         elif name in ("masked_fill", "masked_fill_", "where"):
@@ -251,7 +253,7 @@ class Experts:
         name: str,
         partial: list[torch.Tensor],
         others: list[torch.Tensor],
-        wholes: list[frozenset[str] | None],
+        made_whole: list[frozenset[str] | None],
         sources: frozenset[str],
     ) -> bool | None:
         """A sum with the partial sums: fine when all it adds besides them is added once,
@@ -261,7 +263,7 @@ class Experts:
         # per-expert biases and outputs of parameter-free submodules (identity experts)
         # are whole on every rank: the plan adds each as 1/tp per rank
         ok = len(partial) >= 1 and all(
-            b is not None or w is not None for b, w in zip(biases, wholes, strict=True)
+            b is not None or w is not None for b, w in zip(biases, made_whole, strict=True)
         )
         for b in biases:
             if b is not None:
@@ -269,8 +271,8 @@ class Experts:
                 if any(self.weighted.get(id(t)) is t for t in partial):
                     self.facts.after_weighting.add(b[0])
         if ok:
-            for child in frozenset().union(*(w for w in wholes if w is not None)):
-                self.facts.added_whole[child] = self.wholes.owner[child]
+            for child in frozenset().union(*(w for w in made_whole if w is not None)):
+                self.facts.added_whole[child] = self.whole_outputs.owner[child]
         elif others and all(self.splits.split_of(t) is None for t in others):
             self.end_partial(
                 sources,
@@ -348,4 +350,4 @@ class Experts:
         for k, (_, sources) in list(self.partials.items()):
             if sources & own or not sources:
                 del self.partials[k]  # summed by the all-reduce at the module's output
-        self.wholes.drop_owned_by(name)
+        self.whole_outputs.drop_owned_by(name)

@@ -29,12 +29,12 @@ class WholeOutputs:
     def __init__(self, facts: ExpertFacts, splits: DenseSplits) -> None:
         self.facts = facts
         self.splits = splits
-        self.wholes: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        self.tensors: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
         self.owner: dict[str, str] = {}  # submodule -> its experts module
 
     def of(self, t: Any) -> frozenset[str] | None:
         """The submodules whose whole output `t` is (or is linear in)."""
-        entry = self.wholes.get(id(t)) if isinstance(t, torch.Tensor) else None
+        entry = self.tensors.get(id(t)) if isinstance(t, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0] is t else None
 
     def note_output(
@@ -54,7 +54,7 @@ class WholeOutputs:
             # an identity hands back its input: mark a view of it, so that other uses of
             # the input are not taken for uses of this output
             out = out.view_as(out)
-        self.wholes[id(out)] = (out, frozenset({name}))
+        self.tensors[id(out)] = (out, frozenset({name}))
         self.owner[name] = owner
         return out
 
@@ -75,19 +75,19 @@ class WholeOutputs:
             return
         for o in op.outs:
             if o.is_floating_point():
-                self.wholes[id(o)] = (o, children)
+                self.tensors[id(o)] = (o, children)
 
-    def used_otherwise(self, wholes: list[frozenset[str] | None], why: str) -> None:
+    def used_otherwise(self, outputs: list[frozenset[str] | None], why: str) -> None:
         """These whole outputs are used other than added to the partial sums."""
-        for w in wholes:
+        for w in outputs:
             for child in w or ():
                 self.facts.whole_used_otherwise.setdefault(child, why)
 
     def drop_owned_by(self, owner: str) -> None:
         """`owner`'s forward returned: its sum is whole again, and so is all it held."""
-        for k, (_, children) in list(self.wholes.items()):
+        for k, (_, children) in list(self.tensors.items()):
             if any(self.owner.get(c) == owner for c in children):
-                del self.wholes[k]
+                del self.tensors[k]
 
     def _unsplit(self, t: torch.Tensor) -> bool:
         return self.splits.split_of(t) is None
