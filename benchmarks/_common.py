@@ -120,7 +120,7 @@ def collective_counter() -> Any:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from tpplan.trace.tracer import run_op
+    from tpplan.trace import run_op
 
     # bookkeeping ops that move no data
     skip = {"wait_tensor", "_wrap_tensor_autograd", "barrier"}

@@ -1,9 +1,10 @@
 """Giving one nn.Embedding (or subclass) instance a class of its own with another lookup in
 nn.Embedding's place, so that a subclass's `super().forward(ids)` runs that lookup instead.
 
-Used by the styles that split an embedding whose forward does more than look up (tpplan/
-compile/embeddings.py) and by the tracer's probe that proves such an embedding looks up only
-through that place (tpplan/trace/tracer.py): both use this one helper, so the probe proves what apply does.
+Used by the styles that split an embedding whose forward does more than look up
+(tpplan/compile/embeddings.py) and by the tracer's probe that proves such an embedding looks
+up only through that place (tpplan/trace/hooks.py): both use this one helper, so the probe
+proves what apply does.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from ..compile.shard import shard_model
 from ..errors import Problem, TpplanError
 from ..plan.patterns import match_names
 from ..plan.schema import Plan
-from ..trace.tracer import _quiet_fake_tensor_log, _repeats, run_op
+from ..trace import quiet_fake_tensor_log, repeated_blocks, run_op
 
 __all__ = ["meta_copy", "run_plan"]
 
@@ -114,7 +114,7 @@ def run_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return []  # already sharded: its own layouts are not the plan's to prove
     # once, on fake tensors: not once per rank when every rank is simulated in this process
-    with outside_simulation(), _quiet_fake_tensor_log(), warnings.catch_warnings():
+    with outside_simulation(), quiet_fake_tensor_log(), warnings.catch_warnings():
         # the copy's warnings are about a copy; the real apply gives its own
         warnings.simplefilter("ignore")
         try:
@@ -152,7 +152,7 @@ def _rules_by_module(
 
 def _shortened(plan: Plan, model: nn.Module) -> dict[int, int]:
     """{id of a ModuleList: blocks to run}: the long stacks of identical blocks the tracer
-    runs through their first blocks (`_repeats`), where the plan treats every block left out
+    runs through their first blocks (`repeated_blocks`), where the plan treats every block left out
     as the block it repeats. A run costs tens of milliseconds per block; a 126-block model
     runs its first two."""
     names = [n for n, _ in model.named_modules() if n]
@@ -169,7 +169,7 @@ def _shortened(plan: Plan, model: nn.Module) -> dict[int, int]:
         return under(styled), under(divided)
 
     cut = {}
-    for key, (stack, keep, twins) in _repeats(model).items():
+    for key, (stack, keep, twins) in repeated_blocks(model).items():
         prefix = f"{stack}." if stack else ""
         if all(
             treated(f"{prefix}{i}") == treated(f"{prefix}{j}")

@@ -19,7 +19,7 @@ from ..plan.patterns import collapse, match_names, wildcard
 from ..plan.schema import Plan, Rule
 
 if TYPE_CHECKING:
-    from ..trace.tracer import Trace
+    from ..trace import Trace
 
 __all__ = ["check_plan", "splits_nothing"]
 
@@ -459,11 +459,11 @@ def _check_regions(
     split into whole heads as the model itself views them; the heads and fused pieces a
     rule states must be the model's; a vocab-parallel table must sum where its rows are.
 
-    The model is traced (tpplan/trace/tracer.py) to see where each layer's output goes; a model
+    The model is traced (tpplan/trace/) to see where each layer's output goes; a model
     that cannot be traced (its inputs cannot be guessed) gets the structural check instead.
     Parts its forward does not call are traced on their own, as infer_plan splits them.
     """
-    from ..trace.tracer import idle_roots, trace_model
+    from ..trace import idle_roots, trace_model
 
     def having(keep: Any) -> list[tuple[int, str]]:
         return [(i, n) for i, r in enumerate(plan.rules) if keep(r) for n in matched[i]]
@@ -488,7 +488,7 @@ def _check_regions(
         return _check_regions_by_structure(plan, checked.openers, checked.closers, model)
     out = _check_traced(plan, checked, trace, tp, flagged)
     checked_names = (name for pairs in checked for _, name in pairs)
-    for root in idle_roots(checked_names, trace.ran, lambda n: _traced(trace, n)):
+    for root in idle_roots(checked_names, trace.layers.ran, lambda n: _traced(trace, n)):
         out += _check_part(plan, checked, model, root, tp, flagged)
     return out
 
@@ -522,15 +522,15 @@ def _check_divided(plan: Plan, checked: _Checked, trace: Trace) -> list[Problem]
     forward reads (head_dim, a width) shrinks what every rank keeps whole. Judged only where
     the trace followed every split the plan opens to its end (a split it lost may have
     read counts it did not see); the dry run speaks for the rest."""
-    if any(_traced(trace, n) in trace.broken for _, n in checked.openers):
+    if any(_traced(trace, n) in trace.regions.broken for _, n in checked.openers):
         return []
-    counts = [*trace.counts.values(), *trace.expert_counts.values()]
+    counts = [*trace.reads.counts.values(), *trace.experts.counts.values()]
     legal = {(m, a) for found in counts for m, a, _ in found}
     out: list[Problem] = []
     for i, name in checked.divided:
         rule, t = plan.attributes[i], _traced(trace, name)
         for attr in rule.divide:
-            if (t, attr) in legal or (t, attr) not in trace.int_reads:
+            if (t, attr) in legal or (t, attr) not in trace.reads.ints:
                 continue
             read = sorted(a for m, a in legal if m == t)
             views = (
@@ -559,7 +559,7 @@ def _check_part(
     part that cannot run alone is tried child by child, as infer_plan does. What nothing can
     run stays unchecked by flow (infer_plan keeps it whole)."""
     from .._runtime.inputs import example_inputs, part_inputs
-    from ..trace.tracer import trace_model
+    from ..trace import trace_model
 
     part = model.get_submodule(root)
     try:
@@ -599,18 +599,20 @@ def _model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | 
     """(head size, how the model's views show it) of a traced opener or closer, read as
     infer reads it when it writes a rule's head_dim; None where the flow shows no heads."""
     if closer:
-        s = trace.closers.get(t)
+        s = trace.regions.closers.get(t)
         if s is None or s.inner <= 1:
             return None
         return s.inner, f"its {s.n * s.inner} input features arrive as {s.n} heads of {s.inner}"
-    if t not in trace.openers:
+    if t not in trace.regions.openers:
         return None
-    features, parts = trace.openers[t], trace.parts.get(t)
+    features, parts = trace.regions.openers[t], trace.regions.parts.get(t)
     if parts is not None:
         # fused pieces are cut apart before any view: their head size shows where they meet
         # again, at the closers' input, merged from (heads, head_dim)
-        links = [g for g in trace.links if t in g]
-        inners = {trace.closers[c].inner for g in links for c in g if c in trace.closers}
+        links = [g for g in trace.regions.links if t in g]
+        inners = {
+            trace.regions.closers[c].inner for g in links for c in g if c in trace.regions.closers
+        }
         if len(inners) != 1 or (inner := inners.pop()) <= 1 or any(p % inner for p in parts):
             return None
         pieces = " | ".join(map(str, parts))
@@ -619,7 +621,7 @@ def _model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | 
             f"its {features} output features are fused pieces ({pieces}), each made of heads "
             f"of {inner}",
         )
-    heads = trace.heads.get(t)
+    heads = trace.regions.heads.get(t)
     if not heads or features % heads:
         return None
     return (
@@ -638,12 +640,12 @@ def _check_widths(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> l
     out: list[Problem] = []
     for i, name in modules:
         rule, t = plan.rules[i], _traced(trace, name)
-        stated = [("parts", "", rule.parts, trace.parts.get(t), "parts: {}")] + [
+        stated = [("parts", "", rule.parts, trace.regions.parts.get(t), "parts: {}")] + [
             (
                 f"fused {p}",
                 f" of {p} per expert",
                 sizes,
-                trace.parts.get(f"{t}.{p}"),
+                trace.regions.parts.get(f"{t}.{p}"),
                 f"fused: {{{{{p}: {{}}}}}}",
             )
             for p, sizes in (rule.fused or {}).items()
@@ -699,8 +701,8 @@ def _check_lookups(plan: Plan, tables: list[tuple[int, str]], trace: Trace) -> l
 
 def _lookup_problem(rule: Rule, t: str, trace: Trace) -> tuple[str, str] | None:
     """(message, fix) for one vocab-parallel rule on the table traced as `t`, if wrong."""
-    bent, slot = trace.bent_lookups.get(t), trace.lookup_slots.get(t)
-    traced = sorted(trace.written_rows.get(t, ()))
+    bent, slot = trace.lookups.not_linear.get(t), trace.lookups.at_lookup_place.get(t)
+    traced = sorted(trace.lookups.written_rows.get(t, ()))
     named = sorted(rule.written or ())
     whole = "keep it whole (style: replicate)."
     if (rule.sum_at is not None or named) and slot is False:
@@ -766,10 +768,10 @@ def _check_heads(
     out: list[Problem] = []
     for i, name in openers:
         t = _traced(trace, name)
-        units = trace.units.get(t)
-        if name in flagged or t not in trace.openers or units is None or units % tp == 0:
+        units = trace.regions.units.get(t)
+        if name in flagged or t not in trace.regions.openers or units is None or units % tp == 0:
             continue
-        features, heads = trace.openers[t], trace.heads.get(t)
+        features, heads = trace.regions.openers[t], trace.regions.heads.get(t)
         size = features // heads if heads and features % heads == 0 else None
         what = f"{heads} heads of {size}" if size else f"{features} features"
         if heads != units:
@@ -790,7 +792,7 @@ def _check_heads(
 
 def _traced(trace: Trace, name: str) -> str:
     """Untraced repeats of a block are checked through the block traced in their place."""
-    for block, twin in trace.stand_ins.items():
+    for block, twin in trace.stacks.untraced.items():
         if name == block or name.startswith(block + "."):
             return twin + name[len(block) :]
     return name
@@ -806,16 +808,16 @@ def _check_regions_by_flow(
     close_t = {traced(n) for _, n in closers}
 
     def partners(t: str, role: dict[str, Any]) -> set[str]:
-        return {m for g in trace.links if t in g for m in g if m in role and m != t}
+        return {m for g in trace.regions.links if t in g for m in g if m in role and m != t}
 
     out: list[Problem] = []
     for i, name in openers:
         rule, t = plan.rules[i], traced(name)
-        if t in trace.lookups and t not in trace.openers:
+        if t in trace.lookups.token_ids and t not in trace.regions.openers:
             out.append(_split_rows(i, rule, name))
-        if t not in trace.openers:
+        if t not in trace.regions.openers:
             continue  # not a Linear called on a whole input; the type check speaks for it
-        missing = sorted(wildcard(c) for c in partners(t, trace.closers) - close_t)
+        missing = sorted(wildcard(c) for c in partners(t, trace.regions.closers) - close_t)
         if missing:
             out.append(
                 Problem(
@@ -828,8 +830,8 @@ def _check_regions_by_flow(
                 )
             )
         elif (
-            t in trace.at_output
-            and not partners(t, trace.closers)
+            t in trace.regions.at_output
+            and not partners(t, trace.regions.closers)
             and not plan.options.loss_parallel
         ):
             out.append(
@@ -844,11 +846,11 @@ def _check_regions_by_flow(
             )
     for i, name in closers:
         rule, t = plan.rules[i], traced(name)
-        if t not in trace.closers:
+        if t not in trace.regions.closers:
             # The trace saw no split arrive (or its split went through a reshape by stored
             # head counts, which the plan's attributes fix): nothing to pair it with.
             continue
-        missing = sorted(wildcard(o) for o in partners(t, trace.openers) - open_t)
+        missing = sorted(wildcard(o) for o in partners(t, trace.regions.openers) - open_t)
         if missing:
             out.append(
                 Problem(

@@ -20,7 +20,7 @@ from .._runtime.tree import first_tensor, local_bytes
 from ..apply.api import apply_plan
 from ..check.run import meta_copy
 from ..plan.schema import Plan
-from ..trace.tracer import run_op
+from ..trace import run_op
 
 __all__ = ["Stats", "plan_stats"]
 

@@ -1,6 +1,6 @@
 """infer_plan: a tensor-parallel plan from a model's data flow.
 
-Start at `infer_plan`. `tpplan/trace/tracer.py` runs the model once on fake tensors and returns facts
+Start at `infer_plan`. `tpplan/trace/` runs the model once on fake tensors and returns facts
 (which Linear's split features reach which Linear, through which ops, and what stopped them);
 this module groups those facts into regions and decides each module's style:
 
@@ -29,7 +29,7 @@ from .._runtime.inputs import part_inputs
 from ..errors import TpplanError
 from ..plan.patterns import collapse, wildcard
 from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
-from ..trace.tracer import Trace, _structure, idle_roots, trace_model
+from ..trace import Trace, block_structure, idle_roots, trace_model
 
 __all__ = ["infer_plan"]
 
@@ -178,7 +178,7 @@ def _infer_decisions(
     decisions, attributes = _decide(
         model, trace, tp, loss_parallel, sequence_parallel, experts, gather_tp
     )
-    if trace.blocks:
+    if trace.stacks.traced:
         spread = _spread(trace, decisions), _spread(trace, attributes)
         if not _local(trace) or spread[0] is None or spread[1] is None:
             # a region crossed blocks, or twins disagreed: trace every block
@@ -188,12 +188,12 @@ def _infer_decisions(
             )
         else:
             decisions, attributes = spread  # type: ignore[assignment]
-    ran = set(trace.ran)
-    for block, twin in trace.stand_ins.items():  # untraced repeats ran as their twins did
-        ran |= {block + n[len(twin) :] for n in trace.ran if n.startswith(twin + ".")}
+    ran = set(trace.layers.ran)
+    for block, twin in trace.stacks.untraced.items():  # untraced repeats ran as their twins did
+        ran |= {block + n[len(twin) :] for n in trace.layers.ran if n.startswith(twin + ".")}
     shared = _shared_params(model)
     _copy_from_twins(model, decisions, attributes, trace, ran, shared)
-    used = trace.params_outside | set(trace.params_in_region)
+    used = trace.params.outside | set(trace.params.in_region)
     _trace_uncalled(model, decisions, attributes, ran, shared, used, tp, experts, gather_tp)
     return decisions, attributes
 
@@ -224,11 +224,11 @@ def _copy_from_twins(
     then whole, whoever uses them) and none of the part's parameters was used directly or
     is shared with the rest."""
     modules = dict(model.named_modules())
-    used = trace.params_outside | set(trace.params_in_region)
+    used = trace.params.outside | set(trace.params.in_region)
     regions = _regions(trace)
 
     def closed(twin: str) -> bool:
-        return not any(_inside(o, twin) for o in trace.at_output) and all(
+        return not any(_inside(o, twin) for o in trace.regions.at_output) and all(
             all(_inside(m, twin) for m in members) or not any(_inside(m, twin) for m in members)
             for members in regions
         )
@@ -236,7 +236,7 @@ def _copy_from_twins(
     twins: dict[Any, str] = {}
     for name in sorted(ran):
         if name and name in modules and next(modules[name].parameters(), None) is not None:
-            twins.setdefault(_structure(modules[name]), name)
+            twins.setdefault(block_structure(modules[name]), name)
     for name, module in modules.items():
         if not name or name in ran or name.rpartition(".")[0] not in ran:
             continue
@@ -244,7 +244,7 @@ def _copy_from_twins(
             continue
         if _tied_outside(shared, name):
             continue  # tied to the rest: apply keeps it with the copy that ran
-        twin = twins.get(_structure(module))
+        twin = twins.get(block_structure(module))
         if twin is None or not closed(twin):
             continue
         why = f"as {twin}, which has the same structure and ran (the model's forward did not call this one)"
@@ -360,9 +360,9 @@ def _regions(trace: Trace) -> list[list[str]]:
             x = parent[x]
         return x
 
-    for name in list(trace.openers) + list(trace.closers):
+    for name in list(trace.regions.openers) + list(trace.regions.closers):
         root(name)
-    for group in trace.links:
+    for group in trace.regions.links:
         first, *rest = sorted(group)
         for other in rest:
             parent[root(other)] = root(first)
@@ -438,54 +438,58 @@ class _Decider:
         self.kept_experts: dict[str, str] = {}  # expert-holding module -> why it stays whole
         self.split_regions: list[tuple[list[str], list[str]]] = []  # (openers, closers)
         # modules that must stay whole even as gathered layers: tied or shared weights
-        self.blocked: set[str] = {n for n in self.tied if n in trace.linears}
-        self.blocked |= {n for n in trace.linears if self.used_outside(n)}
+        self.blocked: set[str] = {n for n in self.tied if n in trace.layers.linears}
+        self.blocked |= {n for n in trace.layers.linears if self.used_outside(n)}
         # experts module -> the experts modules of its structure, itself included (see
         # `pool_experts`)
         self.alike: dict[str, list[str]] = {}
         groups: dict[Any, list[str]] = {}
-        for owner in sorted(trace.expert_exits):
+        for owner in sorted(trace.experts.exits):
             if owner in self.modules:
-                groups.setdefault(_structure(self.modules[owner]), []).append(owner)
+                groups.setdefault(block_structure(self.modules[owner]), []).append(owner)
         for group in groups.values():
             self.alike.update(dict.fromkeys(group, group))
 
     def used_outside(self, name: str) -> bool:
         params = _own_params(self.modules[name], name)
         return any(
-            p in self.trace.params_outside or p in self.trace.params_in_region for p in params
+            p in self.trace.params.outside or p in self.trace.params.in_region for p in params
         )
 
     def region(self, members: list[str]) -> None:
         t = self.trace
-        openers = [m for m in members if m in t.openers]
-        closers = [m for m in members if m in t.closers]
+        openers = [m for m in members if m in t.regions.openers]
+        closers = [m for m in members if m in t.regions.closers]
         short = _relative(members)
         reasons: list[str] = []
         for m in members:
-            for r in t.broken.get(m, []):
+            for r in t.regions.broken.get(m, []):
                 reasons.append(f"{short[m]}'s split ends at {r}")
-            if m in t.misfits:
-                reasons.append(f"{short[m]}: {t.misfits[m]}")
+            if m in t.regions.misfits:
+                reasons.append(f"{short[m]}: {t.regions.misfits[m]}")
             if m in self.tied:
                 reasons.append(
                     f"{short[m]}'s weight is shared with {_join(self.tied[m])} (tied); sharding would untie it"
                 )
             elif self.used_outside(m):
                 reasons.append(f"{short[m]}'s weight is also used outside its own forward")
-        if any(o in t.at_output for o in openers):
+        if any(o in t.regions.at_output for o in openers):
             reasons.append("the split reaches the model output")
         if openers and not closers and not reasons:
             reasons.append("no Linear contracts its output features")
-        units = math.gcd(*(t.units.get(o, t.openers[o]) for o in openers)) if openers else 0
+        units = (
+            math.gcd(*(t.regions.units.get(o, t.regions.openers[o]) for o in openers))
+            if openers
+            else 0
+        )
         if openers and units % self.tp:
             reasons.append(
                 f"its features split into {units} indivisible blocks (heads), which tp {self.tp} does not divide"
             )
         helpers = self.helpers(set(openers), short, reasons)
-        counts = {c for o in openers for c in t.counts.get(o, ())}
+        counts = {c for o in openers for c in t.reads.counts.get(o, ())}
         for module, attr, value in sorted(counts):
-            if (module, attr) in t.unsplit_sizes:
+            if (module, attr) in t.reads.unsplit_sizes:
                 reasons.append(
                     f"{attr} = {value} sizes the split features and also tensors that are not "
                     "split, so it cannot be divided"
@@ -517,7 +521,7 @@ class _Decider:
         for h in helpers:
             own = _own_params(self.modules[h], h)
             by = _join_names([short[o] for o in openers])
-            if any(p in self.trace.split_params for p in own):
+            if any(p in self.trace.params.split_vectors for p in own):
                 names = [p.rpartition(".")[2] for p in own]
                 self.decisions[h] = _Decision(
                     "split_params",
@@ -537,7 +541,7 @@ class _Decider:
     def helpers(self, openers: set[str], short: dict[str, str], reasons: list[str]) -> list[str]:
         """Modules (not Linear) whose parameters meet this region's split tensors."""
         t = self.trace
-        owners = {p.rpartition(".")[0] for p, srcs in t.params_in_region.items() if srcs & openers}
+        owners = {p.rpartition(".")[0] for p, srcs in t.params.in_region.items() if srcs & openers}
         out = []
         for owner in sorted(owners):
             module = self.modules.get(owner)
@@ -550,20 +554,20 @@ class _Decider:
                     "and a plan styles submodules only"
                 )
                 continue
-            if module is None or owner in t.linears or isinstance(module, nn.Embedding):
+            if module is None or owner in t.layers.linears or isinstance(module, nn.Embedding):
                 reasons.append(
                     f"the weight of {label} is used inside the region outside its own call"
                 )
                 continue
             own = _own_params(module, owner)
             if any(
-                p in t.params_outside or not (t.params_in_region.get(p, openers) <= openers)
+                p in t.params.outside or not (t.params.in_region.get(p, openers) <= openers)
                 for p in own
             ):
                 reasons.append(f"{label}'s parameters are used both inside and outside the region")
                 continue
-            split = [p for p in own if p in t.split_params]
-            if split and (len(split) < len(own) or any(p in t.whole_params for p in split)):
+            split = [p for p in own if p in t.params.split_vectors]
+            if split and (len(split) < len(own) or any(p in t.params.whole_vectors for p in split)):
                 reasons.append(f"{label}'s parameters are used both split with the heads and whole")
                 continue
             out.append(owner)
@@ -576,16 +580,16 @@ class _Decider:
         to = _join_names([short[c] for c in closers])
         # `to` names the closers: the evidence a reviewer checks against the model's forward
         verb = "contracts" if len(closers) == 1 else "contract"
-        inners = {t.closers[c].inner for c in closers}
+        inners = {t.regions.closers[c].inner for c in closers}
         for o in openers:
-            out = t.openers[o]
-            ops = sorted(t.ops.get(o, set()) - _PLAIN_OPS)
+            out = t.regions.openers[o]
+            ops = sorted(t.regions.ops.get(o, set()) - _PLAIN_OPS)
             path = f"through {', '.join(ops)} to {to}" if ops else f"to {to}"
             partners = [short[p] for p in openers if p != o]
             mates = f" (with the outputs of {_join_names(partners)})" if partners else ""
-            heads = t.heads.get(o)
+            heads = t.regions.heads.get(o)
             head_dim = out // heads if heads and out % heads == 0 else None
-            parts = t.parts.get(o)
+            parts = t.regions.parts.get(o)
             if parts is not None:
                 # the pieces are cut apart before any view, so their head size shows where
                 # they meet again: the closer's input, merged from (heads, head_dim)
@@ -621,13 +625,13 @@ class _Decider:
                 f"{what} {path}{mates}, which {verb} {it} on its input dim (rowwise){need}",
                 head_dim=head_dim,
                 parts=parts,
-                transposed=o in t.linears and t.linears[o][2],
+                transposed=o in t.layers.linears and t.layers.linears[o][2],
             )
 
     def close(self, openers: list[str], closers: list[str], short: dict[str, str]) -> None:
         by = _join_names([short[o] for o in openers])
         for c in closers:
-            s = self.trace.closers[c]
+            s = self.trace.regions.closers[c]
             head_dim = s.inner if s.inner > 1 else None
             what = f"{s.n} heads of {s.inner}" if head_dim else f"{s.n} features"
             self.decisions[c] = _Decision(
@@ -635,7 +639,7 @@ class _Decider:
                 f"contracts the features split by {by} ({what}) on its input dim; its output is a "
                 "partial sum, one all-reduce",
                 head_dim=head_dim,
-                transposed=self.trace.linears[c][2],
+                transposed=self.trace.layers.linears[c][2],
             )
 
     def experts(self, members: list[str], mode: str) -> None:
@@ -645,45 +649,55 @@ class _Decider:
         owners = {m.rpartition(".")[0] for m in members}
         owner = min(owners)
         parents = {o.rpartition(".")[0] for o in owners}
-        if len(owners) > 1 and len(parents) == 1 and min(parents) in t.expert_exits:
+        if len(owners) > 1 and len(parents) == 1 and min(parents) in t.experts.exits:
             owner = min(parents)  # children hold the weights: judged where they meet
         module = self.modules.get(owner)
         short = {m: m.removeprefix(owner + ".") for m in members}
-        openers = [m for m in members if t.expert_roles.get(m, ("",))[0] == "open"]
-        closers = [m for m in members if t.expert_roles.get(m, ("",))[0] == "close"]
+        openers = [m for m in members if t.experts.roles.get(m, ("",))[0] == "open"]
+        closers = [m for m in members if t.experts.roles.get(m, ("",))[0] == "close"]
         reasons: list[str] = []
         one_place = owners == {owner} or parents == {owner}
-        if not one_place or module is None or any(m not in t.expert_roles for m in members):
+        if not one_place or module is None or any(m not in t.experts.roles for m in members):
             reasons.append("its split features reach weights of other modules")
         for m in members:
-            for r in t.broken.get(m, []):
+            for r in t.regions.broken.get(m, []):
                 reasons.append(f"{short[m]}'s split ends at {r}")
-            if m in t.misfits:
-                reasons.append(f"{short[m]}: {t.misfits[m]}")
+            if m in t.regions.misfits:
+                reasons.append(f"{short[m]}: {t.regions.misfits[m]}")
         if not openers or not closers:
             reasons.append("no expert matmul contracts the split features")
-        exit_ = t.expert_exits.get(owner, "it was not called")
+        exit_ = t.experts.exits.get(owner, "it was not called")
         if exit_ is not None:
             reasons.append(exit_)
-        units = math.gcd(*(t.units.get(o, t.openers[o]) for o in openers)) if openers else 0
+        units = (
+            math.gcd(*(t.regions.units.get(o, t.regions.openers[o]) for o in openers))
+            if openers
+            else 0
+        )
         if openers and units % self.tp:
             reasons.append(
                 f"its experts' hidden features split into blocks of {units}, which tp {self.tp} does not divide"
             )
-        if t.counts.get(owner) or any(t.counts.get(o) for o in openers):
+        if t.reads.counts.get(owner) or any(t.reads.counts.get(o) for o in openers):
             reasons.append("its forward reads attributes to size the split features")
         prefix = owner + "."
         # pooled over the modules of its structure (see `pool_experts`)
         alike = self.alike.get(owner, [owner])
-        whole = sorted({c.removeprefix(o + ".") for c, o in t.added_whole.items() if o in alike})
+        whole = sorted(
+            {c.removeprefix(o + ".") for c, o in t.experts.added_whole.items() if o in alike}
+        )
         for c in whole:
-            bent = [t.bent_whole[f"{o}.{c}"] for o in alike if f"{o}.{c}" in t.bent_whole]
+            bent = [
+                t.experts.whole_used_otherwise[f"{o}.{c}"]
+                for o in alike
+                if f"{o}.{c}" in t.experts.whole_used_otherwise
+            ]
             if bent:
                 reasons.append(
                     f"{c}'s output is added whole to the experts' partial sums, but "
                     f"{bent[0]} too, so it cannot be scaled by 1/tp"
                 )
-        reasons += [t.sum_breaks[o] for o in alike if o in t.sum_breaks]
+        reasons += [t.experts.sum_breaks[o] for o in alike if o in t.experts.sum_breaks]
         if reasons:
             self.kept_experts[owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
             return
@@ -691,15 +705,15 @@ class _Decider:
         own = dict(module.named_parameters(recurse=owner not in owners))
         after = sorted(
             p.removeprefix(prefix)
-            for p, o in t.after_sum.items()
+            for p, o in t.experts.after_sum.items()
             if o == owner or o.startswith(prefix)  # (or a child holding weights for it)
         )
         n_experts = {own[m.removeprefix(prefix)].shape[0] for m in members}
-        ops = sorted({op for o in openers for op in t.ops.get(o, ())} - _PLAIN_OPS)
+        ops = sorted({op for o in openers for op in t.regions.ops.get(o, ())} - _PLAIN_OPS)
         path = f" through {', '.join(ops)}" if ops else ""
         ep_why = self.expert_parallel_refusal(owner, n_experts, whole) if mode == "expert" else ""
         if mode == "expert" and not ep_why:
-            ((attr_module, attr, value),) = t.expert_counts[owner]
+            ((attr_module, attr, value),) = t.experts.counts[owner]
             self.attributes[attr_module] = (
                 (attr,),
                 f"its forward reads {attr} = {value} (its number of experts); each rank holds "
@@ -722,17 +736,17 @@ class _Decider:
         shard: dict[str, int] = {}
         fused: dict[str, tuple[int, ...]] = {}
         for m in members:
-            shard[m.removeprefix(prefix)] = t.expert_roles[m][1]
-            if m in t.parts:
-                fused[m.removeprefix(prefix)] = t.parts[m]
-        for b, (src, dim) in t.expert_biases.items():
+            shard[m.removeprefix(prefix)] = t.experts.roles[m][1]
+            if m in t.regions.parts:
+                fused[m.removeprefix(prefix)] = t.regions.parts[m]
+        for b, (src, dim) in t.experts.biases.items():
             if src in openers:
                 shard[b.removeprefix(prefix)] = dim
-                if src in t.parts:
-                    fused[b.removeprefix(prefix)] = t.parts[src]
-        pieces = {o: t.parts.get(o) for o in openers}
+                if src in t.regions.parts:
+                    fused[b.removeprefix(prefix)] = t.regions.parts[src]
+        pieces = {o: t.regions.parts.get(o) for o in openers}
         what = "; ".join(
-            f"{short[o]}'s {t.openers[o]} output features per expert"
+            f"{short[o]}'s {t.regions.openers[o]} output features per expert"
             + (
                 f" are {len(p)} fused pieces ({' | '.join(map(str, p))}) cut apart in forward, each rank holding its slice of every piece"
                 if p
@@ -771,15 +785,17 @@ class _Decider:
                 f"{_join(whole)}'s output is added whole to the experts' sum, made without any "
                 "expert's weights: splitting by experts does not decide which one rank adds it"
             )
-        if t.expert_routing.get(owner):
-            return str(t.expert_routing[owner])
-        counts = t.expert_counts.get(owner, set())
+        if t.experts.routing.get(owner):
+            return str(t.experts.routing[owner])
+        counts = t.experts.counts.get(owner, set())
         if len(n_experts) != 1 or len(counts) != 1:
             return "its forward does not read its number of experts from one attribute of its own"
         (value,) = n_experts
         if value % self.tp:
             return f"its {value} experts do not divide by tp {self.tp}"
-        late = sorted(b.rpartition(".")[2] for b in t.after_weighting if b.startswith(owner + "."))
+        late = sorted(
+            b.rpartition(".")[2] for b in t.experts.after_weighting if b.startswith(owner + ".")
+        )
         if late:
             return f"{_join(late)} is added after the routing weights scale the experts' outputs"
         return ""
@@ -795,8 +811,12 @@ class _Decider:
         t = self.trace
         for group in {id(g): g for g in self.alike.values()}.values():
             for o in group:
-                if o not in self.decisions and o not in self.kept_experts and o in t.sum_breaks:
-                    self.kept_experts[o] = f"kept whole: {t.sum_breaks[o]}"
+                if (
+                    o not in self.decisions
+                    and o not in self.kept_experts
+                    and o in t.experts.sum_breaks
+                ):
+                    self.kept_experts[o] = f"kept whole: {t.experts.sum_breaks[o]}"
             kept = [o for o in group if o in self.kept_experts]
             split = [o for o in group if o in self.decisions and o not in self.kept_experts]
             unseen = [o for o in group if o not in self.decisions and o not in self.kept_experts]
@@ -822,7 +842,7 @@ class _Decider:
     def unsplit_experts(self) -> None:
         """Modules holding expert weights that no region split: replicated, with the reason."""
         split = [d for d, dec in self.decisions.items() if dec.style == "experts"]
-        for owner in sorted(set(self.trace.expert_exits) | set(self.kept_experts)):
+        for owner in sorted(set(self.trace.experts.exits) | set(self.kept_experts)):
             if owner in self.decisions or any(owner.startswith(f"{d}.") for d in split):
                 continue  # (a child holding the weights of experts split at their parent)
             self.decisions[owner] = _Decision(
@@ -837,22 +857,22 @@ class _Decider:
         """vocab_parallel for token lookups; returns {vocab size: embedding} for the head."""
         vocabs: dict[int, str] = {}
         for name, module in self.modules.items():
-            if not isinstance(module, nn.Embedding) or name not in self.trace.called:
+            if not isinstance(module, nn.Embedding) or name not in self.trace.layers.called:
                 continue
             if name in self.decisions:
                 continue  # split by its columns inside a region
             n = module.num_embeddings
-            bent = self.trace.bent_lookups.get(name)
+            bent = self.trace.lookups.not_linear.get(name)
             written = () if bent else self.written(name, module)
             if written is None:
                 bent = "index_put_"  # rows overwritten with a parameter that cannot be split
-            if not self.trace.lookups.get(name):
+            if not self.trace.lookups.token_ids.get(name):
                 self.kept[name] = (
                     "kept whole: its indices are computed inside forward (positions or types), not the input tokens"
                 )
             elif self.used_outside(name):
                 self.kept[name] = "kept whole: its weight is also used outside its own lookup"
-            elif bent and not self.trace.lookup_slots.get(name):
+            elif bent and not self.trace.lookups.at_lookup_place.get(name):
                 self.kept[name] = (
                     _bent_lookup(bent) + ", and it looks its rows up with an embedding of its "
                     "own rather than through nn.Embedding's forward, where they could be "
@@ -896,9 +916,9 @@ class _Decider:
         made in nn.Embedding's place (where WrittenRows looks up local rows), the parameter
         used for nothing else and its width dividing by tp. None when one cannot."""
         t = self.trace
-        written = tuple(sorted(t.written_rows.get(name, ())))
+        written = tuple(sorted(t.lookups.written_rows.get(name, ())))
         if written and (
-            not t.lookup_slots.get(name)
+            not t.lookups.at_lookup_place.get(name)
             or module.embedding_dim % self.tp
             or t.written_elsewhere(name, written)
         ):
@@ -908,11 +928,11 @@ class _Decider:
     def head(self, vocabs: dict[int, str]) -> None:
         """A lone opener whose split output is the model output over the vocab: gathered colwise."""
         t = self.trace
-        for name in t.at_output:
-            linked = any(name in group for group in t.links)
-            if name not in t.linears or linked or name in t.misfits:
+        for name in t.regions.at_output:
+            linked = any(name in group for group in t.regions.links)
+            if name not in t.layers.linears or linked or name in t.regions.misfits:
                 continue
-            _, out, transposed = t.linears[name]
+            _, out, transposed = t.layers.linears[name]
             if out not in vocabs or self.used_outside(name):
                 continue
             self.kept.pop(name, None)
@@ -948,10 +968,13 @@ class _Decider:
                     (m, p)
                     for m, p in group
                     if (
-                        m in self.trace.called
-                        and (m in self.trace.linears or isinstance(self.modules[m], nn.Embedding))
+                        m in self.trace.layers.called
+                        and (
+                            m in self.trace.layers.linears
+                            or isinstance(self.modules[m], nn.Embedding)
+                        )
                     )
-                    or f"{m}.{p}".lstrip(".") in self.trace.params_outside
+                    or f"{m}.{p}".lstrip(".") in self.trace.params.outside
                 ]
                 splits = {
                     (m, p): weight_split(
@@ -988,11 +1011,11 @@ class _Decider:
         per-head gate inputs): the all-gather is of a few features per token, and the memory
         a plan saves should not depend on a size threshold of ours."""
         t = self.trace
-        _, out, transposed = t.linears[name]
+        _, out, transposed = t.layers.linears[name]
         if (
             name in self.blocked
-            or name in t.misfits
-            or name not in t.called
+            or name in t.regions.misfits
+            or name not in t.layers.called
             or out % self.gather_tp
         ):
             return None
@@ -1013,7 +1036,7 @@ class _Decider:
         for name, d in list(self.decisions.items()):
             if d.sum_at is not None:
                 # its rows are summed inside its forward, whole: nothing there to scatter
-                bent = _bent_lookup(t.bent_lookups[name])
+                bent = _bent_lookup(t.lookups.not_linear[name])
                 self.decisions[name] = _Decision(
                     "replicate", f"{bent} (where sequence parallel reduce-scatters them)"
                 )
@@ -1021,7 +1044,7 @@ class _Decider:
                 self.decisions[name] = replace(
                     d, output="shard(1)", local_output=False, why=d.why + scatter
                 )
-            elif d.style == "colwise" and d.output == "replicate" and name in t.at_output:
+            elif d.style == "colwise" and d.output == "replicate" and name in t.regions.at_output:
                 self.decisions[name] = replace(
                     d,
                     input="shard(1)",
@@ -1031,10 +1054,10 @@ class _Decider:
         gather = "sequence parallel: all-gathers its input over the sequence, since {} need whole sequences"
         for openers, _ in self.split_regions:
             parent = _common_parent(openers)
-            entry = t.entries.get(parent)
+            entry = t.layers.entries.get(parent)
             if (
                 entry is not None
-                and all(t.entries.get(o, (0, -1))[1] == entry[1] for o in openers)
+                and all(t.layers.entries.get(o, (0, -1))[1] == entry[1] for o in openers)
                 and parent
                 and parent not in openers
                 and parent not in self.decisions
@@ -1053,10 +1076,14 @@ class _Decider:
                     d, input="shard(1)", why=d.why + "; " + gather.format("it")
                 )
         for name, module in self.modules.items():
-            if name in self.decisions or name in t.linears or isinstance(module, nn.Embedding):
+            if (
+                name in self.decisions
+                or name in t.layers.linears
+                or isinstance(module, nn.Embedding)
+            ):
                 continue
             own = _own_params(module, name)
-            if own and name in t.entries and any(p in t.params_outside for p in own):
+            if own and name in t.layers.entries and any(p in t.params.outside for p in own):
                 self.decisions[name] = _Decision(
                     "sequence_parallel",
                     "its parameters act on the stream between split regions, which sequence "
@@ -1079,12 +1106,12 @@ class _Decider:
 
     def rest(self) -> None:
         for name, module in self.modules.items():
-            linear = name in self.trace.linears
+            linear = name in self.trace.layers.linears
             if not (linear or isinstance(module, nn.Embedding)) or name in self.decisions:
                 continue
-            if name in self.tied and name not in self.trace.called:
+            if name in self.tied and name not in self.trace.layers.called:
                 continue  # holds a tied weight it never uses: no rule; apply re-ties it
-            if name not in self.trace.called:
+            if name not in self.trace.layers.called:
                 why = _NOT_CALLED
             else:
                 why = self.kept.get(
@@ -1114,7 +1141,7 @@ def _decide(
 ) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
     d = _Decider(model, trace, tp, loss_parallel, gather_tp)
     for members in _regions(trace):
-        if any(m in trace.expert_roles for m in members):
+        if any(m in trace.experts.roles for m in members):
             d.experts(members, experts)
         else:
             d.region(members)
@@ -1139,9 +1166,9 @@ def _local(trace: Trace) -> bool:
     traced block (or outside all of them), so a block's decisions hold for its twins."""
     for members in _regions(trace):
         near = set(members)
-        near |= {p.rpartition(".")[0] for p, srcs in trace.params_in_region.items() if srcs & near}
-        near |= {c[0] for o in members for c in trace.counts.get(o, ())}
-        if len({_block_of(m, trace.blocks) for m in near}) > 1:
+        near |= {p.rpartition(".")[0] for p, srcs in trace.params.in_region.items() if srcs & near}
+        near |= {c[0] for o in members for c in trace.reads.counts.get(o, ())}
+        if len({_block_of(m, trace.stacks.traced) for m in near}) > 1:
             return False
     return True
 
@@ -1157,12 +1184,12 @@ def _spread(trace: Trace, decided: dict[str, Any]) -> dict[str, Any] | None:
             if name == twin or name.startswith(twin + ".")
         }
 
-    for block, twin in trace.twins.items():
+    for block, twin in trace.stacks.twins.items():
         mine = {n: d for n, d in decided.items() if _block_of(n, [block])}
         if mine != copied(block, twin):
             return None
     out = dict(decided)
-    for block, twin in trace.stand_ins.items():
+    for block, twin in trace.stacks.untraced.items():
         # Modules of untraced blocks were marked "not called" by `rest`; the copies replace them.
         out.update(copied(block, twin))
     return out

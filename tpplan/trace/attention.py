@@ -1,0 +1,146 @@
+"""`AttentionMode`, the tracer's torch-function mode: what dispatch alone cannot see.
+
+Start at `AttentionMode.__torch_function__`. Below the Python API, an op loses facts the tracer
+needs: `scaled_dot_product_attention` runs as many aten ops (on fake tensors, the math path)
+that would need rules of their own, a size read off a tensor (`x.shape[1]`) is a plain int, a
+reshape arrives with -1 already resolved, and `chunk` arrives as a `split` whose sizes came
+from a count. This mode sees the Python calls and tells the trackers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .rules import side_input
+from .split import Split, SplitEnds, check_broadcast, norm_dim
+from .trackers import Trackers
+
+__all__ = ["AttentionMode"]
+
+# Cuts into a number of equal pieces: a rank's shard of a fused output cut so gives the
+# rank's slice of each piece, with no size to divide.
+_CHUNKS = (torch.Tensor.chunk, torch.chunk)
+_VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+_VIEWS_AS = (torch.Tensor.view_as, torch.Tensor.reshape_as)
+_SHAPES = (torch.Tensor.size, torch.Tensor.shape.__get__)  # type: ignore[attr-defined]
+
+
+class AttentionMode(TorchFunctionMode):
+    """scaled_dot_product_attention as one op: heads (dim -3) of q, k and v go together.
+
+    Seen whole, so its evidence reads as attention and its internals (on the math path on fake
+    tensors) need no rules. Grouped-query attention pairs query head i with key/value head
+    i * kv_heads // heads, so a tp-way split keeps pairs together when tp divides both counts.
+    Also: sizes read off split tensors, the sizes views are written with, and chunks.
+    """
+
+    def __init__(self, st: Trackers) -> None:
+        super().__init__()
+        self.st = st
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        quiet = self.st.quiet
+        if func in _SHAPES and not quiet:
+            return self._shape(func, args, kwargs)
+        if func in _VIEWS_AS and not quiet:
+            return self._view_as(func, args, kwargs)
+        if func in _VIEWS:
+            sizes = args[1:]
+            if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+                sizes = sizes[0]
+            return self._asked(tuple(sizes), func, args, kwargs)
+        if func in _CHUNKS:
+            self.st.reads.chunking += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.st.reads.chunking -= 1
+        if func is not torch.nn.functional.scaled_dot_product_attention or quiet:
+            return func(*args, **kwargs)
+        return self._attention(func, args, kwargs)
+
+    def _shape(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """`x.shape` or `x.size(d)` of a split tensor: the size of its split dim, read so, is
+        each shard's own."""
+        out = func(*args, **kwargs)
+        split = self.st.splits.split_of(args[0])
+        if split is not None:
+            if isinstance(out, int) and norm_dim(args[1], args[0].dim()) == split.dim:
+                self.st.reads.note_shape(out, split)
+            elif isinstance(out, tuple):
+                self.st.reads.note_shape(out[split.dim], split)
+        return out
+
+    def _view_as(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """The sizes come from the other tensor's shape, read in C++ where `_SHAPES` does not
+        see it: a split dim's size read so is each shard's own."""
+        other = args[1]
+        split = self.st.splits.split_of(other)
+        if split is not None:
+            self.st.reads.note_shape(other.shape[split.dim], split)
+        return self._asked(tuple(other.shape), func, args, kwargs)
+
+    def _asked(self, sizes: tuple[Any, ...], func: Any, args: Any, kwargs: Any) -> Any:
+        """Run a view with the sizes it was written with at hand (`AttributeReads.asked`)."""
+        self.st.reads.asked.append(sizes)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.st.reads.asked.pop()
+
+    def _attention(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Attention over heads keeps the heads' split, when q, k and v (and a mask) are
+        split alike along their heads dim; its ops inside run quiet."""
+        st = self.st
+        qkv = list(args[:3]) + [kwargs[k] for k in ("query", "key", "value") if k in kwargs]
+        splits = [st.splits.split_of(x) for x in qkv]
+        if all(s is None for s in splits):
+            return func(*args, **kwargs)
+        sources = frozenset().union(*(s.sources for s in splits if s is not None))
+        st.quiet += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            st.quiet -= 1
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        if any(st.origins.carries(x) for x in qkv):
+            st.origins.computed(out)
+        try:
+            q = _heads_split(qkv, splits)
+            if isinstance(mask, torch.Tensor):
+                ms = st.splits.split_of(mask)
+                if ms is None:
+                    check_broadcast(mask.shape, q, out.dim())
+                    side_input(st, mask, q, "its mask")
+                elif not ms.same_cut(q.at(ms.dim)) or ms.dim != q.dim:
+                    raise SplitEnds("the mask is split differently from the heads")
+        except SplitEnds as e:
+            st.trace.regions.break_(sources, f"scaled_dot_product_attention: {e}")
+            return out
+        mask_split = st.splits.split_of(mask) if isinstance(mask, torch.Tensor) else None
+        if mask_split is not None:
+            sources |= mask_split.sources  # a per-head bias joins the heads' region
+        units = st.trace.regions.units
+        for s in sources:
+            units[s] = math.gcd(units.get(s, q.n), *(x.n for x in splits if x))
+        st.splits.mark(out, Split(q.dim, 1, q.n, q.inner, sources), "scaled_dot_product_attention")
+        return out
+
+
+def _heads_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:
+    """The split of the query's heads, when q, k and v are all split along their heads."""
+    if any(s is None for s in splits):
+        raise SplitEnds("query, key and value are not all split")
+    dims = [x.dim() - 3 for x in qkv]
+    for x, s, d in zip(qkv, splits, dims, strict=True):
+        assert s is not None
+        if s.dim != d or s.outer != 1 or s.n * s.inner != x.shape[d]:
+            raise SplitEnds("query, key or value is not split along its heads dim")
+    q = splits[0]
+    assert q is not None
+    return q

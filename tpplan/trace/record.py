@@ -1,0 +1,214 @@
+"""`Trace`, what one traced forward showed: a record of records, one per concern.
+
+Start at `Trace`. Each record below is written by one tracker of the tracer (named in its
+docstring) and read by infer/ and check/; nothing here decides a style. Names are full module
+or parameter names of the model ("" is the model itself).
+
+Words used throughout the tracer:
+- opener: a Linear called on an unsplit input; its output features get a `Split`.
+- closer: a Linear whose input arrives split on the dim it contracts (row-parallel).
+- region: openers and closers that exchanged split tensors; it is sharded as one.
+- whole: the same full value on every rank (neither split nor a partial sum).
+- table: an Embedding module (its weight is the lookup table; its rows are looked up).
+- vector: a 1-D parameter (a bias, a norm's weight, a per-head attention sink).
+- twin: a traced block of the same structure as an earlier traced one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .split import Split
+
+__all__ = [
+    "ExpertFacts",
+    "LayerFacts",
+    "LookupFacts",
+    "ParamFacts",
+    "ReadFacts",
+    "RegionFacts",
+    "StackFacts",
+    "Trace",
+]
+
+# (module, attribute, value) of an integer attribute a forward read
+AttributeRead = tuple[str, str, int]
+
+
+@dataclass
+class LayerFacts:
+    """Which modules ran, and which of them are linear layers (hooks.py, run.py)."""
+
+    called: set[str] = field(default_factory=set)
+    """Linear and Embedding modules (and linear-like ones) that ran."""
+    ran: set[str] = field(default_factory=set)
+    """Every module whose forward ran (the model itself is "")."""
+    linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+    """Linear or linear-like module -> (in features, out features, weight stored (in, out))."""
+    entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
+    """Module -> (positional index or keyword, id) of the first tensor its first call got."""
+
+
+@dataclass
+class RegionFacts:
+    """Where each opener's split went and where it ended (the `DenseSplits` tracker)."""
+
+    openers: dict[str, int] = field(default_factory=dict)
+    """Linear called on an unsplit input -> its out_features (its output got a Split)."""
+    closers: dict[str, Split] = field(default_factory=dict)
+    """Linear whose input arrived split on its contracted dim -> that Split."""
+    misfits: dict[str, str] = field(default_factory=dict)
+    """Linear that cannot take a role (called both ways, or split along another dim) -> why."""
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Opener whose output features are cut into pieces (fused q|k|v, gate|up) -> their sizes."""
+    heads: dict[str, int] = field(default_factory=dict)
+    """Opener -> number of heads of the first view that split its features into heads."""
+    units: dict[str, int] = field(default_factory=dict)
+    """Opener -> gcd of every split size its features met; tp must divide it."""
+    links: set[frozenset[str]] = field(default_factory=set)
+    """Groups of openers/closers that exchanged split tensors: one region each."""
+    broken: dict[str, list[str]] = field(default_factory=dict)
+    """Opener -> why its split could not be followed to a closer."""
+    ops: dict[str, set[str]] = field(default_factory=dict)
+    """Opener -> the ops its split passed through (evidence for `why`)."""
+    at_output: set[str] = field(default_factory=set)
+    """Openers whose split reaches the model's output."""
+
+    def break_(self, sources: frozenset[str], reason: str) -> None:
+        """The split of these openers ends here, for this reason (each reason kept once)."""
+        for s in sources:
+            reasons = self.broken.setdefault(s, [])
+            if reason not in reasons:
+                reasons.append(reason)
+
+
+@dataclass
+class ParamFacts:
+    """How parameters met tensors outside any Linear/Embedding call (the `Origins` and
+    `Vectors` trackers): a parameter used so keeps its gradient right only where the plan
+    shards it like the tensors it meets."""
+
+    in_region: dict[str, set[str]] = field(default_factory=dict)
+    """Parameter -> openers whose split tensors it was combined with (outside any Linear)."""
+    outside: set[str] = field(default_factory=set)
+    """Parameters used by ops on unsplit tensors only (outside any Linear/Embedding call)."""
+    whole_vectors: set[str] = field(default_factory=set)
+    """Vectors also met whole by split tensors (broadcast along the split dim)."""
+    split_vectors: dict[str, set[str]] = field(default_factory=dict)
+    """Vector met element by element with split tensors, one entry per element of the split
+    dim (a per-head attention sink) -> the openers of those splits: it can be split alike,
+    each rank holding its own entries."""
+
+
+@dataclass
+class ReadFacts:
+    """Integer attributes the forward read, and what they sized (the `AttributeReads`
+    tracker): the plan divides the ones that size a split dim, and no other."""
+
+    counts: dict[str, set[AttributeRead]] = field(default_factory=dict)
+    """Opener -> (module, attribute, value) of head counts (and fused cut sizes) its views
+    read from attributes."""
+    unsplit_sizes: set[tuple[str, str]] = field(default_factory=set)
+    """(module, attribute) read to size an op on unsplit tensors: never to be divided."""
+    ints: set[tuple[str, str]] = field(default_factory=set)
+    """(module, attribute) of every integer attribute a module's forward read."""
+
+
+@dataclass
+class LookupFacts:
+    """How tables looked up their rows (the `Lookups` tracker): a vocab-parallel table hands
+    each rank its partial rows, summed after the lookup."""
+
+    token_ids: dict[str, bool] = field(default_factory=dict)
+    """Table -> whether every lookup it made read the model's input (token ids); absent when
+    it made no plain lookup."""
+    not_linear: dict[str, str] = field(default_factory=dict)
+    """Table whose forward returns something not linear in its looked-up rows -> the op that
+    was not linear (a norm inside the embedding module)."""
+    written_rows: dict[str, set[str]] = field(default_factory=dict)
+    """Table -> its own parameters (by their own names) that its forward writes over
+    looked-up rows as they are (`rows[ids == eoi] = self.eoi_embedding`), a write linear in
+    the rows when each rank writes its share of the parameter padded with zeros."""
+    used_otherwise: set[str] = field(default_factory=set)
+    """Parameters of tables (not their weights) that an op inside the table's forward used
+    otherwise than to write them over rows: such a parameter cannot be split."""
+    at_lookup_place: dict[str, bool] = field(default_factory=dict)
+    """Embedding subclass with a forward of its own -> whether every lookup of its table ran
+    in nn.Embedding.forward's place in its class order (its `super().forward(ids)`), where a
+    vocab-parallel split with `sum_at: lookup` sums the rows (and one with `written` looks
+    up each rank's own)."""
+
+
+@dataclass
+class ExpertFacts:
+    """Mixture-of-experts modules: modules holding 3-D expert weights used by batched
+    per-expert matmuls (the `Experts` and `WholeOutputs` trackers). Split per expert, each
+    rank's experts leave a partial sum that the all-reduce at the module's output adds up."""
+
+    roles: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """3-D expert weight -> ("open" | "close", the dim of the stored weight that holds the
+    features it makes or contracts), from a batched per-expert matmul (grouped_mm, bmm)."""
+    biases: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Per-expert bias added to an opening expert matmul's output -> (that weight, the
+    bias's dim that holds the features)."""
+    after_sum: dict[str, str] = field(default_factory=dict)
+    """Per-expert bias added to the closing matmul's partial sums -> its module."""
+    after_weighting: set[str] = field(default_factory=set)
+    """Those of them added after the routing weights scaled the partial sums."""
+    added_whole: dict[str, str] = field(default_factory=dict)
+    """Parameter-free submodule of a module holding 3-D expert weights, whose output (made
+    without the split weights, so whole: an identity expert) is added to the closing
+    matmuls' partial sums -> that module."""
+    whole_used_otherwise: dict[str, str] = field(default_factory=dict)
+    """Such a submodule -> how its output is also used other than added to the partial sums
+    (then scaling it by 1/tp would change more than the sum)."""
+    sum_breaks: dict[str, str] = field(default_factory=dict)
+    """Module holding 3-D expert weights -> why something its forward did to its sum before
+    any partial sum was in it cannot be split (seen where the routing reached no expert
+    with weights: no weight's split ends there, so the module holds the reason)."""
+    exits: dict[str, str | None] = field(default_factory=dict)
+    """Module holding 3-D expert weights -> None when every floating-point output it returns
+    is a sum of its closing matmuls' partial sums (linear in them), else why not."""
+    routing: dict[str, str | None] = field(default_factory=dict)
+    """Such a module -> None when it takes one integer tensor (the chosen experts) and one
+    floating-point tensor shaped like it (their weights), else why not."""
+    counts: dict[str, set[AttributeRead]] = field(default_factory=dict)
+    """Such a module -> (module, attribute, value) of integer attributes its forward read that
+    hold its number of experts."""
+
+
+@dataclass
+class StackFacts:
+    """Long stacks of identical blocks, traced through a prefix (blocks.py)."""
+
+    traced: list[str] = field(default_factory=list)
+    """Prefixes of the traced blocks of shortened stacks."""
+    untraced: dict[str, str] = field(default_factory=dict)
+    """Untraced block prefix -> the traced block prefix of identical structure it copies."""
+    twins: dict[str, str] = field(default_factory=dict)
+    """Traced block prefix -> an earlier traced block of identical structure (must agree)."""
+
+
+@dataclass
+class Trace:
+    """Facts seen in one traced forward, by concern."""
+
+    layers: LayerFacts = field(default_factory=LayerFacts)
+    regions: RegionFacts = field(default_factory=RegionFacts)
+    params: ParamFacts = field(default_factory=ParamFacts)
+    reads: ReadFacts = field(default_factory=ReadFacts)
+    lookups: LookupFacts = field(default_factory=LookupFacts)
+    experts: ExpertFacts = field(default_factory=ExpertFacts)
+    stacks: StackFacts = field(default_factory=StackFacts)
+
+    def written_elsewhere(self, table: str, params: Any) -> bool:
+        """Whether any of the table's `params` (its own names) is used otherwise than by
+        being written over its looked-up rows, so that it cannot be split."""
+        full = [f"{table}.{p}".lstrip(".") for p in params]
+        return any(
+            p in self.lookups.used_otherwise
+            or p in self.params.outside
+            or p in self.params.in_region
+            for p in full
+        )

@@ -1,0 +1,374 @@
+"""The per-op rules: how each aten op carries split features from its inputs to its outputs.
+
+Start at `follow`. A rule is registered for the ops it serves (`@rule("view", ...)`, in
+`RULES`) and is called with the trackers and an `Op` of which at least one input is split; it
+returns each output that holds split features with its Split, or raises `SplitEnds` with the
+reason the split ends there. Ops with no rule of their own but element-wise (tagged
+pointwise) share `elementwise`; any other op ends the split. The shape algebra itself is in
+split.py; a rule adds what needs the tensors: which operand is split, which is a parameter,
+where a count came from. DTensor keeps its sharding rules apart from its dispatcher the same
+way (torch/distributed/tensor/_ops/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .ops import (
+    ELEMENTWISE,
+    NORMS,
+    REDUCTIONS,
+    RESHAPES,
+    SAME_SHAPE_OVER_DIM,
+    SHARD_SIZED,
+    SPLITS,
+    Op,
+)
+from .split import (
+    Split,
+    SplitEnds,
+    after_reduce,
+    check_broadcast,
+    check_padding,
+    every_step,
+    merge,
+    norm_dim,
+    permutation,
+    reshape,
+)
+from .trackers import Trackers
+
+__all__ = ["RULES", "follow", "side_input", "sized_by_a_shard"]
+
+Followed = list[tuple[torch.Tensor, Split]]
+Rule = Callable[[Trackers, Op], Followed]
+RULES: dict[str, Rule] = {}
+
+
+def rule(*names: str) -> Callable[[Rule], Rule]:
+    """Register a rule for these ops (one rule per op)."""
+
+    def register(fn: Rule) -> Rule:
+        for name in names:
+            if name in RULES:
+                raise ValueError(
+                    f"two rules for aten.{name}: {RULES[name].__name__}, {fn.__name__}"
+                )
+            RULES[name] = fn
+        return fn
+
+    return register
+
+
+def follow(st: Trackers, op: Op) -> Followed:
+    """The split outputs of an op with at least one split input, by its rule."""
+    found = RULES.get(op.name)
+    if found is None and (op.name in ELEMENTWISE or torch.Tag.pointwise in op.func.tags):
+        found = elementwise
+    if found is None:
+        raise SplitEnds("the tracer does not know how this op treats a split dim")
+    return found(st, op)
+
+
+# ---- views --------------------------------------------------------------------------------
+@rule(*RESHAPES)
+def _reshaped(st: Trackers, op: Op) -> Followed:
+    x = op.args[0]
+    before = st.splits.only_split(x)
+    s = reshape(before, tuple(x.shape), tuple(op.out.shape))
+    sizes = op.named.get("size", op.named.get("shape"))
+    st.reads.check_count(sizes, s, before, x, op.out.shape)
+    return [(op.out, s)]
+
+
+@rule("transpose", "t", "permute")
+def _permuted(st: Trackers, op: Op) -> Followed:
+    t = op.args[0]
+    s = st.splits.only_split(t)
+    return [(op.out, s.at(permutation(op.name, op.named, t.dim()).index(s.dim)))]
+
+
+@rule("view_as_complex", "view_as_real")
+def _complex(st: Trackers, op: Op) -> Followed:
+    s = st.splits.only_split(op.args[0])
+    if s.dim == op.args[0].dim() - 1 and op.name == "view_as_complex":
+        raise SplitEnds("it pairs up the split features as complex numbers")
+    return [(op.out, s)]  # a trailing pair of reals <-> one complex number
+
+
+@rule("expand")
+def _expanded(st: Trackers, op: Op) -> Followed:
+    x, out = op.args[0], op.out
+    s = st.splits.only_split(x)
+    d = s.dim + out.dim() - x.dim()
+    if out.shape[d] != x.shape[s.dim]:
+        raise SplitEnds("it expands the split dim")
+    return [(out, s.at(d))]
+
+
+@rule("slice", "select", "narrow")
+def _sliced(st: Trackers, op: Op) -> Followed:
+    name, a, t, out = op.name, op.named, op.args[0], op.out
+    s = st.splits.only_split(t)
+    d = norm_dim(a.get("dim", 0), t.dim())
+    if d == s.dim:
+        if name != "select" and out.shape[d] == t.shape[d]:
+            return [(out, s)]  # a full slice, `x[..., :n]` with n the whole size
+        step = a.get("step", 1) if name == "slice" else 1
+        start = a.get("start") or 0
+        if step > 1 and 0 <= start < step and out.shape[d] == -(-(t.shape[d] - start) // step):
+            # every step-th feature (interleaved gate/up): on a shard whose size is a
+            # multiple of the step, the same pick of the shard's own features
+            picked = every_step(s, step)
+            if picked is not None:
+                return [(out, picked)]
+        raise SplitEnds("it takes part of the split dim")
+    if name == "select" and d < s.dim:
+        return [(out, s.at(s.dim - 1))]
+    return [(out, s)]
+
+
+@rule("constant_pad_nd")
+def _padded(st: Trackers, op: Op) -> Followed:
+    t = op.args[0]
+    s = st.splits.only_split(t)
+    check_padding(op.named["pad"], t.dim(), s)
+    return [(op.out, s)]
+
+
+# ---- joining and cutting ------------------------------------------------------------------
+@rule("cat")
+def _concatenated(st: Trackers, op: Op) -> Followed:
+    tensors = [t for t in op.named["tensors"] if t.numel() or t.dim() > 1]
+    nd = tensors[0].dim()
+    d = norm_dim(op.named.get("dim", 0), nd)
+    splits = [s for s in (st.splits.split_of(t) for t in tensors) if s is not None]
+    merged = merge(splits, [s.dim for s in splits])
+    if merged.dim == d:
+        raise SplitEnds("it concatenates along the split dim")
+    for t in tensors:
+        # an unsplit part is fine only as a vector split alike (GPT-OSS's sinks, one per
+        # head, joined to the attention logits along the keys)
+        if st.splits.split_of(t) is None and not st.vectors.split_alike(t, merged, nd):
+            raise SplitEnds("it joins split and unsplit tensors")
+    return [(op.out, merged)]
+
+
+@rule("stack")
+def _stacked(st: Trackers, op: Op) -> Followed:
+    """Tensors of one shape stacked along a new dim (a rotary's `stack((-x2, x1), -1)`):
+    split alike, they stay split, the new dim moving the split one up when it comes before;
+    an unsplit one among them would have the whole size where the others have a shard's."""
+    tensors = op.named["tensors"]
+    splits = [s for s in (st.splits.split_of(t) for t in tensors) if s is not None]
+    if len(splits) != len(tensors):
+        raise SplitEnds("it stacks split and unsplit tensors")
+    merged = merge(splits, [s.dim for s in splits])
+    d = norm_dim(op.named.get("dim", 0), op.out.dim())
+    return [(op.out, merged.at(merged.dim + 1 if d <= merged.dim else merged.dim))]
+
+
+@rule(*SPLITS)
+def _split_apart(st: Trackers, op: Op) -> Followed:
+    t = op.args[0]
+    s = st.splits.only_split(t)
+    d = norm_dim(op.named.get("dim", 0), t.dim())
+    if d == s.dim:
+        return _cut(st, op, s)
+    dim = s.dim - 1 if op.name == "unbind" and d < s.dim else s.dim  # unbind drops its dim
+    return [(o, s.at(dim)) for o in op.out]
+
+
+def _cut(st: Trackers, op: Op, s: Split) -> Followed:
+    """A fused layer's output cut into its pieces (q|k|v, gate|up) along the split dim.
+
+    Sharded, the layer stores each piece's rank-r slice next to the others' (`parts` in the
+    plan), so rank r's shard is [q_r, k_r, v_r]; the model's own cut finds those pieces only
+    when it cuts into equal pieces by count (`chunk`) or by sizes read from module
+    attributes, which the plan divides by the tp size.
+    """
+    name, out, regions = op.name, op.out, st.trace.regions
+    if len(s.sources) != 1 or s.outer != 1 or name not in ("split", "split_with_sizes"):
+        raise SplitEnds(
+            f"its split features are cut into {len(out)} parts in a way a fused split "
+            "cannot follow; a contiguous shard would mix the parts"
+        )
+    (src,) = s.sources
+    sizes = [o.shape[s.dim] for o in out]
+    if any(n % s.inner for n in sizes):
+        raise SplitEnds("it cuts the split features inside a block that must stay whole")
+    held: list[tuple[str, str, int]] = []
+    if not st.reads.chunking:
+        asked = op.named["split_size"] if name == "split" else op.named["split_sizes"]
+        for size in sorted(set([asked] if isinstance(asked, int) else asked)):
+            if size > 0:  # nothing to divide in an empty piece
+                held.append(st.reads.attribute_holding(size, "it cuts the fused features at"))
+    per_unit = regions.openers[src] // (s.n * s.inner)
+    parts = tuple(n * per_unit for n in sizes if n)
+    if regions.parts.setdefault(src, parts) != parts:
+        raise SplitEnds("the fused features are cut two different ways")
+    st.trace.reads.counts.setdefault(src, set()).update(held)
+    return [
+        (o, Split(s.dim, 1, n // s.inner, s.inner, s.sources))
+        for o, n in zip(out, sizes, strict=True)
+        if n
+    ]
+
+
+# ---- reductions and norms -----------------------------------------------------------------
+@rule(*SAME_SHAPE_OVER_DIM)
+def _over_dim(st: Trackers, op: Op) -> Followed:
+    s = st.splits.only_split(op.args[0])
+    if norm_dim(op.named["dim"], op.args[0].dim()) == s.dim:
+        raise SplitEnds("it normalizes over the split dim")
+    return [(op.out, s)]
+
+
+@rule(*REDUCTIONS)
+def _reduced(st: Trackers, op: Op) -> Followed:
+    t = op.args[0]
+    s = st.splits.only_split(t)
+    dims = op.named.get("dim")
+    if dims is None or dims == []:
+        raise SplitEnds("it reduces the whole tensor, split dim included")
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = [norm_dim(d, t.dim()) for d in dims]
+    result = after_reduce(s, dims, keepdim=bool(op.named.get("keepdim", False)))
+    return [(o, result) for o in op.outs]
+
+
+@rule(*NORMS)
+def _normed(st: Trackers, op: Op) -> Followed:
+    x, a, out = op.args[0], op.named, op.out
+    s = st.splits.only_split(x)
+    if s.dim >= x.dim() - len(a["normalized_shape"]):
+        raise SplitEnds("it normalizes over the split features")
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    for key in ("weight", "bias"):  # the affine parameters, broadcast over the split dim
+        if isinstance(a.get(key), torch.Tensor):
+            check_broadcast(a[key].shape, s, first.dim())
+    return [(first, s)]
+
+
+# ---- products and element-wise ops --------------------------------------------------------
+@rule("mm", "bmm", "addmm", "baddbmm")
+def _multiplied(st: Trackers, op: Op) -> Followed:
+    """mm/bmm (and addmm/baddbmm): batch dims must be split alike, rows or columns may be
+    split against an unsplit other side; a split contracted dim is a Linear's job."""
+    name, a = op.name, op.named
+    x, y = {
+        "mm": ("self", "mat2"),
+        "bmm": ("self", "mat2"),
+        "addmm": ("mat1", "mat2"),
+        "baddbmm": ("batch1", "batch2"),
+    }[name]
+    sx, sy = st.splits.split_of(a[x]), st.splits.split_of(a[y])
+    batched = name in ("bmm", "baddbmm")
+    row, col = (1, 2) if batched else (0, 1)
+    if sx is not None and sy is not None:
+        if not (batched and sx.dim == 0 and sy.dim == 0):
+            raise SplitEnds("it contracts split operands outside a Linear")
+        result = merge([sx, sy], [0, 0])
+    elif sx is not None and sx.dim == row:
+        result = sx
+        side_input(st, a[y], sx, "it")
+    elif sy is not None and sy.dim == col:
+        result = sy
+        side_input(st, a[x], sy, "it")
+    else:
+        raise SplitEnds("it contracts or batches over the split dim against an unsplit operand")
+    if name in ("addmm", "baddbmm"):
+        bias = a["self"]
+        if st.splits.split_of(bias) is not None:
+            raise SplitEnds("it adds a split bias to a matrix product")
+        check_broadcast(bias.shape, result, op.out.dim())
+    return [(op.out, result)]
+
+
+def elementwise(st: Trackers, op: Op) -> Followed:
+    """Split operands must be split alike where they meet (broadcasting moves their dims
+    right); an unsplit one must be broadcast along the split dim, or be split alike itself
+    (a per-expert bias, a per-head vector)."""
+    outs = op.outs
+    shape = outs[0].shape
+    nd = len(shape)
+    pairs = [(t, st.splits.split_of(t)) for t in op.ins]
+    split_pairs = [(t, s) for t, s in pairs if s is not None]
+    dims = [s.dim + nd - t.dim() for t, s in split_pairs]
+    for (t, s), d in zip(split_pairs, dims, strict=True):
+        if t.shape[s.dim] != shape[d]:
+            raise SplitEnds("the split dim is broadcast")
+    result = merge([s for _, s in split_pairs], dims)
+    for t, maybe in pairs:
+        if (
+            maybe is None
+            and not st.experts.bias_alike(t, result, nd)
+            and not st.vectors.split_alike(t, result, nd)
+        ):
+            st.vectors.note_whole(t)
+            check_broadcast(t.shape, result, nd)
+            side_input(st, t, result, "it")
+    if op.func._schema.is_mutable and st.splits.split_of(op.args[0]) is None:
+        raise SplitEnds("it writes split values into an unsplit tensor in place")
+    return [(o, result) for o in outs if o.dim() == nd]
+
+
+def side_input(st: Trackers, t: torch.Tensor, s: Split, op: str) -> None:
+    """An unsplit tensor computed from the weights (not a parameter: those get rules of their
+    own) meeting split features inside a region, broadcast across them: on each rank its
+    gradient sums over that rank's features only, and no collective adds the ranks' partial
+    sums, so the weights behind it would train wrong. Experts modules are exempt: their
+    style sums the gradients of everything they are given."""
+    origins = st.origins
+    if not origins.carries(t) or origins.param_of(t) is not None or st.vectors.view_of(t):
+        return
+    if any(src in origins.expert_params for src in s.sources):
+        return
+    raise SplitEnds(
+        f"{op} meets an unsplit tensor computed from the weights (broadcast over the split "
+        "dim): its gradient would be each rank's partial sum, with nothing to add them up"
+    )
+
+
+# ---- new tensors sized by a shard ---------------------------------------------------------
+def sized_by_a_shard(st: Trackers, op: Op) -> bool:
+    """A tensor made to the size of a split dim read just before (`x.shape[1]`), with values
+    that are the same along that dim: a new buffer (`x.new_empty(*x.shape[:-1], d)`, filled
+    in afterwards) or an unsplit tensor broadcast to it (`k.expand(-1, x.shape[1], -1, -1)`).
+    On each rank it takes the shard's size, and any slice of it along that dim is the rank's
+    own: it is split like the tensor read. True when the op was judged so."""
+    name, ins, outs, reads = op.name, op.ins, op.outs, st.reads
+    if name not in SHARD_SIZED or len(outs) != 1 or not reads.shape_splits:
+        return False
+    out = outs[0]
+    if name == "expand":
+        grown = [
+            d
+            for d in range(out.dim())
+            # dims the expand adds in front are grown too, but have no size to read
+            if d - out.dim() + ins[0].dim() >= 0
+            and ins[0].shape[d - out.dim() + ins[0].dim()] == 1
+            and out.shape[d] != 1
+        ]
+    else:
+        grown = list(range(out.dim()))
+    # a size some attribute read in forward also holds may be that attribute (T5's
+    # `zeros((1, self.n_heads, ...))`, whole on every rank) rather than the shard's
+    read = reads.values_read()
+    dims = [d for d in grown if out.shape[d] in reads.shape_splits and out.shape[d] not in read]
+    if len(dims) != 1:
+        return False  # no size read off a split, or ambiguous: leave it whole
+    (d,) = dims
+    s = reads.shape_splits[out.shape[d]]
+    if name == "expand" and st.origins.carries(ins[0]) and st.origins.param_of(ins[0]) is None:
+        # each rank would broadcast it over its own share only: its gradient is partial
+        st.trace.regions.break_(
+            s.sources,
+            "expand: it broadcasts an unsplit tensor computed from the weights to the split "
+            "size; its gradient would be each rank's partial sum, with nothing to add them up",
+        )
+        return True
+    st.splits.mark(out, s.at(d), name)
+    return True

@@ -1,0 +1,106 @@
+"""`DenseSplits`: which tensors hold split output features of Linear layers, and where.
+
+Start at `DenseSplits.split_of` and `mark`. A Linear called on an unsplit input opens a split
+of its output features (`open`); the per-op rules (rules.py) carry it from tensor to tensor;
+a Linear whose input arrives split on its contracted dim closes it (`arrive`). What they see
+goes to the trace's `RegionFacts`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..record import RegionFacts
+from ..split import Split, SplitEnds
+
+__all__ = ["DenseSplits"]
+
+
+class DenseSplits:
+    """Split tensors of one traced forward: id -> (tensor, its Split). The tensors are held so
+    that their ids stay unique while traced."""
+
+    def __init__(self, facts: RegionFacts, kept_whole: dict[str, list[str]]) -> None:
+        self.facts = facts
+        self.splits: dict[int, tuple[torch.Tensor, Split]] = {}
+        # Layers an earlier pass found could not stay split (see run.py's `_trace_once`):
+        # their outputs are whole from the start, with the reasons that pass gave.
+        self.kept_whole = kept_whole
+
+    def split_of(self, t: Any) -> Split | None:
+        """The Split of `t`, if it holds split features that still go on."""
+        entry = self.splits.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if entry is None or entry[0] is not t:
+            return None
+        # Once every layer behind a split has had it end somewhere, none of them will stay
+        # split (each is kept whole or gathered), so what follows sees whole tensors: a
+        # normed latent (DeepSeek's q_a_proj) does not tie the next layer into its region.
+        if all(src in self.facts.broken for src in entry[1].sources):
+            return None
+        return entry[1]
+
+    def only_split(self, t: torch.Tensor) -> Split:
+        """The Split of an operand a rule needs split."""
+        s = self.split_of(t)
+        if s is None:
+            raise SplitEnds("unexpected unsplit operand")
+        return s
+
+    def mark(self, t: torch.Tensor, split: Split, op: str) -> None:
+        """`t`, made by `op`, holds these split features."""
+        facts = self.facts
+        self.splits[id(t)] = (t, split)
+        if len(split.sources) == 1:
+            (src,) = split.sources
+            if split.n < facts.openers.get(src, 0) and src not in facts.parts:
+                facts.heads.setdefault(src, split.n)  # the first view into (heads, head_dim)
+        for s in split.sources:
+            facts.units[s] = math.gcd(facts.units.get(s, split.n), split.n)
+            facts.ops.setdefault(s, set()).add(op)
+        if len(split.sources) > 1:
+            facts.links.add(split.sources)
+
+    def open(self, name: str, out: torch.Tensor, features: int, op: str) -> None:
+        """`name` made `out` from an unsplit input: its last dim holds `features` features of
+        `name`'s own, which a tp-way split cuts into contiguous chunks."""
+        self.facts.openers[name] = features
+        self.mark(out, Split(out.dim() - 1, 1, features, 1, frozenset({name})), op)
+
+    def open_linear(self, name: str, out: torch.Tensor, features: int) -> None:
+        """A Linear's output, unless an earlier pass found its split ends anyway: then its
+        output is whole, so it ties no one to it."""
+        if name in self.kept_whole:
+            self.facts.openers[name] = features
+            for reason in self.kept_whole[name]:
+                self.facts.break_(frozenset({name}), reason)
+            return
+        self.open(name, out, features, "linear")
+
+    def arrive(self, name: str, x: Any) -> None:
+        """A Linear is called on `x`: split on the dim it contracts, it closes the region
+        (row-parallel); split on another dim, the split ends there. A Linear called both ways
+        can take neither role (`misfits`)."""
+        facts = self.facts
+        s = self.split_of(x)
+        role = "opener" if s is None else "closer"
+        if s is not None and x is not None and (s.dim != x.dim() - 1 or s.outer != 1):
+            facts.break_(s.sources, "it reaches a Linear along a dim the Linear does not contract")
+            facts.misfits[name] = "its input arrives split along a dim it does not contract"
+        elif s is not None:
+            if name in facts.closers and not facts.closers[name].same_cut(s):
+                facts.misfits[name] = "it is called twice with inputs split differently"
+            facts.closers[name] = s
+            facts.links.add(s.sources | {name})
+        if (role == "opener" and name in facts.closers) or (
+            role == "closer" and name in facts.openers
+        ):
+            facts.misfits[name] = "it is called both on split and on unsplit inputs"
+
+    def arrive_at_lookup(self, ids: Any) -> None:
+        """Split features used as the indices of an embedding lookup end there."""
+        s = self.split_of(ids)
+        if s is not None:
+            self.facts.break_(s.sources, "it is used as indices of an embedding lookup")

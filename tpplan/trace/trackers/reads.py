@@ -1,0 +1,203 @@
+"""`AttributeReads`: where the numbers an op is given came from.
+
+Start at `AttributeReads.check_count`. A view of split features (`view(B, T, self.n_head,
+hd)`) is right on every rank only if each count it is given shrinks with the shard: the plan
+divides module attributes, so a count must be an integer attribute the forward read, or a size
+read off the split tensor itself. The hooks (hooks.py) log every integer attribute a running
+forward reads; the attention mode (attention.py) logs sizes read off split tensors and the
+sizes a view was written with. What is found goes to the trace's `ReadFacts`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+from ..ops import COPIES, SIZED, Op
+from ..record import AttributeRead, ReadFacts
+from ..split import Split, SplitEnds, carved
+
+__all__ = ["AttributeReads"]
+
+
+class AttributeReads:
+    """Integer attributes read by each running forward, and sizes read off split tensors."""
+
+    def __init__(self, facts: ReadFacts) -> None:
+        self.facts = facts
+        # Integer attributes of modules read by each running forward, innermost last. A count
+        # or size an op is given was read by the forward that calls the op (or one enclosing
+        # it), so these say which attribute a number came from; reads inside a finished
+        # child forward are dropped.
+        self.frames: list[list[AttributeRead]] = [[]]
+        self.fresh: list[AttributeRead] = []  # attribute reads since the last op
+        # Sizes of split dims read off split tensors since the last op (`x.shape`): a count
+        # taken so is each shard's own.
+        self.shapes_read: set[int] = set()
+        # The same sizes -> the split they were read off.
+        self.shape_splits: dict[int, Split] = {}
+        # The sizes of the running view or reshape as the model wrote them: a reshape reaches
+        # dispatch as a copy and `_unsafe_view` with -1 already resolved.
+        self.asked: list[tuple[Any, ...]] = []
+        self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
+
+    # ---- logging ----------------------------------------------------------------------------
+    def read(self, module: str, attr: str, value: int) -> None:
+        """`module`'s forward read the integer attribute `attr`."""
+        self.frames[-1].append((module, attr, value))
+        self.facts.ints.add((module, attr))
+        self.fresh.append((module, attr, value))
+
+    def enter(self) -> None:
+        """A module's forward starts: its reads go to a frame of its own."""
+        self.frames.append([])
+
+    def leave(self) -> None:
+        self.frames.pop()
+
+    def note_shape(self, size: int, split: Split) -> None:
+        """`size`, the size of a split dim, was read off a tensor split so."""
+        self.shapes_read.add(size)
+        self.shape_splits[size] = split
+
+    def after_op(self, name: str) -> None:
+        """Reads are fresh until the next op. A reshape of a strided tensor runs as a copy and
+        then a view: reads just before the reshape are still fresh at its view."""
+        if name not in COPIES:
+            self.fresh.clear()
+            self.shapes_read.clear()
+            self.shape_splits.clear()
+
+    def values_read(self) -> set[int]:
+        """The values of every attribute read by the running forwards."""
+        return {v for frame in self.frames for _, _, v in frame}
+
+    # ---- judging the sizes ops are given ----------------------------------------------------
+    def check_count(self, sizes: Any, s: Split, before: Split, x: Any, out_shape: Any) -> None:
+        """A view of split features must size the split dim so that each rank's shard gets
+        its share, and the dims beside it so that they do not change.
+
+        - A fixed count at the split dim must be an integer attribute of a running module,
+          which the plan divides by the tp size (`view(B, T, self.n_head, hd)`).
+        - Where the view reshapes the split features, every size beside the split dim must be
+          an integer attribute read in forward (`self.head_dim`), or 2 to 4 times one
+          (`3 * self.head_size`, fused pieces per head): one computed from the
+          width (`t.size(-1) // cfg.n_head`) would shrink on a shard, without a word when the
+          split dim is -1. Numbers the tracer cannot trace to an attribute end the split.
+        - A view that keeps the split dim as it was (`x.reshape(*x.shape[:-1], -1, 2)` on
+          heads) only needs its count at the split dim, when -1 is elsewhere, to be an
+          attribute: read off the tensor it would be the shard's own, but from elsewhere not.
+        """
+        if not isinstance(sizes, (list, tuple)):
+            return  # squeeze, unsqueeze, flatten: dims, not sizes
+        k = s.dim
+        if list(sizes) == list(x.shape):
+            return  # the same shape again: on a shard, the shard's own
+        read = self.values_read()
+        width = x.shape[before.dim]
+        kept = before.n == s.n and before.inner == s.inner and width == sizes[k]
+        pieces = carved(list(out_shape), k, width)
+        if kept:
+            if sizes[k] == -1 or (-1 not in sizes and sizes[k] not in read):
+                return
+        elif len(pieces) > 1:  # the split dim is cut into (count, ..., size) dims
+            self._check_beside(pieces[1:], sizes[k], width, read)
+        else:
+            self._check_merge(sizes, s)
+            return
+        self._check_fixed_count(sizes, s)
+
+    def _check_beside(self, beside: list[int], count: int, width: int, read: set[int]) -> None:
+        """The sizes a view gives the dims it carves beside the split dim out of the split
+        features must be attributes read in forward (or 2 to 4 times one)."""
+        *middle, last = beside
+        # `3 * self.head_size` (q|k|v interleaved per head, GPT-NeoX) is as fixed as the
+        # attribute, unless the split tensor's width was just read (it may come from that)
+        # or the attribute is a count the plan divides (nanoGPT's `C // n_head` equals
+        # 2 * n_head by chance, and changes when n_head is divided)
+        counts = {v for found in self.facts.counts.values() for _, _, v in found}
+        counts.add(count)
+        multiple = width not in self.shapes_read and any(
+            last == m * v for v in read - counts if v > 1 for m in (2, 3, 4)
+        )
+        if (last not in read and not multiple) or any(m not in read and m > 4 for m in middle):
+            raise SplitEnds(
+                f"it sizes the features beside the split dim at {beside}, which no "
+                "module attribute read in forward holds; computed from a shard's width "
+                "they would be wrong on every rank"
+            )
+
+    def _check_merge(self, sizes: Any, s: Split) -> None:
+        """A view merging the split dim with others. One sized by -1 or by the tensor's own
+        sizes is the shard's own. One sized by an attribute read right before it
+        (`reshape(B, T, self.embed_dim)`) is divided by the plan; a number that only equals
+        some attribute read earlier (a head count taken from a shape) is not that attribute."""
+        k = s.dim
+        asked = self.asked[-1] if self.asked else ()
+        if len(asked) == len(sizes) and all(isinstance(v, int) for v in asked):
+            sizes = asked  # -1 as written, not as dispatch resolved it
+        # the attribute holds the whole merged width, or the count of split units in it
+        # (`bsz * self.num_heads`): either way dividing it gives each rank its share
+        held = [
+            (m, a, v)
+            for m, a, v in self.fresh
+            if v == sizes[k] or (v == s.n and sizes[k] == s.outer * s.n * s.inner)
+        ]
+        if sizes[k] == -1 or not held:
+            if sizes[k] != -1 and -1 in sizes:
+                raise SplitEnds(
+                    f"it merges the split dim into one of fixed size {sizes[k]} with -1 elsewhere"
+                )
+            return
+        others = [v for j, v in enumerate(sizes) if j != k]
+        if len({(m, a) for m, a, _ in held}) != 1 or held[0][2] in others:
+            raise SplitEnds(
+                f"it merges the split features into a fixed size {sizes[k]}, and which "
+                "attribute read just before it sized them is ambiguous "
+                f"({', '.join(sorted({a for _, a, _ in held}))})"
+            )
+        for src in s.sources:
+            self.facts.counts.setdefault(src, set()).add(held[0])
+
+    def _check_fixed_count(self, sizes: Any, s: Split) -> None:
+        """The count a view gives the split dim, unless -1 or read off a split tensor, must
+        be an attribute the plan divides."""
+        k = s.dim
+        fresh = {v for _, _, v in self.fresh}
+        if sizes[k] in self.shapes_read and sizes[k] not in fresh:
+            return  # the count was read off a split tensor just before: the shard's own
+        if sizes[k] != -1:
+            doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
+            count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
+            for src in s.sources:
+                self.facts.counts.setdefault(src, set()).add(count)
+
+    def attribute_holding(self, value: int, doing: str) -> AttributeRead:
+        """(module, attribute, value) of the one integer attribute read just before this op
+        with this value; the plan divides it by the tp size. Anything else ends the split."""
+        read: set[tuple[str, str]] = set()
+        for frame in reversed(self.frames):
+            read = {(m, a) for m, a, v in frame if v == value}
+            if read:
+                break
+        if len(read) != 1:
+            which = (
+                f"several attributes read in forward hold it ({', '.join(sorted(a for _, a in read))})"
+                if read
+                else "no module attribute read in forward holds it"
+            )
+            raise SplitEnds(f"{doing} {value}, and {which}")
+        ((module, attr),) = read
+        return module, attr, value
+
+    def note_unsplit_sizes(self, op: Op) -> None:
+        """Attributes read to size an op on tensors that are not split: dividing them for a
+        split tensor would resize these too, so they must not be divided."""
+        if op.name not in SIZED:
+            return
+        for v in pytree.tree_leaves((op.args, op.kwargs)):
+            if type(v) is int and v > 1:
+                for module, attr, value in self.fresh:
+                    if value == v:
+                        self.facts.unsplit_sizes.add((module, attr))
