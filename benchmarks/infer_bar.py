@@ -783,7 +783,7 @@ def _source_hash() -> str:
     import tpplan
 
     digest = hashlib.sha1()
-    for path in sorted(Path(tpplan.__file__).parent.glob("*.py")):
+    for path in sorted(Path(tpplan.__file__).parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
 
