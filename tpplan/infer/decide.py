@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -27,81 +27,24 @@ from torch import nn
 from .._runtime.facts import fingerprint, parameter_shapes, tied_groups, weight_split
 from .._runtime.inputs import part_inputs
 from ..errors import TpplanError
-from ..plan.patterns import collapse, wildcard
+from ..plan.patterns import collapse
 from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
 from ..trace import Trace, block_structure, idle_roots, trace_model
+from .decision import NOT_CALLED, Decision
+from .names import (
+    PLAIN_OPS,
+    inside,
+    join,
+    join_names,
+    own_params,
+    relative,
+    shared_params,
+    tied_outside,
+)
 
 __all__ = ["infer_plan"]
 
 _ANY_TP = 8  # see infer_plan: the tp sizes a plan inferred without one should serve
-_NOT_CALLED = "kept whole: it was not called in the traced forward"
-
-# Ops too plain to count as evidence in `why`.
-_PLAIN_OPS = {
-    "linear", "alias", "clone", "_to_copy", "detach", "expand", "contiguous", "lift_fresh",
-    "_unsafe_view", "view", "reshape", "unsqueeze", "squeeze", "_reshape_alias",
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Decision:
-    """One module's rule, less its pattern; equal decisions share a rule."""
-
-    style: str
-    why: str
-    head_dim: int | None = None
-    output: str | None = None
-    parts: tuple[int, ...] | None = None
-    transposed: bool = False
-    local_output: bool | None = None
-    input: str | None = None
-    prepared: int | str | None = None  # prepare: the input gathered (index or keyword)
-    mode: str | None = None  # experts
-    shard: tuple[tuple[str, int], ...] = ()  # experts, split_params: (parameter, dim)
-    fused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # experts: (parameter, pieces)
-    after_sum: tuple[str, ...] = ()  # experts
-    added_whole: tuple[str, ...] = ()  # experts: submodules whose output is scaled 1/tp
-    sum_at: str | None = None  # vocab_parallel: "lookup"
-    written: tuple[str, ...] = ()  # vocab_parallel: parameters written over rows, split
-
-    def rule(self, match: str) -> Rule:
-        extra: dict[str, Any] = {}
-        if self.input is not None:
-            extra["input"] = self.input
-        if self.prepared is not None:
-            where = self.prepared
-            if isinstance(where, str):
-                extra["input_kwargs"] = {where: "shard(1)"}
-                extra["desired_input_kwargs"] = {where: "replicate"}
-            else:
-                extra["inputs"] = [None] * where + ["shard(1)"]
-                extra["desired_inputs"] = [None] * where + ["replicate"]
-            extra["local_input"] = True
-        if self.head_dim is not None:
-            extra["head_dim"] = self.head_dim
-        if self.output is not None:
-            extra["output"] = self.output
-        if self.parts is not None:
-            extra["parts"] = list(self.parts)
-        if self.transposed:
-            extra["transposed"] = True
-        if self.local_output is not None:
-            extra["local_output"] = self.local_output
-        if self.shard:
-            extra["shard"] = dict(self.shard)
-        if self.sum_at is not None:
-            extra["sum_at"] = self.sum_at
-        if self.written:
-            extra["written"] = list(self.written)
-        if self.mode is not None:
-            extra["mode"] = self.mode
-            if self.fused:
-                extra["fused"] = {k: list(v) for k, v in self.fused}
-            if self.after_sum:
-                extra["after_sum"] = list(self.after_sum)
-            if self.added_whole:
-                extra["added_whole"] = list(self.added_whole)
-        return Rule(match=match, style=self.style, why=self.why, **extra)
 
 
 def infer_plan(
@@ -173,7 +116,7 @@ def _infer_decisions(
     sequence_parallel: bool,
     experts: str,
     gather_tp: int,
-) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
+) -> tuple[dict[str, Decision], dict[str, tuple[tuple[str, ...], str]]]:
     trace = trace_model(model, example_inputs=example_inputs)
     decisions, attributes = _decide(
         model, trace, tp, loss_parallel, sequence_parallel, experts, gather_tp
@@ -191,27 +134,16 @@ def _infer_decisions(
     ran = set(trace.layers.ran)
     for block, twin in trace.stacks.untraced.items():  # untraced repeats ran as their twins did
         ran |= {block + n[len(twin) :] for n in trace.layers.ran if n.startswith(twin + ".")}
-    shared = _shared_params(model)
+    shared = shared_params(model)
     _copy_from_twins(model, decisions, attributes, trace, ran, shared)
     used = trace.params.outside | set(trace.params.in_region)
     _trace_uncalled(model, decisions, attributes, ran, shared, used, tp, experts, gather_tp)
     return decisions, attributes
 
 
-def _inside(name: str, root: str) -> bool:
-    return name == root or name.startswith(root + ".")
-
-
-def _tied_outside(shared: dict[str, list[str]], root: str) -> bool:
-    """Whether a module under `root` holds a parameter also held by one outside it."""
-    return any(
-        _inside(m, root) and not _inside(o, root) for m, others in shared.items() for o in others
-    )
-
-
 def _copy_from_twins(
     model: nn.Module,
-    decisions: dict[str, _Decision],
+    decisions: dict[str, Decision],
     attributes: dict[str, tuple[tuple[str, ...], str]],
     trace: Trace,
     ran: set[str],
@@ -228,8 +160,8 @@ def _copy_from_twins(
     regions = _regions(trace)
 
     def closed(twin: str) -> bool:
-        return not any(_inside(o, twin) for o in trace.regions.at_output) and all(
-            all(_inside(m, twin) for m in members) or not any(_inside(m, twin) for m in members)
+        return not any(inside(o, twin) for o in trace.regions.at_output) and all(
+            all(inside(m, twin) for m in members) or not any(inside(m, twin) for m in members)
             for members in regions
         )
 
@@ -240,9 +172,9 @@ def _copy_from_twins(
     for name, module in modules.items():
         if not name or name in ran or name.rpartition(".")[0] not in ran:
             continue
-        if next(module.parameters(), None) is None or any(_inside(p, name) for p in used):
+        if next(module.parameters(), None) is None or any(inside(p, name) for p in used):
             continue
-        if _tied_outside(shared, name):
+        if tied_outside(shared, name):
             continue  # tied to the rest: apply keeps it with the copy that ran
         twin = twins.get(block_structure(module))
         if twin is None or not closed(twin):
@@ -250,24 +182,24 @@ def _copy_from_twins(
         why = f"as {twin}, which has the same structure and ran (the model's forward did not call this one)"
         for n, d in list(decisions.items()):
             target = name + n[len(twin) :]
-            if _inside(n, twin) and decisions.get(target, d).why in (d.why, _NOT_CALLED):
+            if inside(n, twin) and decisions.get(target, d).why in (d.why, NOT_CALLED):
                 decisions[target] = replace(d, why=f"{d.why}; {why}")
         for n, a in list(attributes.items()):
-            if _inside(n, twin):
+            if inside(n, twin):
                 attributes.setdefault(name + n[len(twin) :], a)
 
 
-def _uncalled_roots(decisions: dict[str, _Decision], ran: set[str]) -> list[str]:
+def _uncalled_roots(decisions: dict[str, Decision], ran: set[str]) -> list[str]:
     """The largest submodules that did not run in the traced forward and hold no layer that
     did (a multimodal model's vision tower, given text only): the model's own forward says
     nothing of them."""
-    uncalled = {n for n, d in decisions.items() if d.why == _NOT_CALLED}
+    uncalled = {n for n, d in decisions.items() if d.why == NOT_CALLED}
     return idle_roots(uncalled, ran | (decisions.keys() - uncalled))
 
 
 def _trace_uncalled(
     model: nn.Module,
-    decisions: dict[str, _Decision],
+    decisions: dict[str, Decision],
     attributes: dict[str, tuple[tuple[str, ...], str]],
     ran: set[str],
     shared: dict[str, list[str]],
@@ -286,15 +218,15 @@ def _trace_uncalled(
     alone, stays whole with the reason."""
 
     def under(root: str) -> list[str]:
-        return [n for n in decisions if _inside(n, root)]
+        return [n for n in decisions if inside(n, root)]
 
     def attempt(root: str) -> str | None:
         """Split what can be split under `root`; the reason its own trace failed, if it did."""
         part = model.get_submodule(root)
         prefix = root + "."
-        if _tied_outside(shared, root):
+        if tied_outside(shared, root):
             return "it shares a parameter with the rest of the model, so it is not split alone"
-        if any(_inside(p, root) for p in used):
+        if any(inside(p, root) for p in used):
             # (Jamba's dt_proj: the mixer multiplies by its weight without calling it)
             return "the model's forward uses its parameters directly, so it is not split alone"
         try:
@@ -305,15 +237,15 @@ def _trace_uncalled(
             # of infer_plan cannot do for a part
             said = re.split(r"[;.] [Pp]ass ", str(e))[0]
             for child, _ in part.named_children():
-                if any(decisions[n].why == _NOT_CALLED for n in under(prefix + child)):
+                if any(decisions[n].why == NOT_CALLED for n in under(prefix + child)):
                     attempt(prefix + child)
             return f"traced on its own, it failed: {said}"
         own = "traced on its own (the model's forward did not call it)"
         full = lambda n: prefix + n if n else root  # noqa: E731 (a lone layer is its own root)
         for name, d in mine.items():
-            if decisions.get(full(name), d).why == _NOT_CALLED:
+            if decisions.get(full(name), d).why == NOT_CALLED:
                 # what the part's own forward did not call says so already
-                nested = d.why.startswith(_NOT_CALLED)
+                nested = d.why.startswith(NOT_CALLED)
                 decisions[full(name)] = d if nested else replace(d, why=f"{d.why}; {own}")
         attributes.update({full(n): a for n, a in attrs.items()})
         return None
@@ -321,8 +253,8 @@ def _trace_uncalled(
     for root in _uncalled_roots(decisions, ran):
         why = attempt(root)
         for name in under(root):
-            if why is not None and decisions[name].why == _NOT_CALLED:
-                decisions[name] = replace(decisions[name], why=f"{_NOT_CALLED}; {why}")
+            if why is not None and decisions[name].why == NOT_CALLED:
+                decisions[name] = replace(decisions[name], why=f"{NOT_CALLED}; {why}")
 
 
 def _bent_lookup(op: str) -> str:
@@ -372,54 +304,6 @@ def _regions(trace: Trace) -> list[list[str]]:
     return list(out.values())
 
 
-def _relative(names: list[str]) -> dict[str, str]:
-    """Names without their common leading segments, so that `why` reads the same in every layer."""
-    parts = [n.split(".") for n in names]
-    k = 0
-    while all(len(p) > k + 1 for p in parts) and len({p[k] for p in parts}) == 1:
-        k += 1
-    return {n: ".".join(p[k:]) for n, p in zip(names, parts, strict=True)}
-
-
-def _join(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def _join_names(names: list[str]) -> str:
-    """Module names for a `why`, the same module of three or more blocks written once as a
-    pattern (`*.layer.0.SelfAttention.o`): a region that spans blocks (T5's position bias,
-    computed in block 0 and read by all) then reads, and collapses, the same in every block."""
-    groups: dict[str, list[str]] = {}
-    for n in sorted(names):
-        groups.setdefault(wildcard(n), []).append(n)
-    out: list[str] = []
-    for group in groups.values():
-        if len(group) < 3:
-            out.extend(group)
-            continue
-        # only the segments that differ become `*` (`layer.0` stays when every member has it)
-        segments = zip(*(n.split(".") for n in group), strict=True)
-        out.append(".".join(s[0] if len(set(s)) == 1 else "*" for s in segments))
-    return _join(sorted(out))
-
-
-def _shared_params(model: nn.Module) -> dict[str, list[str]]:
-    """Module -> other modules holding one of its parameters (tied weights)."""
-    out: dict[str, list[str]] = {}
-    for group in tied_groups(model):
-        mods = {m for m, _ in group}
-        for m in mods:
-            others = sorted(mods - {m})
-            if others:
-                out.setdefault(m, []).extend(others)
-    return out
-
-
-def _own_params(module: nn.Module, name: str) -> list[str]:
-    prefix = f"{name}." if name else ""
-    return [prefix + n for n, _ in module.named_parameters(recurse=False)]
-
-
 class _Decider:
     """The decisions for one traced model; see the module docstring for the rules."""
 
@@ -431,8 +315,8 @@ class _Decider:
         self.modules = dict(model.named_modules())
         self.trace = trace
         self.tp = tp
-        self.tied = _shared_params(model)
-        self.decisions: dict[str, _Decision] = {}
+        self.tied = shared_params(model)
+        self.decisions: dict[str, Decision] = {}
         self.attributes: dict[str, tuple[tuple[str, ...], str]] = {}  # module -> (attrs, why)
         self.kept: dict[str, str] = {}  # module -> why it stays replicated
         self.kept_experts: dict[str, str] = {}  # expert-holding module -> why it stays whole
@@ -451,7 +335,7 @@ class _Decider:
             self.alike.update(dict.fromkeys(group, group))
 
     def used_outside(self, name: str) -> bool:
-        params = _own_params(self.modules[name], name)
+        params = own_params(self.modules[name], name)
         return any(
             p in self.trace.params.outside or p in self.trace.params.in_region for p in params
         )
@@ -460,7 +344,7 @@ class _Decider:
         t = self.trace
         openers = [m for m in members if m in t.regions.openers]
         closers = [m for m in members if m in t.regions.closers]
-        short = _relative(members)
+        short = relative(members)
         reasons: list[str] = []
         for m in members:
             for r in t.regions.broken.get(m, []):
@@ -469,7 +353,7 @@ class _Decider:
                 reasons.append(f"{short[m]}: {t.regions.misfits[m]}")
             if m in self.tied:
                 reasons.append(
-                    f"{short[m]}'s weight is shared with {_join(self.tied[m])} (tied); sharding would untie it"
+                    f"{short[m]}'s weight is shared with {join(self.tied[m])} (tied); sharding would untie it"
                 )
             elif self.used_outside(m):
                 reasons.append(f"{short[m]}'s weight is also used outside its own forward")
@@ -515,24 +399,24 @@ class _Decider:
             self.attributes[module] = (
                 attrs,
                 f"its forward reads {', '.join(attrs)} to view or cut the split features of "
-                f"{_join(sorted(short[o] for o in openers))} (with -1 or the rest for other "
+                f"{join(sorted(short[o] for o in openers))} (with -1 or the rest for other "
                 "dims); each rank must use its own share, so it is divided by the tp size",
             )
         for h in helpers:
-            own = _own_params(self.modules[h], h)
-            by = _join_names([short[o] for o in openers])
+            own = own_params(self.modules[h], h)
+            by = join_names([short[o] for o in openers])
             if any(p in self.trace.params.split_vectors for p in own):
                 names = [p.rpartition(".")[2] for p in own]
-                self.decisions[h] = _Decision(
+                self.decisions[h] = Decision(
                     "split_params",
-                    f"{_join(names)} {'holds' if len(names) == 1 else 'hold'} one entry per "
+                    f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one entry per "
                     f"head (per element of the dim split by {by}) and meets them element by "
                     "element (a per-head sink); split alike, each rank holds its own heads' "
                     "entries",
                     shard=tuple((n, 0) for n in names),
                 )
                 continue
-            self.decisions[h] = _Decision(
+            self.decisions[h] = Decision(
                 "replicate_grad_sum",
                 f"its parameters act on the split features of {by} inside the region; each "
                 "rank's gradient is a partial sum, summed over the tp axis",
@@ -559,7 +443,7 @@ class _Decider:
                     f"the weight of {label} is used inside the region outside its own call"
                 )
                 continue
-            own = _own_params(module, owner)
+            own = own_params(module, owner)
             if any(
                 p in t.params.outside or not (t.params.in_region.get(p, openers) <= openers)
                 for p in own
@@ -577,16 +461,16 @@ class _Decider:
         self, openers: list[str], closers: list[str], short: dict[str, str], units: int
     ) -> None:
         t = self.trace
-        to = _join_names([short[c] for c in closers])
+        to = join_names([short[c] for c in closers])
         # `to` names the closers: the evidence a reviewer checks against the model's forward
         verb = "contracts" if len(closers) == 1 else "contract"
         inners = {t.regions.closers[c].inner for c in closers}
         for o in openers:
             out = t.regions.openers[o]
-            ops = sorted(t.regions.ops.get(o, set()) - _PLAIN_OPS)
+            ops = sorted(t.regions.ops.get(o, set()) - PLAIN_OPS)
             path = f"through {', '.join(ops)} to {to}" if ops else f"to {to}"
             partners = [short[p] for p in openers if p != o]
-            mates = f" (with the outputs of {_join_names(partners)})" if partners else ""
+            mates = f" (with the outputs of {join_names(partners)})" if partners else ""
             heads = t.regions.heads.get(o)
             head_dim = out // heads if heads and out % heads == 0 else None
             parts = t.regions.parts.get(o)
@@ -620,7 +504,7 @@ class _Decider:
                 if heads and units < heads
                 else ""
             )
-            self.decisions[o] = _Decision(
+            self.decisions[o] = Decision(
                 "colwise",
                 f"{what} {path}{mates}, which {verb} {it} on its input dim (rowwise){need}",
                 head_dim=head_dim,
@@ -629,12 +513,12 @@ class _Decider:
             )
 
     def close(self, openers: list[str], closers: list[str], short: dict[str, str]) -> None:
-        by = _join_names([short[o] for o in openers])
+        by = join_names([short[o] for o in openers])
         for c in closers:
             s = self.trace.regions.closers[c]
             head_dim = s.inner if s.inner > 1 else None
             what = f"{s.n} heads of {s.inner}" if head_dim else f"{s.n} features"
-            self.decisions[c] = _Decision(
+            self.decisions[c] = Decision(
                 "rowwise",
                 f"contracts the features split by {by} ({what}) on its input dim; its output is a "
                 "partial sum, one all-reduce",
@@ -709,7 +593,7 @@ class _Decider:
             if o == owner or o.startswith(prefix)  # (or a child holding weights for it)
         )
         n_experts = {own[m.removeprefix(prefix)].shape[0] for m in members}
-        ops = sorted({op for o in openers for op in t.regions.ops.get(o, ())} - _PLAIN_OPS)
+        ops = sorted({op for o in openers for op in t.regions.ops.get(o, ())} - PLAIN_OPS)
         path = f" through {', '.join(ops)}" if ops else ""
         ep_why = self.expert_parallel_refusal(owner, n_experts, whole) if mode == "expert" else ""
         if mode == "expert" and not ep_why:
@@ -722,9 +606,9 @@ class _Decider:
             by_experts = tuple(
                 sorted((p, 0) for p, w in own.items() if w.dim() >= 2 and w.shape[0] == value)
             )
-            self.decisions[owner] = _Decision(
+            self.decisions[owner] = Decision(
                 "experts",
-                f"{_join(sorted(short[o] for o in openers))} and {_join(sorted(short[c] for c in closers))} "
+                f"{join(sorted(short[o] for o in openers))} and {join(sorted(short[c] for c in closers))} "
                 f"hold {value} experts, used by per-expert matmuls{path}; its forward takes the "
                 "chosen experts and their weights as inputs, so each rank keeps "
                 f"{value // self.tp} whole experts, renumbers the routing to them and zeroes "
@@ -754,18 +638,18 @@ class _Decider:
             )
             for o, p in pieces.items()
         )
-        added = f"; {_join(after)} is added after that sum, 1/tp on each rank" if after else ""
+        added = f"; {join(after)} is added after that sum, 1/tp on each rank" if after else ""
         if whole:
             added += (
-                f"; {_join(whole)}'s output (made without the split weights, the same on every "
+                f"; {join(whole)}'s output (made without the split weights, the same on every "
                 "rank) is added whole to that sum, so each rank scales it by 1/tp and the "
                 "all-reduce counts it once"
             )
         refused = f" (not expert parallel: {ep_why})" if ep_why else ""
-        self.decisions[owner] = _Decision(
+        self.decisions[owner] = Decision(
             "experts",
             f"per-expert matmuls on the unsplit tokens (the router's choice): {what}; they flow"
-            f"{path} to {_join(sorted(short[c] for c in closers))}, which contracts them, so every "
+            f"{path} to {join(sorted(short[c] for c in closers))}, which contracts them, so every "
             "expert is split like a dense MLP and the experts' output is a partial sum, one "
             f"all-reduce{added}{refused}",
             mode="tensor",
@@ -782,7 +666,7 @@ class _Decider:
             # tokens reach it is decided inside forward, so with the routing renumbered per
             # rank several ranks might add it, or none
             return (
-                f"{_join(whole)}'s output is added whole to the experts' sum, made without any "
+                f"{join(whole)}'s output is added whole to the experts' sum, made without any "
                 "expert's weights: splitting by experts does not decide which one rank adds it"
             )
         if t.experts.routing.get(owner):
@@ -797,7 +681,7 @@ class _Decider:
             b.rpartition(".")[2] for b in t.experts.after_weighting if b.startswith(owner + ".")
         )
         if late:
-            return f"{_join(late)} is added after the routing weights scale the experts' outputs"
+            return f"{join(late)} is added after the routing weights scale the experts' outputs"
         return ""
 
     def pool_experts(self) -> None:
@@ -823,7 +707,7 @@ class _Decider:
             if kept:
                 why = self.kept_experts[kept[0]]
                 for o in split + unseen:
-                    if self.decisions.pop(o, _Decision("replicate", "")).mode == "expert":
+                    if self.decisions.pop(o, Decision("replicate", "")).mode == "expert":
                         self.attributes.pop(o, None)  # its number of experts, divided
                     self.kept_experts[o] = f"{why} (seen in {kept[0]}, of the same structure)"
             elif split and unseen:
@@ -845,7 +729,7 @@ class _Decider:
         for owner in sorted(set(self.trace.experts.exits) | set(self.kept_experts)):
             if owner in self.decisions or any(owner.startswith(f"{d}.") for d in split):
                 continue  # (a child holding the weights of experts split at their parent)
-            self.decisions[owner] = _Decision(
+            self.decisions[owner] = Decision(
                 "replicate",
                 self.kept_experts.get(
                     owner,
@@ -902,7 +786,7 @@ class _Decider:
                         f"{module.embedding_dim} features and each rank writes its share "
                         "padded with zeros, which the same sum adds up whole (written)"
                     )
-                self.decisions[name] = _Decision(
+                self.decisions[name] = Decision(
                     "vocab_parallel",
                     why,
                     sum_at="lookup" if bent else None,
@@ -937,7 +821,7 @@ class _Decider:
                 continue
             self.kept.pop(name, None)
             if self.loss_parallel:
-                self.decisions[name] = _Decision(
+                self.decisions[name] = Decision(
                     "colwise",
                     f"its output ({out} features, the vocab of the token lookup) is the model "
                     "output; split over the vocab and left split (a DTensor) for the loss, "
@@ -946,7 +830,7 @@ class _Decider:
                     transposed=transposed,
                 )
                 continue
-            self.decisions[name] = _Decision(
+            self.decisions[name] = Decision(
                 "colwise",
                 f"its output ({out} features, the vocab of the token lookup) is the "
                 "model output; split over the vocab and gathered, so callers see full rows",
@@ -990,7 +874,7 @@ class _Decider:
                 names = sorted({m for m, _ in group})
                 for m, _ in users:
                     if self.decisions.pop(m, None) is not None:
-                        others = _join([n for n in names if n != m])
+                        others = join([n for n in names if n != m])
                         self.kept[m] = (
                             f"kept whole: its weight is shared with {others} (tied), which "
                             "cannot split it the same way"
@@ -999,11 +883,11 @@ class _Decider:
             for m, p in group:
                 d = self.decisions.get(m)
                 if p == "weight" and d is not None and d.style != "replicate":
-                    others = _join(sorted({n for n, _ in group if n != m}))
+                    others = join(sorted({n for n, _ in group if n != m}))
                     why = f"{d.why}; its weight is tied with {others}, split the same way"
                     self.decisions[m] = replace(d, why=why)
 
-    def gathered(self, name: str, why: str) -> _Decision | None:
+    def gathered(self, name: str, why: str) -> Decision | None:
         """A layer whose output cannot stay split may still split its weight: colwise with
         the output gathered is exact whatever the model does next (the gathered output is the
         unsplit one), for one all-gather per call of its output features, and only when
@@ -1020,7 +904,7 @@ class _Decider:
         ):
             return None
         reason = why.removeprefix("kept whole: ")
-        return _Decision(
+        return Decision(
             "colwise",
             f"its output cannot stay split ({reason}); so its {out} output features are split "
             "and gathered right after (one all-gather per call), which splits its weight and "
@@ -1037,7 +921,7 @@ class _Decider:
             if d.sum_at is not None:
                 # its rows are summed inside its forward, whole: nothing there to scatter
                 bent = _bent_lookup(t.lookups.not_linear[name])
-                self.decisions[name] = _Decision(
+                self.decisions[name] = Decision(
                     "replicate", f"{bent} (where sequence parallel reduce-scatters them)"
                 )
             elif d.style == "vocab_parallel" or (d.style == "rowwise" and d.output is None):
@@ -1062,10 +946,10 @@ class _Decider:
                 and parent not in openers
                 and parent not in self.decisions
             ):
-                self.decisions[parent] = _Decision(
+                self.decisions[parent] = Decision(
                     "prepare",
                     gather.format(
-                        _join(sorted(_relative([*openers, parent]).get(o, o) for o in openers))
+                        join(sorted(relative([*openers, parent]).get(o, o) for o in openers))
                     ),
                     prepared=entry[0],
                 )
@@ -1082,9 +966,9 @@ class _Decider:
                 or isinstance(module, nn.Embedding)
             ):
                 continue
-            own = _own_params(module, name)
+            own = own_params(module, name)
             if own and name in t.layers.entries and any(p in t.params.outside for p in own):
-                self.decisions[name] = _Decision(
+                self.decisions[name] = Decision(
                     "sequence_parallel",
                     "its parameters act on the stream between split regions, which sequence "
                     "parallel keeps split over the sequence; they are replicated and it runs on "
@@ -1098,7 +982,7 @@ class _Decider:
         for name, d in list(self.decisions.items()):
             owner = next((o for o in split if name.startswith(f"{o}.")), None)
             if owner is not None and d.style != "replicate":
-                self.decisions[name] = _Decision(
+                self.decisions[name] = Decision(
                     "replicate",
                     f"kept whole: inside {owner}, split as experts, whose forward runs on "
                     "each rank's local tensors with its other parameters whole",
@@ -1112,12 +996,12 @@ class _Decider:
             if name in self.tied and name not in self.trace.layers.called:
                 continue  # holds a tied weight it never uses: no rule; apply re-ties it
             if name not in self.trace.layers.called:
-                why = _NOT_CALLED
+                why = NOT_CALLED
             else:
                 why = self.kept.get(
                     name, "kept whole: its output is not split anywhere the tracer could follow"
                 )
-            self.decisions[name] = (linear and self.gathered(name, why)) or _Decision(
+            self.decisions[name] = (linear and self.gathered(name, why)) or Decision(
                 "replicate", why
             )
 
@@ -1138,7 +1022,7 @@ def _decide(
     sequence_parallel: bool = False,
     experts: str = "tensor",
     gather_tp: int = 2,
-) -> tuple[dict[str, _Decision], dict[str, tuple[tuple[str, ...], str]]]:
+) -> tuple[dict[str, Decision], dict[str, tuple[tuple[str, ...], str]]]:
     d = _Decider(model, trace, tp, loss_parallel, gather_tp)
     for members in _regions(trace):
         if any(m in trace.experts.roles for m in members):
@@ -1196,10 +1080,10 @@ def _spread(trace: Trace, decided: dict[str, Any]) -> dict[str, Any] | None:
 
 
 # ---- rules --------------------------------------------------------------------------------
-def _rules(model: nn.Module, decisions: dict[str, _Decision]) -> list[Rule]:
+def _rules(model: nn.Module, decisions: dict[str, Decision]) -> list[Rule]:
     """One rule per group of modules with equal decisions, as compact patterns, in module order."""
     names = [n for n, _ in model.named_modules() if n]
-    groups: dict[_Decision, list[str]] = {}
+    groups: dict[Decision, list[str]] = {}
     for n in names:
         if n in decisions:
             groups.setdefault(decisions[n], []).append(n)
