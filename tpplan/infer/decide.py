@@ -18,29 +18,28 @@ Module names are used only to print patterns and to name partners in `why`.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from .._runtime.facts import fingerprint, parameter_shapes, tied_groups, weight_split
-from .._runtime.inputs import part_inputs
 from ..errors import TpplanError
 from ..plan.patterns import collapse
 from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
-from ..trace import Trace, block_structure, idle_roots, trace_model
-from .decision import NOT_CALLED, Decision
+from ..trace import Trace, block_structure, trace_model
+from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
+from .decision import NOT_CALLED, Attributes, Decision
 from .names import (
     PLAIN_OPS,
-    inside,
     join,
     join_names,
     own_params,
     relative,
     shared_params,
-    tied_outside,
 )
+from .regions import find_regions
+from .uncalled import copy_from_alike, infer_uncalled_parts
 
 __all__ = ["infer_plan"]
 
@@ -122,8 +121,8 @@ def _infer_decisions(
         model, trace, tp, loss_parallel, sequence_parallel, experts, gather_tp
     )
     if trace.stacks.traced:
-        spread = _spread(trace, decisions), _spread(trace, attributes)
-        if not _local(trace) or spread[0] is None or spread[1] is None:
+        spread = spread_to_untraced(trace, decisions), spread_to_untraced(trace, attributes)
+        if not regions_within_blocks(trace) or spread[0] is None or spread[1] is None:
             # a region crossed blocks, or twins disagreed: trace every block
             trace = trace_model(model, example_inputs=example_inputs, shorten=False)
             decisions, attributes = _decide(
@@ -131,130 +130,16 @@ def _infer_decisions(
             )
         else:
             decisions, attributes = spread  # type: ignore[assignment]
-    ran = set(trace.layers.ran)
-    for block, twin in trace.stacks.untraced.items():  # untraced repeats ran as their twins did
-        ran |= {block + n[len(twin) :] for n in trace.layers.ran if n.startswith(twin + ".")}
+    ran = ran_modules(trace)
     shared = shared_params(model)
-    _copy_from_twins(model, decisions, attributes, trace, ran, shared)
+    copy_from_alike(model, decisions, attributes, trace, ran, shared)
     used = trace.params.outside | set(trace.params.in_region)
-    _trace_uncalled(model, decisions, attributes, ran, shared, used, tp, experts, gather_tp)
+
+    def infer_part(part: nn.Module, inputs: Any) -> tuple[dict[str, Decision], Attributes]:
+        return _infer_decisions(part, inputs, tp, False, False, experts, gather_tp)
+
+    infer_uncalled_parts(model, decisions, attributes, ran, shared, used, infer_part)
     return decisions, attributes
-
-
-def _copy_from_twins(
-    model: nn.Module,
-    decisions: dict[str, Decision],
-    attributes: dict[str, tuple[tuple[str, ...], str]],
-    trace: Trace,
-    ran: set[str],
-    shared: dict[str, list[str]],
-) -> None:
-    """A part that did not run, called by a module that did, beside a twin that ran: the
-    same module types and parameter shapes (ERNIE 4.5 VL's vision experts beside its text
-    experts, given text only). Same code on the same shapes, so the twin's decisions hold
-    for it, provided every region in the twin opens and closes inside it (its outputs are
-    then whole, whoever uses them) and none of the part's parameters was used directly or
-    is shared with the rest."""
-    modules = dict(model.named_modules())
-    used = trace.params.outside | set(trace.params.in_region)
-    regions = _regions(trace)
-
-    def closed(twin: str) -> bool:
-        return not any(inside(o, twin) for o in trace.regions.at_output) and all(
-            all(inside(m, twin) for m in members) or not any(inside(m, twin) for m in members)
-            for members in regions
-        )
-
-    twins: dict[Any, str] = {}
-    for name in sorted(ran):
-        if name and name in modules and next(modules[name].parameters(), None) is not None:
-            twins.setdefault(block_structure(modules[name]), name)
-    for name, module in modules.items():
-        if not name or name in ran or name.rpartition(".")[0] not in ran:
-            continue
-        if next(module.parameters(), None) is None or any(inside(p, name) for p in used):
-            continue
-        if tied_outside(shared, name):
-            continue  # tied to the rest: apply keeps it with the copy that ran
-        twin = twins.get(block_structure(module))
-        if twin is None or not closed(twin):
-            continue
-        why = f"as {twin}, which has the same structure and ran (the model's forward did not call this one)"
-        for n, d in list(decisions.items()):
-            target = name + n[len(twin) :]
-            if inside(n, twin) and decisions.get(target, d).why in (d.why, NOT_CALLED):
-                decisions[target] = replace(d, why=f"{d.why}; {why}")
-        for n, a in list(attributes.items()):
-            if inside(n, twin):
-                attributes.setdefault(name + n[len(twin) :], a)
-
-
-def _uncalled_roots(decisions: dict[str, Decision], ran: set[str]) -> list[str]:
-    """The largest submodules that did not run in the traced forward and hold no layer that
-    did (a multimodal model's vision tower, given text only): the model's own forward says
-    nothing of them."""
-    uncalled = {n for n, d in decisions.items() if d.why == NOT_CALLED}
-    return idle_roots(uncalled, ran | (decisions.keys() - uncalled))
-
-
-def _trace_uncalled(
-    model: nn.Module,
-    decisions: dict[str, Decision],
-    attributes: dict[str, tuple[tuple[str, ...], str]],
-    ran: set[str],
-    shared: dict[str, list[str]],
-    used: set[str],
-    tp: int,
-    experts: str,
-    gather_tp: int,
-) -> None:
-    """Each part of the model its forward did not call is traced on its own, from inputs
-    made for its own forward signature and config (a vision tower's pixel values), and
-    split by what that trace shows. Its outputs are then its own model outputs: whatever
-    splits inside closes inside, so the rest of the model receives whole tensors. A part
-    that cannot run alone is tried child by child (an image embedding that needs image
-    sizes may hold a tower that needs pixels only). A part that shares a parameter with
-    the rest, whose parameters the forward uses directly, or that nothing in it can run
-    alone, stays whole with the reason."""
-
-    def under(root: str) -> list[str]:
-        return [n for n in decisions if inside(n, root)]
-
-    def attempt(root: str) -> str | None:
-        """Split what can be split under `root`; the reason its own trace failed, if it did."""
-        part = model.get_submodule(root)
-        prefix = root + "."
-        if tied_outside(shared, root):
-            return "it shares a parameter with the rest of the model, so it is not split alone"
-        if any(inside(p, root) for p in used):
-            # (Jamba's dt_proj: the mixer multiplies by its weight without calling it)
-            return "the model's forward uses its parameters directly, so it is not split alone"
-        try:
-            guess = part_inputs(part)
-            mine, attrs = _infer_decisions(part, guess, tp, False, False, experts, gather_tp)
-        except TpplanError as e:
-            # the error's first clause, less its advice to pass inputs, which the caller
-            # of infer_plan cannot do for a part
-            said = re.split(r"[;.] [Pp]ass ", str(e))[0]
-            for child, _ in part.named_children():
-                if any(decisions[n].why == NOT_CALLED for n in under(prefix + child)):
-                    attempt(prefix + child)
-            return f"traced on its own, it failed: {said}"
-        own = "traced on its own (the model's forward did not call it)"
-        full = lambda n: prefix + n if n else root  # noqa: E731 (a lone layer is its own root)
-        for name, d in mine.items():
-            if decisions.get(full(name), d).why == NOT_CALLED:
-                # what the part's own forward did not call says so already
-                nested = d.why.startswith(NOT_CALLED)
-                decisions[full(name)] = d if nested else replace(d, why=f"{d.why}; {own}")
-        attributes.update({full(n): a for n, a in attrs.items()})
-        return None
-
-    for root in _uncalled_roots(decisions, ran):
-        why = attempt(root)
-        for name in under(root):
-            if why is not None and decisions[name].why == NOT_CALLED:
-                decisions[name] = replace(decisions[name], why=f"{NOT_CALLED}; {why}")
 
 
 def _bent_lookup(op: str) -> str:
@@ -278,30 +163,6 @@ def _try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs
             f"sequence-split stream with whole tensors ({problem.message.rstrip('.')}). "
             "Infer without sequence parallel, or write those rules by hand."
         )
-
-
-# ---- regions -----------------------------------------------------------------------------
-def _regions(trace: Trace) -> list[list[str]]:
-    """Openers and closers joined by the split tensors they exchanged (union-find)."""
-    parent: dict[str, str] = {}
-
-    def root(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for name in list(trace.regions.openers) + list(trace.regions.closers):
-        root(name)
-    for group in trace.regions.links:
-        first, *rest = sorted(group)
-        for other in rest:
-            parent[root(other)] = root(first)
-    out: dict[str, list[str]] = {}
-    for name in parent:
-        out.setdefault(root(name), []).append(name)
-    return list(out.values())
 
 
 class _Decider:
@@ -1024,7 +885,7 @@ def _decide(
     gather_tp: int = 2,
 ) -> tuple[dict[str, Decision], dict[str, tuple[tuple[str, ...], str]]]:
     d = _Decider(model, trace, tp, loss_parallel, gather_tp)
-    for members in _regions(trace):
+    for members in find_regions(trace):
         if any(m in trace.experts.roles for m in members):
             d.experts(members, experts)
         else:
@@ -1038,45 +899,6 @@ def _decide(
     if sequence_parallel:
         d.sequence_parallel()
     return d.decisions, d.attributes
-
-
-# ---- shortened traces ---------------------------------------------------------------------
-def _block_of(name: str, blocks: list[str]) -> str | None:
-    return next((b for b in blocks if name == b or name.startswith(b + ".")), None)
-
-
-def _local(trace: Trace) -> bool:
-    """Every region, with the modules its parameters and head counts live in, sits inside one
-    traced block (or outside all of them), so a block's decisions hold for its twins."""
-    for members in _regions(trace):
-        near = set(members)
-        near |= {p.rpartition(".")[0] for p, srcs in trace.params.in_region.items() if srcs & near}
-        near |= {c[0] for o in members for c in trace.reads.counts.get(o, ())}
-        if len({_block_of(m, trace.stacks.traced) for m in near}) > 1:
-            return False
-    return True
-
-
-def _spread(trace: Trace, decided: dict[str, Any]) -> dict[str, Any] | None:
-    """Decisions of traced blocks copied to the identical blocks that were not traced; None
-    when two traced twins decided differently."""
-
-    def copied(block: str, twin: str) -> dict[str, Any]:
-        return {
-            block + name[len(twin) :]: d
-            for name, d in decided.items()
-            if name == twin or name.startswith(twin + ".")
-        }
-
-    for block, twin in trace.stacks.twins.items():
-        mine = {n: d for n, d in decided.items() if _block_of(n, [block])}
-        if mine != copied(block, twin):
-            return None
-    out = dict(decided)
-    for block, twin in trace.stacks.untraced.items():
-        # Modules of untraced blocks were marked "not called" by `rest`; the copies replace them.
-        out.update(copied(block, twin))
-    return out
 
 
 # ---- rules --------------------------------------------------------------------------------
