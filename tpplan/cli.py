@@ -224,7 +224,7 @@ def _infer_command(args: argparse.Namespace) -> str:
 
 
 def _cmd_infer(args: argparse.Namespace) -> int:
-    from .infer.decide import infer_plan
+    from .infer import infer_plan
     from .plan.shipped import shipped_for_class, shipped_plans
 
     if args.output:

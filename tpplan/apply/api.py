@@ -68,7 +68,7 @@ def resolve_plan(plan: Plan | str | Path | None, model: nn.Module, *, tp_size: i
     if isinstance(plan, Plan):
         return plan
     if plan is None:
-        from ..infer.decide import infer_plan
+        from ..infer import infer_plan
 
         return infer_plan(model, tp_size=tp_size)
     if isinstance(plan, (str, Path)):

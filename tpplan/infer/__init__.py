@@ -1,9 +1,9 @@
 """Stage 5, inferring a plan from a model's traced data flow: column-parallel regions that close
 at a row-parallel layer, vocab-parallel tables, experts, what stays whole and why. Start at
-decide.py (`infer_plan`)."""
+api.py (`infer_plan`)."""
 
 from __future__ import annotations
 
-from .decide import infer_plan
+from .api import infer_plan
 
 __all__ = ["infer_plan"]

@@ -1,0 +1,314 @@
+"""Mixture-of-experts modules: 3-D expert weights used by batched per-expert matmuls
+(trace/record.py's `ExpertFacts`), split per expert like a dense MLP (mode tensor) or by
+experts (mode expert), at the module that holds them.
+
+Start at `decide_experts`, called for each region of expert weights; then `pool_experts`
+(modules of one structure decide alike), `keep_unsplit_experts` and, once every layer is
+decided, `keep_inside_experts`. A module "split as experts" holds the expert weights of one
+region; each rank's experts leave a partial sum that one all-reduce at its output adds up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from .context import Context, Decided
+from .decision import Decision
+from .names import PLAIN_OPS, join
+from .regions import split_unit
+
+__all__ = ["decide_experts", "keep_inside_experts", "keep_unsplit_experts", "pool_experts"]
+
+
+@dataclass
+class _ExpertRegion:
+    """One region of expert weights, and the module judged for it (its owner)."""
+
+    owner: str
+    """The module holding the weights, or the parent where its children's weights meet."""
+    holders: set[str]
+    """The modules holding the weights: the owner, or its children."""
+    in_one_place: bool
+    """Whether every weight is held by the owner, or by children of it."""
+    members: list[str]
+    openers: list[str]
+    closers: list[str]
+
+    def short(self, name: str) -> str:
+        """A weight's (or bias's) name under the owner, as a rule names it."""
+        return name.removeprefix(self.owner + ".")
+
+
+def _expert_region(ctx: Context, members: list[str]) -> _ExpertRegion:
+    t = ctx.trace
+    holders = {m.rpartition(".")[0] for m in members}
+    owner = min(holders)
+    parents = {o.rpartition(".")[0] for o in holders}
+    if len(holders) > 1 and len(parents) == 1 and min(parents) in t.experts.exits:
+        owner = min(parents)  # children hold the weights: judged where they meet
+    return _ExpertRegion(
+        owner=owner,
+        holders=holders,
+        in_one_place=holders == {owner} or parents == {owner},
+        members=members,
+        openers=[m for m in members if t.experts.roles.get(m, ("",))[0] == "open"],
+        closers=[m for m in members if t.experts.roles.get(m, ("",))[0] == "close"],
+    )
+
+
+def decide_experts(ctx: Context, out: Decided, members: list[str], mode: str) -> None:
+    """A module's 3-D expert weights that open and close one region: split per expert
+    like a dense MLP (mode tensor), or by experts (mode expert) where that is proven."""
+    t = ctx.trace
+    r = _expert_region(ctx, members)
+    # pooled over the modules of its structure (see `pool_experts`)
+    alike = ctx.alike_experts.get(r.owner, [r.owner])
+    added_whole = sorted(
+        {c.removeprefix(o + ".") for c, o in t.experts.added_whole.items() if o in alike}
+    )
+    reasons = _reasons(ctx, r, alike, added_whole)
+    if reasons:
+        out.kept_experts[r.owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
+        return
+    module = ctx.modules[r.owner]
+    own = dict(module.named_parameters(recurse=r.owner not in r.holders))
+    n_experts = {own[r.short(m)].shape[0] for m in members}
+    ops = sorted({op for o in r.openers for op in t.regions.ops.get(o, ())} - PLAIN_OPS)
+    path = f" through {', '.join(ops)}" if ops else ""
+    refused = (
+        _expert_parallel_refusal(ctx, r.owner, n_experts, added_whole) if mode == "expert" else ""
+    )
+    if mode == "expert" and not refused:
+        _split_by_experts(ctx, out, r, own, path)
+    else:
+        _split_per_expert(ctx, out, r, added_whole, path, refused)
+
+
+def _reasons(ctx: Context, r: _ExpertRegion, alike: list[str], added_whole: list[str]) -> list[str]:
+    """Why the region cannot be split, in the order `why` lists them."""
+    t = ctx.trace
+    reasons: list[str] = []
+    module = ctx.modules.get(r.owner)
+    if not r.in_one_place or module is None or any(m not in t.experts.roles for m in r.members):
+        reasons.append("its split features reach weights of other modules")
+    for m in r.members:
+        for b in t.regions.broken.get(m, []):
+            reasons.append(f"{r.short(m)}'s split ends at {b}")
+        if m in t.regions.misfits:
+            reasons.append(f"{r.short(m)}: {t.regions.misfits[m]}")
+    if not r.openers or not r.closers:
+        reasons.append("no expert matmul contracts the split features")
+    exit_ = t.experts.exits.get(r.owner, "it was not called")
+    if exit_ is not None:
+        reasons.append(exit_)
+    units = split_unit(t, r.openers)
+    if r.openers and units % ctx.tp:
+        reasons.append(
+            f"its experts' hidden features split into blocks of {units}, which tp {ctx.tp} does not divide"
+        )
+    if t.reads.counts.get(r.owner) or any(t.reads.counts.get(o) for o in r.openers):
+        reasons.append("its forward reads attributes to size the split features")
+    for c in added_whole:
+        other_uses = [
+            t.experts.whole_used_otherwise[f"{o}.{c}"]
+            for o in alike
+            if f"{o}.{c}" in t.experts.whole_used_otherwise
+        ]
+        if other_uses:
+            reasons.append(
+                f"{c}'s output is added whole to the experts' partial sums, but "
+                f"{other_uses[0]} too, so it cannot be scaled by 1/tp"
+            )
+    reasons += [t.experts.sum_breaks[o] for o in alike if o in t.experts.sum_breaks]
+    return reasons
+
+
+def _expert_parallel_refusal(
+    ctx: Context, owner: str, n_experts: set[int], added_whole: list[str]
+) -> str:
+    """Why the module cannot be split by experts ("" when it can)."""
+    t = ctx.trace
+    if added_whole:
+        # made without any expert's weights, it belongs to no rank's experts; which
+        # tokens reach it is decided inside forward, so with the routing renumbered per
+        # rank several ranks might add it, or none
+        return (
+            f"{join(added_whole)}'s output is added whole to the experts' sum, made without any "
+            "expert's weights: splitting by experts does not decide which one rank adds it"
+        )
+    if t.experts.routing.get(owner):
+        return str(t.experts.routing[owner])
+    counts = t.experts.counts.get(owner, set())
+    if len(n_experts) != 1 or len(counts) != 1:
+        return "its forward does not read its number of experts from one attribute of its own"
+    (value,) = n_experts
+    if value % ctx.tp:
+        return f"its {value} experts do not divide by tp {ctx.tp}"
+    late = sorted(
+        b.rpartition(".")[2] for b in t.experts.after_weighting if b.startswith(owner + ".")
+    )
+    if late:
+        return f"{join(late)} is added after the routing weights scale the experts' outputs"
+    return ""
+
+
+def _split_by_experts(
+    ctx: Context, out: Decided, r: _ExpertRegion, own: dict[str, nn.Parameter], path: str
+) -> None:
+    """Mode expert: each rank keeps num_experts/tp whole experts; the attribute holding the
+    number of experts is divided."""
+    ((attr_module, attr, value),) = ctx.trace.experts.counts[r.owner]
+    out.attributes[attr_module] = (
+        (attr,),
+        f"its forward reads {attr} = {value} (its number of experts); each rank holds "
+        f"{value // ctx.tp} of them, so it is divided by the tp size",
+    )
+    by_experts = tuple(
+        sorted((p, 0) for p, w in own.items() if w.dim() >= 2 and w.shape[0] == value)
+    )
+    out.decisions[r.owner] = Decision(
+        "experts",
+        f"{join(sorted(r.short(o) for o in r.openers))} and {join(sorted(r.short(c) for c in r.closers))} "
+        f"hold {value} experts, used by per-expert matmuls{path}; its forward takes the "
+        "chosen experts and their weights as inputs, so each rank keeps "
+        f"{value // ctx.tp} whole experts, renumbers the routing to them and zeroes "
+        "the weight of tokens routed elsewhere; one all-reduce sums the ranks' outputs",
+        mode="expert",
+        shard=by_experts,
+    )
+
+
+def _split_per_expert(
+    ctx: Context,
+    out: Decided,
+    r: _ExpertRegion,
+    added_whole: list[str],
+    path: str,
+    refused: str,
+) -> None:
+    """Mode tensor: every expert split like a dense MLP, its output a partial sum."""
+    t = ctx.trace
+    prefix = r.owner + "."
+    after = sorted(
+        p.removeprefix(prefix)
+        for p, o in t.experts.after_sum.items()
+        if o == r.owner or o.startswith(prefix)  # (or a child holding weights for it)
+    )
+    shard, fused = _per_expert_splits(ctx, r)
+    pieces = {o: t.regions.parts.get(o) for o in r.openers}
+    what = "; ".join(
+        f"{r.short(o)}'s {t.regions.openers[o]} output features per expert"
+        + (
+            f" are {len(p)} fused pieces ({' | '.join(map(str, p))}) cut apart in forward, each rank holding its slice of every piece"
+            if p
+            else ""
+        )
+        for o, p in pieces.items()
+    )
+    added = f"; {join(after)} is added after that sum, 1/tp on each rank" if after else ""
+    if added_whole:
+        added += (
+            f"; {join(added_whole)}'s output (made without the split weights, the same on every "
+            "rank) is added whole to that sum, so each rank scales it by 1/tp and the "
+            "all-reduce counts it once"
+        )
+    not_expert = f" (not expert parallel: {refused})" if refused else ""
+    out.decisions[r.owner] = Decision(
+        "experts",
+        f"per-expert matmuls on the unsplit tokens (the router's choice): {what}; they flow"
+        f"{path} to {join(sorted(r.short(c) for c in r.closers))}, which contracts them, so every "
+        "expert is split like a dense MLP and the experts' output is a partial sum, one "
+        f"all-reduce{added}{not_expert}",
+        mode="tensor",
+        shard=tuple(sorted(shard.items())),
+        fused=tuple(sorted(fused.items())),
+        after_sum=tuple(after),
+        added_whole=tuple(added_whole),
+    )
+
+
+def _per_expert_splits(
+    ctx: Context, r: _ExpertRegion
+) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    """Each weight's (and opening bias's) split dim, and the fused pieces of those whose
+    features are cut apart in forward, by their names under the owner."""
+    t = ctx.trace
+    shard: dict[str, int] = {}
+    fused: dict[str, tuple[int, ...]] = {}
+    for m in r.members:
+        shard[r.short(m)] = t.experts.roles[m][1]
+        if m in t.regions.parts:
+            fused[r.short(m)] = t.regions.parts[m]
+    for b, (src, dim) in t.experts.biases.items():
+        if src in r.openers:
+            shard[r.short(b)] = dim
+            if src in t.regions.parts:
+                fused[r.short(b)] = t.regions.parts[src]
+    return shard, fused
+
+
+def pool_experts(ctx: Context, out: Decided) -> None:
+    """A forward traced on the model's own weights runs only the code its routing
+    reaches (an eager loop over the experts hit): one experts module may have sent no
+    token to its experts with weights, another none to its identity experts. Modules of
+    one structure (class, parameter shapes, submodules) run one forward, so what any of
+    them shows holds for all: a reason one is kept whole for keeps all whole, and one
+    whose experts with weights never ran takes the decision of one whose did.
+    (`decide_experts` pools the outputs added whole and their other uses the same way.)"""
+    t = ctx.trace
+    for group in {id(g): g for g in ctx.alike_experts.values()}.values():
+        for o in group:
+            if o not in out.decisions and o not in out.kept_experts and o in t.experts.sum_breaks:
+                out.kept_experts[o] = f"kept whole: {t.experts.sum_breaks[o]}"
+        kept = [o for o in group if o in out.kept_experts]
+        split = [o for o in group if o in out.decisions and o not in out.kept_experts]
+        unseen = [o for o in group if o not in out.decisions and o not in out.kept_experts]
+        if kept:
+            why = out.kept_experts[kept[0]]
+            for o in split + unseen:
+                if out.decisions.pop(o, Decision("replicate", "")).mode == "expert":
+                    out.attributes.pop(o, None)  # its number of experts, divided
+                out.kept_experts[o] = f"{why} (seen in {kept[0]}, of the same structure)"
+        elif split and unseen:
+            first = out.decisions[split[0]]
+            pooled = replace(
+                first,
+                why=f"{first.why}; the {len(group)} modules of this structure share it, "
+                f"{len(unseen)} of which ran no expert with weights on the traced tokens "
+                "(the routing decides)",
+            )
+            for o in split + unseen:
+                out.decisions[o] = pooled
+                if split[0] in out.attributes:
+                    out.attributes[o] = out.attributes[split[0]]
+
+
+def keep_unsplit_experts(ctx: Context, out: Decided) -> None:
+    """Modules holding expert weights that no region split: replicated, with the reason."""
+    split = [d for d, dec in out.decisions.items() if dec.style == "experts"]
+    for owner in sorted(set(ctx.trace.experts.exits) | set(out.kept_experts)):
+        if owner in out.decisions or any(owner.startswith(f"{d}.") for d in split):
+            continue  # (a child holding the weights of experts split at their parent)
+        out.decisions[owner] = Decision(
+            "replicate",
+            out.kept_experts.get(
+                owner,
+                "kept whole: no per-expert matmul of its weights was seen to open and close a split",
+            ),
+        )
+
+
+def keep_inside_experts(out: Decided) -> None:
+    """Modules inside one split as experts stay whole: its forward runs on each rank's
+    local tensors with every parameter but the expert weights whole (JetMoE's router)."""
+    split = [n for n, d in out.decisions.items() if d.style == "experts"]
+    for name, d in list(out.decisions.items()):
+        owner = next((o for o in split if name.startswith(f"{o}.")), None)
+        if owner is not None and d.style != "replicate":
+            out.decisions[name] = Decision(
+                "replicate",
+                f"kept whole: inside {owner}, split as experts, whose forward runs on "
+                "each rank's local tensors with its other parameters whole",
+            )

@@ -1,0 +1,287 @@
+"""Regions of Linears: the openers and closers that exchanged split tensors (trace/record.py
+defines the words), found from the trace's links and split or kept whole as one.
+
+Start at `decide_region`. A region of 3-D expert weights is decided in experts.py instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from ..trace import Trace
+from .context import Context, Decided
+from .decision import Decision
+from .names import PLAIN_OPS, join, join_names, own_params, relative
+
+__all__ = ["decide_region", "find_regions", "split_unit"]
+
+
+def find_regions(trace: Trace) -> list[list[str]]:
+    """Openers and closers joined by the split tensors they exchanged (union-find)."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for name in list(trace.regions.openers) + list(trace.regions.closers):
+        root(name)
+    for group in trace.regions.links:
+        first, *rest = sorted(group)
+        for other in rest:
+            parent[root(other)] = root(first)
+    out: dict[str, list[str]] = {}
+    for name in parent:
+        out.setdefault(root(name), []).append(name)
+    return list(out.values())
+
+
+def split_unit(trace: Trace, openers: list[str]) -> int:
+    """The gcd of every split size the openers' features met (their heads, fused pieces);
+    tp must divide it. 0 without openers."""
+    if not openers:
+        return 0
+    return math.gcd(*(trace.regions.units.get(o, trace.regions.openers[o]) for o in openers))
+
+
+def decide_region(ctx: Context, out: Decided, members: list[str]) -> None:
+    """A region of Linears is split when every split ended at a closer that contracts it,
+    nothing broke it, no weight in it is shared, and tp divides its smallest head count:
+    openers colwise, closers rowwise, the head counts its views read divided, and modules
+    whose parameters act on the split tensors (per-head norms) replicate_grad_sum (or
+    split_params, one entry per head). Else every member is kept whole, with the reasons."""
+    t = ctx.trace
+    openers = [m for m in members if m in t.regions.openers]
+    closers = [m for m in members if m in t.regions.closers]
+    short = relative(members)
+    reasons = _member_reasons(ctx, members, short)
+    if any(o in t.regions.at_output for o in openers):
+        reasons.append("the split reaches the model output")
+    if openers and not closers and not reasons:
+        reasons.append("no Linear contracts its output features")
+    units = split_unit(t, openers)
+    if openers and units % ctx.tp:
+        reasons.append(
+            f"its features split into {units} indivisible blocks (heads), which tp {ctx.tp} does not divide"
+        )
+    holders = _param_holders(ctx, set(openers), reasons)
+    counts = {c for o in openers for c in t.reads.counts.get(o, ())}
+    reasons += _count_reasons(ctx, counts)
+    if reasons:
+        for m in members:
+            out.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
+        return
+    out.split_regions.append((openers, closers))
+    _open(ctx, out, openers, closers, short, units)
+    _close(ctx, out, openers, closers, short)
+    _divide_counts(out, counts, openers, short)
+    _style_param_holders(ctx, out, holders, openers, short)
+
+
+def _member_reasons(ctx: Context, members: list[str], short: dict[str, str]) -> list[str]:
+    """Why members cannot take their role: a split that broke, a layer that misfits, a
+    weight tied or used outside its own call."""
+    t = ctx.trace
+    reasons: list[str] = []
+    for m in members:
+        for r in t.regions.broken.get(m, []):
+            reasons.append(f"{short[m]}'s split ends at {r}")
+        if m in t.regions.misfits:
+            reasons.append(f"{short[m]}: {t.regions.misfits[m]}")
+        if m in ctx.tied:
+            reasons.append(
+                f"{short[m]}'s weight is shared with {join(ctx.tied[m])} (tied); sharding would untie it"
+            )
+        elif ctx.used_outside(m):
+            reasons.append(f"{short[m]}'s weight is also used outside its own forward")
+    return reasons
+
+
+def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]:
+    """Why a head count the region's views read cannot be divided."""
+    t = ctx.trace
+    reasons: list[str] = []
+    for module, attr, value in sorted(counts):
+        if (module, attr) in t.reads.unsplit_sizes:
+            reasons.append(
+                f"{attr} = {value} sizes the split features and also tensors that are not "
+                "split, so it cannot be divided"
+            )
+        elif not module:
+            reasons.append(
+                f"the model's own forward reads {attr} = {value} to size the split features, "
+                "and a plan divides attributes of submodules only"
+            )
+        elif value % ctx.tp:
+            reasons.append(
+                f"a view reads the head count {attr} = {value}, which tp {ctx.tp} does not divide"
+            )
+    return reasons
+
+
+def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[str]:
+    """Modules (not Linear) whose parameters meet this region's split tensors; those that
+    cannot follow the split add their reason to `reasons` instead."""
+    t = ctx.trace
+    owners = {p.rpartition(".")[0] for p, srcs in t.params.in_region.items() if srcs & openers}
+    out = []
+    for owner in sorted(owners):
+        module = ctx.modules.get(owner)
+        label = owner.rpartition(".")[2] or type(module).__name__
+        if not owner:
+            # rules style submodules (parallelize_module matches child names): nothing
+            # can split or sum the gradient of the root's own parameters
+            reasons.append(
+                "the model's own parameters (not a submodule's) meet its split tensors, "
+                "and a plan styles submodules only"
+            )
+            continue
+        if module is None or owner in t.layers.linears or isinstance(module, nn.Embedding):
+            reasons.append(f"the weight of {label} is used inside the region outside its own call")
+            continue
+        own = own_params(module, owner)
+        if any(
+            p in t.params.outside or not (t.params.in_region.get(p, openers) <= openers)
+            for p in own
+        ):
+            reasons.append(f"{label}'s parameters are used both inside and outside the region")
+            continue
+        split = [p for p in own if p in t.params.split_vectors]
+        if split and (len(split) < len(own) or any(p in t.params.whole_vectors for p in split)):
+            reasons.append(f"{label}'s parameters are used both split with the heads and whole")
+            continue
+        out.append(owner)
+    return out
+
+
+def _open(
+    ctx: Context,
+    out: Decided,
+    openers: list[str],
+    closers: list[str],
+    short: dict[str, str],
+    units: int,
+) -> None:
+    """Openers colwise; `why` names the ops the split passed and the closers that end it."""
+    t = ctx.trace
+    to = join_names([short[c] for c in closers])
+    # `to` names the closers: the evidence a reviewer checks against the model's forward
+    verb = "contracts" if len(closers) == 1 else "contract"
+    inners = {t.regions.closers[c].inner for c in closers}
+    for o in openers:
+        ops = sorted(t.regions.ops.get(o, set()) - PLAIN_OPS)
+        path = f"through {', '.join(ops)} to {to}" if ops else f"to {to}"
+        partners = [short[p] for p in openers if p != o]
+        with_partners = f" (with the outputs of {join_names(partners)})" if partners else ""
+        what, it, head_dim = _output_features(ctx, o, inners)
+        heads = t.regions.heads.get(o)
+        need = (
+            f"; tp must divide {units} (the region's smallest head count)"
+            if heads and units < heads
+            else ""
+        )
+        out.decisions[o] = Decision(
+            "colwise",
+            f"{what} {path}{with_partners}, which {verb} {it} on its input dim (rowwise){need}",
+            head_dim=head_dim,
+            parts=t.regions.parts.get(o),
+            transposed=o in t.layers.linears and t.layers.linears[o][2],
+        )
+
+
+def _output_features(ctx: Context, o: str, inners: set[int]) -> tuple[str, str, int | None]:
+    """How an opener's output features are cut (fused pieces, heads, or neither): the words
+    for `why`, the pronoun for them, and the head size its rule records."""
+    t = ctx.trace
+    features = t.regions.openers[o]
+    heads = t.regions.heads.get(o)
+    head_dim = features // heads if heads and features % heads == 0 else None
+    parts = t.regions.parts.get(o)
+    if parts is not None:
+        # the pieces are cut apart before any view, so their head size shows where
+        # they meet again: the closer's input, merged from (heads, head_dim)
+        (inner,) = inners if len(inners) == 1 else (1,)
+        head_dim = inner if inner > 1 and all(p % inner == 0 for p in parts) else None
+        what = (
+            f"its {features} output features are {len(parts)} fused pieces "
+            f"({' | '.join(map(str, parts))}), cut apart in forward; each rank holds its "
+            "own slice of every piece, and they flow"
+        )
+        return what, "them", head_dim
+    if head_dim is not None:
+        (inner,) = inners if len(inners) == 1 else (head_dim,)
+        pieces = head_dim // inner if inner > 1 and head_dim % inner == 0 else 1
+        per_head = (
+            f", each head's {pieces} fused pieces of {inner} side by side"
+            if 2 <= pieces <= 4
+            else ""
+        )
+        return (
+            f"output split into {heads} heads of {head_dim} by a view{per_head}; it flows",
+            "it",
+            head_dim,
+        )
+    return f"its {features} output features flow", "them", None
+
+
+def _close(
+    ctx: Context, out: Decided, openers: list[str], closers: list[str], short: dict[str, str]
+) -> None:
+    """Closers rowwise: their outputs are partial sums, one all-reduce."""
+    by = join_names([short[o] for o in openers])
+    for c in closers:
+        s = ctx.trace.regions.closers[c]
+        head_dim = s.inner if s.inner > 1 else None
+        what = f"{s.n} heads of {s.inner}" if head_dim else f"{s.n} features"
+        out.decisions[c] = Decision(
+            "rowwise",
+            f"contracts the features split by {by} ({what}) on its input dim; its output is a "
+            "partial sum, one all-reduce",
+            head_dim=head_dim,
+            transposed=ctx.trace.layers.linears[c][2],
+        )
+
+
+def _divide_counts(
+    out: Decided, counts: set[tuple[str, str, int]], openers: list[str], short: dict[str, str]
+) -> None:
+    """The head counts (and fused cut sizes) the region's views read are divided by tp."""
+    for module, attr, _ in sorted(counts):
+        attrs = tuple(sorted({*out.attributes.get(module, ((), ""))[0], attr}))
+        out.attributes[module] = (
+            attrs,
+            f"its forward reads {', '.join(attrs)} to view or cut the split features of "
+            f"{join(sorted(short[o] for o in openers))} (with -1 or the rest for other "
+            "dims); each rank must use its own share, so it is divided by the tp size",
+        )
+
+
+def _style_param_holders(
+    ctx: Context, out: Decided, holders: list[str], openers: list[str], short: dict[str, str]
+) -> None:
+    """Modules whose parameters meet the split tensors: split one entry per head (a per-head
+    sink), or replicated with their gradient summed over the tp axis (a per-head norm)."""
+    for h in holders:
+        own = own_params(ctx.modules[h], h)
+        by = join_names([short[o] for o in openers])
+        if any(p in ctx.trace.params.split_vectors for p in own):
+            names = [p.rpartition(".")[2] for p in own]
+            out.decisions[h] = Decision(
+                "split_params",
+                f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one entry per "
+                f"head (per element of the dim split by {by}) and meets them element by "
+                "element (a per-head sink); split alike, each rank holds its own heads' "
+                "entries",
+                shard=tuple((n, 0) for n in names),
+            )
+            continue
+        out.decisions[h] = Decision(
+            "replicate_grad_sum",
+            f"its parameters act on the split features of {by} inside the region; each "
+            "rank's gradient is a partial sum, summed over the tp axis",
+        )

@@ -1,0 +1,61 @@
+"""The Linear and Embedding layers no earlier step split: colwise with the output gathered
+where only the data flow kept them whole, else replicated with the reason.
+
+Start at `decide_rest`, the last step before sequence parallel.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .context import Context, Decided
+from .decision import NOT_CALLED, Decision
+
+__all__ = ["decide_rest"]
+
+
+def decide_rest(ctx: Context, out: Decided) -> None:
+    """Every Linear and Embedding without a decision gets one, with the reason it stays
+    whole (`Decided.kept`), or is split anyway with its output gathered."""
+    t = ctx.trace
+    for name, module in ctx.modules.items():
+        linear = name in t.layers.linears
+        if not (linear or isinstance(module, nn.Embedding)) or name in out.decisions:
+            continue
+        if name in ctx.tied and name not in t.layers.called:
+            continue  # holds a tied weight it never uses: no rule; apply re-ties it
+        if name not in t.layers.called:
+            why = NOT_CALLED
+        else:
+            why = out.kept.get(
+                name, "kept whole: its output is not split anywhere the tracer could follow"
+            )
+        out.decisions[name] = (linear and _gathered(ctx, name, why)) or Decision("replicate", why)
+
+
+def _gathered(ctx: Context, name: str, why: str) -> Decision | None:
+    """A layer whose output cannot stay split may still split its weight: colwise with
+    the output gathered is exact whatever the model does next (the gathered output is the
+    unsplit one), for one all-gather per call of its output features, and only when
+    nothing but the data flow kept it whole. Small layers too (a linear attention's
+    per-head gate inputs): the all-gather is of a few features per token, and the memory
+    a plan saves should not depend on a size threshold of ours."""
+    t = ctx.trace
+    _, features, transposed = t.layers.linears[name]
+    if (
+        name in ctx.tied  # a tied or shared weight stays whole
+        or ctx.used_outside(name)
+        or name in t.regions.misfits
+        or name not in t.layers.called
+        or features % ctx.gather_tp
+    ):
+        return None
+    reason = why.removeprefix("kept whole: ")
+    return Decision(
+        "colwise",
+        f"its output cannot stay split ({reason}); so its {features} output features are split "
+        "and gathered right after (one all-gather per call), which splits its weight and "
+        "leaves what follows unchanged",
+        output="replicate",
+        transposed=transposed,
+    )

@@ -1,0 +1,128 @@
+"""Sequence parallel: the stream between split regions (the residual stream) stays a
+DTensor split over the sequence (dim 1), instead of whole on every rank.
+
+Start at `apply_sequence_parallel`, which rewrites the decisions once every module has one:
+what ends a region reduce-scatters onto sequence shards, what opens one all-gathers its
+input, and the modules with parameters on the stream (norms) run on sequence shards.
+`try_sequence_parallel` then runs the plan once on fake ranks, so a model this does not fit
+fails at infer time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+
+from ..errors import TpplanError
+from ..plan.schema import Plan
+from .context import Context, Decided
+from .decision import Decision
+from .embeddings import not_linear_lookup
+from .names import join, own_params, relative
+
+__all__ = ["apply_sequence_parallel", "try_sequence_parallel"]
+
+
+def apply_sequence_parallel(ctx: Context, out: Decided) -> None:
+    """Keep the stream between split regions split over the sequence (dim 1)."""
+    _scatter_outputs(ctx, out)
+    _gather_region_inputs(ctx, out)
+    _stream_params_on_shards(ctx, out)
+
+
+def _scatter_outputs(ctx: Context, out: Decided) -> None:
+    """Partial sums (rowwise outputs, vocab-parallel lookups) are reduce-scattered onto
+    sequence shards; a gathered head gathers its input over the sequence first."""
+    t = ctx.trace
+    scatter = "; sequence parallel: reduce-scattered onto sequence shards, left a DTensor"
+    for name, d in list(out.decisions.items()):
+        if d.sum_at is not None:
+            # its rows are summed inside its forward, whole: nothing there to scatter
+            why = not_linear_lookup(t.lookups.not_linear[name])
+            out.decisions[name] = Decision(
+                "replicate", f"{why} (where sequence parallel reduce-scatters them)"
+            )
+        elif d.style == "vocab_parallel" or (d.style == "rowwise" and d.output is None):
+            out.decisions[name] = replace(
+                d, output="shard(1)", local_output=False, why=d.why + scatter
+            )
+        elif d.style == "colwise" and d.output == "replicate" and name in t.regions.at_output:
+            out.decisions[name] = replace(
+                d,
+                input="shard(1)",
+                why=d.why + "; sequence parallel: its input is gathered over the sequence first",
+            )
+
+
+def _gather_region_inputs(ctx: Context, out: Decided) -> None:
+    """Each split region all-gathers its input over the sequence: once, at the module that
+    holds its openers when they all take that module's input (prepare), else each opener
+    its own."""
+    t = ctx.trace
+    gather = (
+        "sequence parallel: all-gathers its input over the sequence, since {} need whole sequences"
+    )
+    for openers, _ in out.split_regions:
+        parent = _common_parent(openers)
+        entry = t.layers.entries.get(parent)
+        if (
+            entry is not None
+            and all(t.layers.entries.get(o, (0, -1))[1] == entry[1] for o in openers)
+            and parent
+            and parent not in openers
+            and parent not in out.decisions
+        ):
+            out.decisions[parent] = Decision(
+                "prepare",
+                gather.format(
+                    join(sorted(relative([*openers, parent]).get(o, o) for o in openers))
+                ),
+                prepared=entry[0],
+            )
+            continue
+        for o in openers:  # each opener gathers its own input
+            d = out.decisions[o]
+            out.decisions[o] = replace(d, input="shard(1)", why=d.why + "; " + gather.format("it"))
+
+
+def _stream_params_on_shards(ctx: Context, out: Decided) -> None:
+    """Modules whose parameters act on the stream (norms) run on sequence shards."""
+    t = ctx.trace
+    for name, module in ctx.modules.items():
+        if name in out.decisions or name in t.layers.linears or isinstance(module, nn.Embedding):
+            continue
+        own = own_params(module, name)
+        if own and name in t.layers.entries and any(p in t.params.outside for p in own):
+            out.decisions[name] = Decision(
+                "sequence_parallel",
+                "its parameters act on the stream between split regions, which sequence "
+                "parallel keeps split over the sequence; they are replicated and it runs on "
+                "each rank's shard of the sequence",
+            )
+
+
+def _common_parent(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    k = 0
+    while all(len(p) > k for p in parts) and len({p[k] for p in parts}) == 1:
+        k += 1
+    return ".".join(parts[0][:k])
+
+
+def try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs: Any) -> None:
+    """Run the plan once as check_plan does (a meta copy over fake ranks): a stream the model
+    mixes with plain tensors (positions added to it, a gathered layer's output) fails here,
+    with a message, rather than in the user's first forward."""
+    # imported here: the dry run brings in torch.distributed, which nothing else needs
+    from ..check.run import run_plan
+
+    if example_inputs is not None:
+        return  # the inputs are the caller's: their first forward tells
+    for problem in run_plan(plan, model, tp_size=tp):
+        raise TpplanError(
+            f"sequence parallel does not fit {type(model).__name__}: its forward mixes the "
+            f"sequence-split stream with whole tensors ({problem.message.rstrip('.')}). "
+            "Infer without sequence parallel, or write those rules by hand."
+        )

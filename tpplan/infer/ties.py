@@ -1,0 +1,71 @@
+"""Tied weights: a parameter held by several modules (tied input and output embeddings)
+stays one tensor only when every module that computes with it splits it alike.
+
+Start at `untie_unalike`, called once the regions, tables and head are decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from .._runtime.facts import tied_groups, weight_split
+from .context import Context, Decided
+from .names import join
+
+__all__ = ["untie_unalike"]
+
+
+def untie_unalike(ctx: Context, out: Decided) -> None:
+    """A parameter held by several modules (tied input and output embeddings) stays one
+    tensor only when every module that computes with it splits it alike (the vocab rows,
+    for a token lookup and a head); otherwise they all stay whole. Holders that only
+    keep a reference (BERT's prediction head holds its decoder's bias) do not count."""
+    groups = tied_groups(ctx.model)
+    changed = True
+    while changed:
+        changed = False
+        for group in groups:
+            users = _users(ctx, group)
+            splits = {
+                (m, p): weight_split(
+                    out.decisions[m].rule(m) if m in out.decisions else None,
+                    ctx.modules[m],
+                    p,
+                )
+                for m, p in users
+            }
+            if len(set(splits.values())) < 2:
+                continue
+            changed = True
+            names = sorted({m for m, _ in group})
+            for m, _ in users:
+                if out.decisions.pop(m, None) is not None:
+                    others = join([n for n in names if n != m])
+                    out.kept[m] = (
+                        f"kept whole: its weight is shared with {others} (tied), which "
+                        "cannot split it the same way"
+                    )
+    for group in groups:
+        for m, p in group:
+            d = out.decisions.get(m)
+            if p == "weight" and d is not None and d.style != "replicate":
+                others = join(sorted({n for n, _ in group if n != m}))
+                why = f"{d.why}; its weight is tied with {others}, split the same way"
+                out.decisions[m] = replace(d, why=why)
+
+
+def _users(ctx: Context, group: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (module, parameter) holders of a tied parameter that compute with it: a called
+    Linear or Embedding, or a module whose forward uses the parameter directly."""
+    t = ctx.trace
+    return [
+        (m, p)
+        for m, p in group
+        if (
+            m in t.layers.called
+            and (m in t.layers.linears or isinstance(ctx.modules[m], nn.Embedding))
+        )
+        or f"{m}.{p}".lstrip(".") in t.params.outside
+    ]
