@@ -14,9 +14,10 @@ from torch import nn
 
 from .._runtime.facts import describe_mismatch, fingerprint, tied_groups, weight_split
 from ..errors import Problem, TpplanError, did_you_mean
-from ..plan.layouts import parse_layout
 from ..plan.patterns import collapse, match_names, wildcard
 from ..plan.schema import Plan, Rule
+from .shared import closes_region, legal_sizes, opens_region, rule_label, traced_name
+from .sizes import check_size, sharded_dim, split_dims
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -35,55 +36,6 @@ _TYPES: dict[str, tuple[type[nn.Module], ...] | None] = {
     "experts": None,
     "split_params": None,
 }
-
-
-def _where(i: int, rule: Rule) -> str:
-    return f"rules[{i}] (match: {rule.match})"
-
-
-def _legal_sizes(n: int) -> str:
-    """The tp sizes up to 64 (what machines offer) that divide n."""
-    return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0)
-
-
-def _sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
-    """(what is split, its size) for a rule that splits a parameter dim."""
-    weight = getattr(module, "weight", None)
-    if rule.transposed and isinstance(weight, nn.Parameter):
-        if rule.style == "colwise":
-            return "out features (weight dim 1)", weight.shape[1]
-        if rule.style == "rowwise":
-            return "in features (weight dim 0)", weight.shape[0]
-    if isinstance(module, nn.Linear):
-        if rule.style == "colwise":
-            return "out_features", module.out_features
-        if rule.style == "rowwise":
-            return "in_features", module.in_features
-    if isinstance(module, nn.Embedding):
-        if rule.style == "colwise":
-            return "embedding_dim", module.embedding_dim
-        if rule.style in ("rowwise", "vocab_parallel"):
-            return "num_embeddings (the vocab)", module.num_embeddings
-    return None
-
-
-def _split_dims(rule: Rule, module: nn.Module) -> list[tuple[str, int]]:
-    """Each (what, size) the tp size must split: the whole dim, or each part of a fused one."""
-    split = _sharded_dim(rule, module)
-    if split is None:
-        return []
-    if not rule.parts:
-        return [split]
-    what, _ = split
-    return [(f"part {k} of the {what}", size) for k, size in enumerate(rule.parts)]
-
-
-def _opens_region(rule: Rule) -> bool:
-    return rule.style == "colwise" and parse_layout(rule.output or "shard(-1)")[0] == "shard"
-
-
-def _closes_region(rule: Rule) -> bool:
-    return rule.style == "rowwise" and parse_layout(rule.input or "shard(-1)")[0] == "shard"
 
 
 def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
@@ -118,7 +70,7 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
                 problems.append(
                     Problem(
                         "overlap",
-                        _where(i, rule),
+                        rule_label(i, rule),
                         name,
                         f"the module is also matched by rules[{j}] (match: {plan.rules[j].match}); "
                         "a module takes one style.",
@@ -162,7 +114,7 @@ def _check_inside_experts(plan: Plan, owner: dict[str, int]) -> list[Problem]:
         out.append(
             Problem(
                 "overlap",
-                _where(i, rule),
+                rule_label(i, rule),
                 name,
                 f"it is inside {outer}, matched by rules[{owner[outer]}] (style experts), whose "
                 "forward runs on each rank's local tensors with its other parameters whole.",
@@ -196,7 +148,7 @@ def _check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Pro
             out.append(
                 Problem(
                     "tied",
-                    _where(i, plan.rules[i]),
+                    rule_label(i, plan.rules[i]),
                     mod,
                     f"it shares a parameter with other modules (tied), which the plan splits "
                     f"differently ({said}); sharded, they would stop being one tensor.",
@@ -227,7 +179,7 @@ def _no_match(i: int, rule: Rule, names: list[str]) -> Problem:
     hint = did_you_mean(rule.match, candidates) or did_you_mean(rule.match, collapse(names, names))
     return Problem(
         "no_match",
-        _where(i, rule),
+        rule_label(i, rule),
         None,
         f"the pattern matches no module of the model.{hint}",
         "correct the pattern (segments are matched one by one, `*` never crosses a dot) "
@@ -248,7 +200,7 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
         return [
             Problem(
                 "module_type",
-                _where(i, rule),
+                rule_label(i, rule),
                 name,
                 f"{rule.style} names {', '.join(missing)}, which {type(module).__name__} does "
                 f"not hold (its parameters: {have}).",
@@ -264,7 +216,7 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
             out.append(
                 Problem(
                     "module_type",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"shard: {pname}: {dim}, but {pname} has {len(shape)} dims {shape}.",
                     "give a dim of the parameter"
@@ -279,7 +231,7 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
             out.append(
                 Problem(
                     "parts",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"fused {pname} {pieces} add up to {sum(pieces)}, but {what} is {shape[dim]}.",
                     "list the sizes of the fused pieces (gate, up) in order; they must add up "
@@ -288,7 +240,7 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
             )
             continue
         for size in pieces or [shape[dim]]:
-            out.extend(_check_size(i, rule, name, what, size, tp))
+            out.extend(check_size(i, rule, name, what, size, tp))
     return out
 
 
@@ -301,7 +253,7 @@ def _check_added_whole(i: int, rule: Rule, name: str, module: nn.Module) -> list
     return [
         Problem(
             "module_type",
-            _where(i, rule),
+            rule_label(i, rule),
             name,
             f"added_whole names {', '.join(missing)}, which {type(module).__name__} does not "
             f"hold (its submodules: {', '.join(sorted(have)) or 'none'}).",
@@ -325,7 +277,7 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
             out.append(
                 Problem(
                     "module_type",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"transposed: true needs a module with a 2-D weight stored (in, out); "
                     f"{type(module).__name__} has none.",
@@ -338,7 +290,7 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
         out.append(
             Problem(
                 "module_type",
-                _where(i, rule),
+                rule_label(i, rule),
                 name,
                 f"style '{rule.style}' applies to {ok}, not to {type(module).__name__}.",
                 "match the layers inside this module instead, or use another style.",
@@ -349,7 +301,7 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
         return [
             Problem(
                 "module_type",
-                _where(i, rule),
+                rule_label(i, rule),
                 name,
                 "style 'sequence_parallel' takes a module's input as this rank's share of the "
                 "sequence, but an nn.Embedding's input is the token ids, which every rank "
@@ -362,18 +314,18 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
         out.append(
             Problem(
                 "module_type",
-                _where(i, rule),
+                rule_label(i, rule),
                 name,
                 "style 'replicate_grad_sum' needs a module with parameters of its own.",
                 "match the module that holds the parameters.",
             )
         )
-    whole = _sharded_dim(rule, module)
+    whole = sharded_dim(rule, module)
     if rule.parts and whole is not None and sum(rule.parts) != whole[1]:
         out.append(
             Problem(
                 "parts",
-                _where(i, rule),
+                rule_label(i, rule),
                 name,
                 f"parts {rule.parts} add up to {sum(rule.parts)}, but the {whole[0]} is {whole[1]}.",
                 "list the sizes of the fused pieces (e.g. q, k, v) in order; they must add up "
@@ -381,8 +333,8 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
             )
         )
         return out
-    for what, size in _split_dims(rule, module):
-        out.extend(_check_size(i, rule, name, what, size, tp))
+    for what, size in split_dims(rule, module):
+        out.extend(check_size(i, rule, name, what, size, tp))
     return out + _check_written(i, rule, name, module, tp)
 
 
@@ -402,7 +354,7 @@ def _check_written(i: int, rule: Rule, name: str, module: nn.Module, tp: int) ->
         return [
             Problem(
                 "module_type",
-                _where(i, rule),
+                rule_label(i, rule),
                 name,
                 f"written names {', '.join(wrong)}, not a parameter of "
                 f"{type(module).__name__} as wide as its rows ({module.embedding_dim}); its "
@@ -411,45 +363,7 @@ def _check_written(i: int, rule: Rule, name: str, module: nn.Module, tp: int) ->
             )
         ]
     what = f"embedding_dim (the width of {', '.join(rule.written)})"
-    return _check_size(i, rule, name, what, module.embedding_dim, tp)
-
-
-def _check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> list[Problem]:
-    out: list[Problem] = []
-    if rule.head_dim is not None:
-        if size % rule.head_dim:
-            out.append(
-                Problem(
-                    "divisibility",
-                    _where(i, rule),
-                    name,
-                    f"{what} = {size} is not a whole number of heads of head_dim {rule.head_dim}.",
-                    "correct head_dim in the rule.",
-                )
-            )
-        elif (size // rule.head_dim) % tp:
-            heads = size // rule.head_dim
-            out.append(
-                Problem(
-                    "divisibility",
-                    _where(i, rule),
-                    name,
-                    f"{heads} heads (of head_dim {rule.head_dim}) do not split evenly over tp size {tp}; "
-                    "every rank must hold whole heads.",
-                    f"use a tp size among {_legal_sizes(heads)}, or keep this module replicated.",
-                )
-            )
-    elif size % tp:
-        out.append(
-            Problem(
-                "divisibility",
-                _where(i, rule),
-                name,
-                f"{what} = {size} does not divide by tp size {tp}.",
-                f"use a tp size among {_legal_sizes(size)}, or keep this module replicated.",
-            )
-        )
-    return out
+    return check_size(i, rule, name, what, module.embedding_dim, tp)
 
 
 def _check_regions(
@@ -471,8 +385,8 @@ def _check_regions(
     names = [n for n, _ in model.named_modules() if n]
 
     checked = _Checked(
-        openers=having(_opens_region),
-        closers=having(_closes_region),
+        openers=having(opens_region),
+        closers=having(closes_region),
         tables=having(lambda r: r.style == "vocab_parallel"),
         # a colwise layer gathered right after is no opener, but its parts must still be right
         widths=having(lambda r: r.head_dim or r.parts or r.fused),
@@ -488,7 +402,7 @@ def _check_regions(
         return _check_regions_by_structure(plan, checked.openers, checked.closers, model)
     out = _check_traced(plan, checked, trace, tp, flagged)
     checked_names = (name for pairs in checked for _, name in pairs)
-    for root in idle_roots(checked_names, trace.layers.ran, lambda n: _traced(trace, n)):
+    for root in idle_roots(checked_names, trace.layers.ran, lambda n: traced_name(trace, n)):
         out += _check_part(plan, checked, model, root, tp, flagged)
     return out
 
@@ -522,13 +436,13 @@ def _check_divided(plan: Plan, checked: _Checked, trace: Trace) -> list[Problem]
     forward reads (head_dim, a width) shrinks what every rank keeps whole. Judged only where
     the trace followed every split the plan opens to its end (a split it lost may have
     read counts it did not see); the dry run speaks for the rest."""
-    if any(_traced(trace, n) in trace.regions.broken for _, n in checked.openers):
+    if any(traced_name(trace, n) in trace.regions.broken for _, n in checked.openers):
         return []
     counts = [*trace.reads.counts.values(), *trace.experts.counts.values()]
     legal = {(m, a) for found in counts for m, a, _ in found}
     out: list[Problem] = []
     for i, name in checked.divided:
-        rule, t = plan.attributes[i], _traced(trace, name)
+        rule, t = plan.attributes[i], traced_name(trace, name)
         for attr in rule.divide:
             if (t, attr) in legal or (t, attr) not in trace.reads.ints:
                 continue
@@ -639,7 +553,7 @@ def _check_widths(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> l
     checks tp sizes against heads the model does not have."""
     out: list[Problem] = []
     for i, name in modules:
-        rule, t = plan.rules[i], _traced(trace, name)
+        rule, t = plan.rules[i], traced_name(trace, name)
         stated = [("parts", "", rule.parts, trace.regions.parts.get(t), "parts: {}")] + [
             (
                 f"fused {p}",
@@ -657,7 +571,7 @@ def _check_widths(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> l
             out.append(
                 Problem(
                     "parts",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"the rule states {field} {sizes}, but the model cuts its "
                     f"{sum(pieces)} output features{of} into the pieces {[*pieces]}.",
@@ -667,14 +581,14 @@ def _check_widths(plan: Plan, modules: list[tuple[int, str]], trace: Trace) -> l
             )
         if rule.head_dim is None:
             continue
-        seen = _model_head_dim(trace, t, closer=_closes_region(rule))
+        seen = _model_head_dim(trace, t, closer=closes_region(rule))
         if seen is None or seen[0] == rule.head_dim:
             continue
         head_dim, view = seen
         out.append(
             Problem(
                 "head_dim",
-                _where(i, rule),
+                rule_label(i, rule),
                 name,
                 f"the rule states head_dim {rule.head_dim}, but the model's head_dim is "
                 f"{head_dim} ({view}).",
@@ -692,10 +606,10 @@ def _check_lookups(plan: Plan, tables: list[tuple[int, str]], trace: Trace) -> l
     at the lookup. Both need its lookups made through nn.Embedding's forward."""
     out: list[Problem] = []
     for i, name in tables:
-        rule, t = plan.rules[i], _traced(trace, name)
+        rule, t = plan.rules[i], traced_name(trace, name)
         found = _lookup_problem(rule, t, trace)
         if found is not None:
-            out.append(Problem("lookup", _where(i, rule), name, *found))
+            out.append(Problem("lookup", rule_label(i, rule), name, *found))
     return out
 
 
@@ -767,7 +681,7 @@ def _check_heads(
     small (or missing) would pass the rule's own check and cut heads in half mid-forward."""
     out: list[Problem] = []
     for i, name in openers:
-        t = _traced(trace, name)
+        t = traced_name(trace, name)
         units = trace.regions.units.get(t)
         if name in flagged or t not in trace.regions.openers or units is None or units % tp == 0:
             continue
@@ -780,29 +694,21 @@ def _check_heads(
         out.append(
             Problem(
                 "divisibility",
-                _where(i, plan.rules[i]),
+                rule_label(i, plan.rules[i]),
                 name,
                 f"the model views its {features} output features as {what}: tp size {tp} "
                 "would cut them.",
-                f"use a tp size among {_legal_sizes(units)}, or keep this module replicated.",
+                f"use a tp size among {legal_sizes(units)}, or keep this module replicated.",
             )
         )
     return out
-
-
-def _traced(trace: Trace, name: str) -> str:
-    """Untraced repeats of a block are checked through the block traced in their place."""
-    for block, twin in trace.stacks.untraced.items():
-        if name == block or name.startswith(block + "."):
-            return twin + name[len(block) :]
-    return name
 
 
 def _check_regions_by_flow(
     plan: Plan, openers: list[tuple[int, str]], closers: list[tuple[int, str]], trace: Trace
 ) -> list[Problem]:
     def traced(name: str) -> str:
-        return _traced(trace, name)
+        return traced_name(trace, name)
 
     open_t = {traced(n) for _, n in openers}
     close_t = {traced(n) for _, n in closers}
@@ -822,7 +728,7 @@ def _check_regions_by_flow(
             out.append(
                 Problem(
                     "unclosed_region",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"its output is contracted by {', '.join(missing)}, which the plan does not make "
                     "rowwise, so that layer would read a shard as if it were the whole tensor.",
@@ -837,7 +743,7 @@ def _check_regions_by_flow(
             out.append(
                 Problem(
                     "unclosed_region",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"its output stays sharded ({rule.output or 'shard(-1)'}) up to the model's output.",
                     "gather it with `output: replicate`, or set options.loss_parallel and compute "
@@ -855,7 +761,7 @@ def _check_regions_by_flow(
             out.append(
                 Problem(
                     "unopened_region",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"its input comes from {', '.join(missing)}, which the plan does not make colwise.",
                     "make those layers colwise too, or declare `input: replicate`.",
@@ -869,7 +775,7 @@ def _split_rows(i: int, rule: Rule, name: str) -> Problem:
     to open a split, as T5's relative position bias is) and whose output stays split."""
     return Problem(
         "unclosed_region",
-        _where(i, rule),
+        rule_label(i, rule),
         name,
         "colwise on an nn.Embedding gives each rank a slice of every looked-up row's "
         f"features and leaves its output split ({rule.output or 'shard(-1)'}), but the "
@@ -909,7 +815,7 @@ def _check_regions_by_structure(
             out.append(
                 Problem(
                     "unclosed_region",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"its output stays sharded ({rule.output or 'shard(-1)'}) but no rowwise "
                     f"module under {wildcard(p) or 'the model (top level)'} takes it back to a full tensor.",
@@ -924,7 +830,7 @@ def _check_regions_by_structure(
             out.append(
                 Problem(
                     "unopened_region",
-                    _where(i, rule),
+                    rule_label(i, rule),
                     name,
                     f"it expects a sharded input ({rule.input or 'shard(-1)'}) but no colwise module "
                     f"under {wildcard(p) or 'the model (top level)'} produces one.",
@@ -971,7 +877,7 @@ def _check_attributes(
                             where,
                             name,
                             f"{attr} = {value} does not divide by tp size {tp}.",
-                            f"use a tp size among {_legal_sizes(value)}.",
+                            f"use a tp size among {legal_sizes(value)}.",
                         )
                     )
     return out
