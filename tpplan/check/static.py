@@ -12,30 +12,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 
-from .._runtime.facts import describe_mismatch, fingerprint, tied_groups, weight_split
+from .._runtime.facts import describe_mismatch, fingerprint
 from ..errors import Problem, TpplanError, did_you_mean
 from ..plan.patterns import collapse, match_names, wildcard
 from ..plan.schema import Plan, Rule
+from .rules import check_inside_experts, check_rules, check_tied, match_rules
 from .shared import closes_region, legal_sizes, opens_region, rule_label, traced_name
-from .sizes import check_size, sharded_dim, split_dims
 
 if TYPE_CHECKING:
     from ..trace import Trace
 
 __all__ = ["check_plan", "splits_nothing"]
-
-# Module types each style can be applied to; None means any module.
-_TYPES: dict[str, tuple[type[nn.Module], ...] | None] = {
-    "colwise": (nn.Linear, nn.Embedding),
-    "rowwise": (nn.Linear, nn.Embedding),
-    "vocab_parallel": (nn.Embedding,),
-    "sequence_parallel": None,
-    "prepare": None,
-    "replicate": None,
-    "replicate_grad_sum": None,
-    "experts": None,
-    "split_params": None,
-}
 
 
 def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
@@ -56,34 +43,12 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}.")
     modules = dict(model.named_modules())
     names = [n for n in modules if n]
-    problems: list[Problem] = []
-    owner: dict[str, int] = {}
-    matched: dict[int, list[str]] = {}
-    for i, rule in enumerate(plan.rules):
-        hits = match_names(rule.match, names)
-        matched[i] = hits
-        if not hits:
-            problems.append(_no_match(i, rule, names))
-        for name in hits:
-            if name in owner:
-                j = owner[name]
-                problems.append(
-                    Problem(
-                        "overlap",
-                        rule_label(i, rule),
-                        name,
-                        f"the module is also matched by rules[{j}] (match: {plan.rules[j].match}); "
-                        "a module takes one style.",
-                        "narrow one of the two patterns.",
-                    )
-                )
-                continue
-            owner[name] = i
-            problems.extend(_check_module(i, rule, name, modules[name], tp_size))
-    problems.extend(_check_inside_experts(plan, owner))
-    problems.extend(_check_tied(plan, owner, model))
+    matches = match_rules(plan, names)
+    problems = check_rules(plan, matches, modules, tp_size)
+    problems += check_inside_experts(plan, matches.owner)
+    problems += check_tied(plan, matches.owner, model)
     flagged = {p.module for p in problems if p.kind == "divisibility" and p.module}
-    problems.extend(_check_regions(plan, matched, model, tp_size, flagged))
+    problems.extend(_check_regions(plan, matches.by_rule, model, tp_size, flagged))
     problems.extend(_check_attributes(plan, names, modules, tp_size))
     problems.extend(_check_fingerprint(plan, model))
     if problems:
@@ -101,65 +66,6 @@ def splits_nothing(plan: Plan) -> bool:
     return all(r.style in ("replicate", "replicate_grad_sum") for r in plan.rules)
 
 
-def _check_inside_experts(plan: Plan, owner: dict[str, int]) -> list[Problem]:
-    """An experts module runs its forward on each rank's local tensors with every parameter
-    but its expert weights whole, so a module inside it takes no split of its own."""
-    experts = [n for n, i in owner.items() if plan.rules[i].style == "experts"]
-    out: list[Problem] = []
-    for name, i in owner.items():
-        rule = plan.rules[i]
-        outer = next((e for e in experts if name.startswith(f"{e}.")), None)
-        if outer is None or rule.style == "replicate":
-            continue
-        out.append(
-            Problem(
-                "overlap",
-                rule_label(i, rule),
-                name,
-                f"it is inside {outer}, matched by rules[{owner[outer]}] (style experts), whose "
-                "forward runs on each rank's local tensors with its other parameters whole.",
-                "drop this rule, or keep the module whole (style: replicate).",
-            )
-        )
-    return out
-
-
-def _check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Problem]:
-    """Modules sharing one parameter (tied embeddings) must split it alike, or it would be
-    two different tensors after sharding: no longer tied, and wrong after one step. A
-    holder no rule matches (T5's `shared` embedding, which forward never calls; BERT's
-    prediction head, which keeps a reference to its decoder's bias) follows the split copy
-    when apply re-ties them; were it to compute with it, DTensor would refuse the mix of a
-    plain input and a split weight loudly."""
-    modules = dict(model.named_modules())
-    out = []
-    for group in tied_groups(model):
-        splits = {
-            (mod, name): weight_split(
-                plan.rules[owner[mod]] if mod in owner else None, modules[mod], name
-            )
-            for mod, name in group
-            if mod in owner
-        }
-        if len(set(splits.values())) > 1:
-            (mod, _), *_ = [k for k, v in splits.items() if v != "whole"] or list(splits)
-            i = owner[mod]
-            said = ", ".join(f"{m}.{n}: {v}" for (m, n), v in splits.items())
-            out.append(
-                Problem(
-                    "tied",
-                    rule_label(i, plan.rules[i]),
-                    mod,
-                    f"it shares a parameter with other modules (tied), which the plan splits "
-                    f"differently ({said}); sharded, they would stop being one tensor.",
-                    "give every module holding the tied parameter a style that splits it the "
-                    "same way (vocab_parallel input embedding with a colwise head), or keep them "
-                    "all replicated.",
-                )
-            )
-    return out
-
-
 def _merge_layers(problems: list[Problem], names: list[str]) -> list[Problem]:
     """One problem per rule and message, its modules collapsed over repeated layers."""
     groups: dict[tuple[str, str, str, str], list[Problem]] = {}
@@ -171,199 +77,6 @@ def _merge_layers(problems: list[Problem], names: list[str]) -> list[Problem]:
         module = ", ".join(collapse(mods, names)) if mods else None
         out.append(Problem(kind, rule, module, message, fix))  # type: ignore[arg-type]
     return out
-
-
-def _no_match(i: int, rule: Rule, names: list[str]) -> Problem:
-    depth = rule.match.count(".")
-    candidates = [c for c in collapse(names, names) if c.count(".") == depth]
-    hint = did_you_mean(rule.match, candidates) or did_you_mean(rule.match, collapse(names, names))
-    return Problem(
-        "no_match",
-        rule_label(i, rule),
-        None,
-        f"the pattern matches no module of the model.{hint}",
-        "correct the pattern (segments are matched one by one, `*` never crosses a dot) "
-        "or delete the rule.",
-    )
-
-
-def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
-    """Every parameter an experts or split_params rule names exists, and each split dim
-    divides by tp."""
-    out: list[Problem] = []
-    # experts may name a child's parameters (`input_linear.weight`) too
-    own = dict(module.named_parameters(recurse=rule.style == "experts"))
-    named = [*(rule.shard or {}), *(rule.after_sum or ())]
-    missing = [p for p in named if p not in own]
-    if missing:
-        have = ", ".join(f"{n} {tuple(p.shape)}" for n, p in own.items()) or "none"
-        return [
-            Problem(
-                "module_type",
-                rule_label(i, rule),
-                name,
-                f"{rule.style} names {', '.join(missing)}, which {type(module).__name__} does "
-                f"not hold (its parameters: {have}).",
-                "name the module's own parameters (a child's by its dotted name) in shard "
-                "and after_sum."
-                if rule.style == "experts"
-                else "name the module's own parameters (not its children's) in shard.",
-            )
-        ]
-    for pname, dim in (rule.shard or {}).items():
-        shape = tuple(own[pname].shape)
-        if dim >= len(shape):
-            out.append(
-                Problem(
-                    "module_type",
-                    rule_label(i, rule),
-                    name,
-                    f"shard: {pname}: {dim}, but {pname} has {len(shape)} dims {shape}.",
-                    "give a dim of the parameter"
-                    + (" (0 is the experts)." if rule.style == "experts" else "."),
-                )
-            )
-            continue
-        pieces = (rule.fused or {}).get(pname)
-        experts = rule.style == "experts" and dim == 0
-        what = f"{pname} dim {dim}" + (" (the number of experts)" if experts else "")
-        if pieces is not None and sum(pieces) != shape[dim]:
-            out.append(
-                Problem(
-                    "parts",
-                    rule_label(i, rule),
-                    name,
-                    f"fused {pname} {pieces} add up to {sum(pieces)}, but {what} is {shape[dim]}.",
-                    "list the sizes of the fused pieces (gate, up) in order; they must add up "
-                    "to the whole.",
-                )
-            )
-            continue
-        for size in pieces or [shape[dim]]:
-            out.extend(check_size(i, rule, name, what, size, tp))
-    return out
-
-
-def _check_added_whole(i: int, rule: Rule, name: str, module: nn.Module) -> list[Problem]:
-    """Every submodule an experts rule scales by 1/tp exists under the matched module."""
-    have = {n for n, _ in module.named_modules() if n}
-    missing = [c for c in rule.added_whole or () if c not in have]
-    if not missing:
-        return []
-    return [
-        Problem(
-            "module_type",
-            rule_label(i, rule),
-            name,
-            f"added_whole names {', '.join(missing)}, which {type(module).__name__} does not "
-            f"hold (its submodules: {', '.join(sorted(have)) or 'none'}).",
-            "name submodules of the matched module by their dotted names under it.",
-        )
-    ]
-
-
-def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
-    if rule.style == "experts":
-        return _check_own_params(i, rule, name, module, tp) + _check_added_whole(
-            i, rule, name, module
-        )
-    if rule.style == "split_params":
-        return _check_own_params(i, rule, name, module, tp)
-    out: list[Problem] = []
-    types = _TYPES[rule.style]
-    if rule.transposed:
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-            out.append(
-                Problem(
-                    "module_type",
-                    rule_label(i, rule),
-                    name,
-                    f"transposed: true needs a module with a 2-D weight stored (in, out); "
-                    f"{type(module).__name__} has none.",
-                    "remove transposed, or match the layer that holds the weight.",
-                )
-            )
-            return out
-    elif types is not None and not isinstance(module, types):
-        ok = " or ".join(f"nn.{t.__name__}" for t in types)
-        out.append(
-            Problem(
-                "module_type",
-                rule_label(i, rule),
-                name,
-                f"style '{rule.style}' applies to {ok}, not to {type(module).__name__}.",
-                "match the layers inside this module instead, or use another style.",
-            )
-        )
-        return out
-    if rule.style == "sequence_parallel" and isinstance(module, nn.Embedding):
-        return [
-            Problem(
-                "module_type",
-                rule_label(i, rule),
-                name,
-                "style 'sequence_parallel' takes a module's input as this rank's share of the "
-                "sequence, but an nn.Embedding's input is the token ids, which every rank "
-                "holds whole: its rows would be read as 1/tp of a sequence tp times as long.",
-                "use vocab_parallel (`output: shard(1)` starts a sequence-parallel region, "
-                "as `tpplan infer --sequence-parallel` writes it) or replicate.",
-            )
-        ]
-    if rule.style == "replicate_grad_sum" and not any(True for _ in module.parameters(False)):
-        out.append(
-            Problem(
-                "module_type",
-                rule_label(i, rule),
-                name,
-                "style 'replicate_grad_sum' needs a module with parameters of its own.",
-                "match the module that holds the parameters.",
-            )
-        )
-    whole = sharded_dim(rule, module)
-    if rule.parts and whole is not None and sum(rule.parts) != whole[1]:
-        out.append(
-            Problem(
-                "parts",
-                rule_label(i, rule),
-                name,
-                f"parts {rule.parts} add up to {sum(rule.parts)}, but the {whole[0]} is {whole[1]}.",
-                "list the sizes of the fused pieces (e.g. q, k, v) in order; they must add up "
-                "to the whole.",
-            )
-        )
-        return out
-    for what, size in split_dims(rule, module):
-        out.extend(check_size(i, rule, name, what, size, tp))
-    return out + _check_written(i, rule, name, module, tp)
-
-
-def _check_written(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
-    """Each parameter `written` names is the table's own and as wide as its rows, a width
-    that divides by tp."""
-    if not rule.written or not isinstance(module, nn.Embedding):
-        return []
-    own = dict(module.named_parameters(recurse=False))
-    wrong = [
-        p
-        for p in rule.written
-        if p == "weight" or p not in own or own[p].shape[-1:] != (module.embedding_dim,)
-    ]
-    if wrong:
-        have = ", ".join(f"{n} {tuple(q.shape)}" for n, q in own.items())
-        return [
-            Problem(
-                "module_type",
-                rule_label(i, rule),
-                name,
-                f"written names {', '.join(wrong)}, not a parameter of "
-                f"{type(module).__name__} as wide as its rows ({module.embedding_dim}); its "
-                f"parameters: {have}.",
-                "name the parameters its forward writes over looked-up rows.",
-            )
-        ]
-    what = f"embedding_dim (the width of {', '.join(rule.written)})"
-    return check_size(i, rule, name, what, module.embedding_dim, tp)
 
 
 def _check_regions(
