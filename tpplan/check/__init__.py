@@ -11,7 +11,7 @@ The modules:
   attributes.check_divided; structure.py where the model cannot be traced.
 - attributes.py: the plan's attribute fixes. fingerprint.py: the plan's model.
 - shared.py: how problems name rules, legal tp sizes, region roles.
-- run.py: the dry run on fake ranks.
+- run.py: the dry run on fake ranks; blame.py: which rule a failure of it is told on.
 """
 
 from __future__ import annotations

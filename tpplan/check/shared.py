@@ -1,6 +1,7 @@
-"""What the checks of check/ share: how a Problem names the rule it is about, the tp sizes
-that divide a size, which rules open and close a region, and where a module of an untraced
-repeated block is found in a trace. Start at `rule_label`.
+"""What the checks of check/ share: how a Problem names the rule it is about, which rule
+treats each module, the tp sizes that divide a size, which rules open and close a region,
+and where a module of an untraced repeated block is found in a trace. Start at
+`rule_label`.
 
 The words are the tracer's (tpplan/trace/record.py): an opener is a layer whose output
 features are split (colwise, its output left sharded), a closer one whose input arrives
@@ -13,7 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..plan.layouts import parse_layout
-from ..plan.schema import AttributeRule, Rule
+from ..plan.patterns import match_names
+from ..plan.schema import AttributeRule, Plan, Rule
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -25,6 +27,7 @@ __all__ = [
     "legal_sizes",
     "opens_region",
     "rule_label",
+    "rules_by_module",
     "traced_name",
 ]
 
@@ -63,3 +66,19 @@ def traced_name(trace: Trace, name: str) -> str:
         if name == block or name.startswith(block + "."):
             return copied + name[len(block) :]
     return name
+
+
+def rules_by_module(
+    plan: Plan, names: list[str]
+) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, str]]]:
+    """({module: (rule label, style)}, {module: (attribute rule label, "divide")}): the
+    first rule and the first attribute fix that match each module."""
+    styled: dict[str, tuple[str, str]] = {}
+    for i, rule in enumerate(plan.rules):
+        for name in match_names(rule.match, names):
+            styled.setdefault(name, (rule_label(i, rule), rule.style))
+    divided: dict[str, tuple[str, str]] = {}
+    for i, attrs in enumerate(plan.attributes):
+        for name in match_names(attrs.match, names):
+            divided.setdefault(name, (attribute_label(i, attrs), "divide"))
+    return styled, divided
