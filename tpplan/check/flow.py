@@ -1,8 +1,8 @@
 """The checks by data flow, driven: trace the model once (tpplan/trace/), run every check of
 a trace on it (regions.py, widths.py, lookups.py, attributes.check_divided), then trace on
-their own the parts the model's forward never calls (idle parts: a T5 encoder's `shared`
-embedding, a vision tower a text-only forward skips), as infer_plan does. A model that
-cannot be traced gets the structural check (structure.py). Start at `check_flow`.
+their own the parts the model's forward never calls (idle parts, such as the vision tower
+of a model traced on text alone), as infer_plan does. A model that cannot be traced gets
+the structural check (structure.py). Start at `check_flow`.
 """
 
 from __future__ import annotations

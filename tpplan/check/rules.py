@@ -34,6 +34,15 @@ _FITS: dict[str, tuple[type[nn.Module], ...] | None] = {
 }
 
 
+class Matches(NamedTuple):
+    """Which modules each rule matches, and which rule styles each module."""
+
+    by_rule: dict[int, list[str]]
+    """Rule index -> the modules its pattern matches."""
+    owner: dict[str, int]
+    """Module -> index of the rule that styles it (the first to match it)."""
+
+
 def match_rules(plan: Plan, names: list[str]) -> Matches:
     """Which modules each rule's pattern matches, and which rule styles each module: the
     first that matches it (a module takes one style; a later match is an overlap)."""
@@ -43,13 +52,6 @@ def match_rules(plan: Plan, names: list[str]) -> Matches:
         for name in hits:
             owner.setdefault(name, i)
     return Matches(by_rule, owner)
-
-
-class Matches(NamedTuple):
-    by_rule: dict[int, list[str]]
-    """Rule index -> the modules its pattern matches."""
-    owner: dict[str, int]
-    """Module -> index of the rule that styles it (the first to match it)."""
 
 
 def check_rules(
