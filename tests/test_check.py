@@ -13,7 +13,7 @@ from unrunnable import CASES, unrunnable
 
 from tpplan import Plan, Problem, check_plan, infer_plan, load_plan
 from tpplan._runtime.facts import fingerprint, parameter_shapes
-from tpplan.check.static import splits_nothing
+from tpplan.check import splits_nothing
 from tpplan.plan import ModelInfo
 
 LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"

@@ -284,7 +284,7 @@ def _check_output(path: Path) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .check.static import check_plan, splits_nothing
+    from .check import check_plan, splits_nothing
     from .plan.load import load_plan
 
     plan = load_plan(args.plan)
@@ -334,7 +334,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     if args.processes:
         from ._runtime.models import parse_overrides
-        from .check.static import check_plan
+        from .check import check_plan
 
         # The plan is resolved and checked here, on the meta device, so that a bad plan is
         # the same one message (and exit 1) as without --processes, not a failed rank.

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..check.static import check_plan, splits_nothing
+from ..check import check_plan, splits_nothing
 from ..compile.shard import shard_model
 from ..errors import MeshError, ModelError, PlanProblemsError
 from ..plan.load import load_plan

@@ -1,9 +1,21 @@
 """Stage 4, checking a plan against a model and a tp size: every problem at once, first the
 static ones (rules, sizes, regions by data flow), then a dry run of the sharded forward and
-backward on fake ranks. Start at static.py (`check_plan`)."""
+backward on fake ranks. Start at api.py (`check_plan`), which calls the others in order.
+
+The modules:
+- api.py: `check_plan`, the driver, and `splits_nothing`.
+- rules.py: each rule on the modules it matches, and checks across rules (experts, tied).
+- sizes.py: the dims each style splits, and sizes tp must divide.
+- flow.py: the checks by traced data flow, driven: regions.py (regions and heads),
+  widths.py (head_dim, fused parts), lookups.py (vocab-parallel embeddings), and
+  attributes.check_divided; structure.py where the model cannot be traced.
+- attributes.py: the plan's attribute fixes. fingerprint.py: the plan's model.
+- shared.py: how problems name rules, legal tp sizes, region roles.
+- run.py: the dry run on fake ranks; blame.py: which rule a failure of it is told on.
+"""
 
 from __future__ import annotations
 
-from .static import check_plan
+from .api import check_plan, splits_nothing
 
-__all__ = ["check_plan"]
+__all__ = ["check_plan", "splits_nothing"]

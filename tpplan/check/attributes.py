@@ -1,0 +1,111 @@
+"""The plan's attribute fixes (`attributes`: integer attributes divided by tp on matched
+modules): each pattern matches a module, each attribute is an integer tp divides
+(`check_attributes`, from the modules alone), and each is a count the traced forward's views
+read to cut the split features (`check_divided`, which flow.py calls on each trace).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ..errors import Problem, did_you_mean
+from ..plan.patterns import collapse, match_names
+from ..plan.schema import Plan
+from .shared import Match, attribute_label, legal_sizes, traced_name
+
+if TYPE_CHECKING:
+    from ..trace import Trace
+
+__all__ = ["check_attributes", "check_divided"]
+
+
+def check_attributes(
+    plan: Plan, names: list[str], modules: dict[str, nn.Module], tp: int
+) -> list[Problem]:
+    """Entry by entry: a pattern that matches nothing, then each attribute of each module it
+    matches that is no integer or does not divide by tp."""
+    out: list[Problem] = []
+    for i, rule in enumerate(plan.attributes):
+        where = attribute_label(i, rule)
+        hits = match_names(rule.match, names)
+        if not hits:
+            out.append(
+                Problem(
+                    "no_match",
+                    where,
+                    None,
+                    f"the pattern matches no module of the model.{did_you_mean(rule.match, collapse(names, names))}",
+                    "correct the pattern or delete the entry.",
+                )
+            )
+        for name in hits:
+            for attr in rule.divide:
+                found = _check_attribute(where, name, modules[name], attr, tp)
+                if found is not None:
+                    out.append(found)
+    return out
+
+
+def _check_attribute(
+    where: str, name: str, module: nn.Module, attr: str, tp: int
+) -> Problem | None:
+    value = getattr(module, attr, None)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return Problem(
+            "attribute",
+            where,
+            name,
+            f"the module has no integer attribute '{attr}' (found {value!r}).",
+            "name an integer attribute the module's forward reads.",
+        )
+    if value % tp:
+        return Problem(
+            "divisibility",
+            where,
+            name,
+            f"{attr} = {value} does not divide by tp size {tp}.",
+            f"use a tp size among {legal_sizes(value)}.",
+        )
+    return None
+
+
+def check_divided(
+    plan: Plan, openers: list[Match], divided: list[Match], trace: Trace
+) -> list[Problem]:
+    """An attribute a plan divides must be a count the model's views read to cut the split
+    features, as the trace saw them (what infer divides); divided, any other size its
+    forward reads (head_dim, a width) shrinks what every rank keeps whole. Judged only where
+    the trace followed every split the plan opens to its end (a split it lost may have
+    read counts it did not see); the dry run speaks for the rest.
+
+    `divided` pairs index plan.attributes, not plan.rules."""
+    if any(traced_name(trace, n) in trace.regions.broken for _, n in openers):
+        return []
+    counts = [*trace.reads.counts.values(), *trace.experts.counts.values()]
+    legal = {(m, a) for found in counts for m, a, _ in found}
+    out: list[Problem] = []
+    for i, name in divided:
+        rule, t = plan.attributes[i], traced_name(trace, name)
+        for attr in rule.divide:
+            if (t, attr) in legal or (t, attr) not in trace.reads.ints:
+                continue
+            read = sorted(a for m, a in legal if m == t)
+            views = (
+                f"its views read {', '.join(read)} for that"
+                if read
+                else "its views read no count for that (they size the split with -1 or off the tensor)"
+            )
+            out.append(
+                Problem(
+                    "attribute",
+                    attribute_label(i, rule),
+                    name,
+                    f"its forward reads {attr}, but not as a count of the split features' "
+                    f"heads: {views}. Divided, {attr} would shrink a size every rank keeps whole.",
+                    f"remove {attr} from divide (the attributes `tpplan infer` writes are the "
+                    "ones to divide).",
+                )
+            )
+    return out

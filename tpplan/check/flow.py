@@ -1,0 +1,140 @@
+"""The checks by data flow, driven: trace the model once (tpplan/trace/), run every check of
+a trace on it (regions.py, widths.py, lookups.py, attributes.check_divided), then trace on
+their own the parts the model's forward never calls (idle parts, such as the vision tower
+of a model traced on text alone), as infer_plan does. A model that cannot be traced gets
+the structural check (structure.py). Start at `check_flow`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from torch import nn
+
+from ..errors import Problem, TpplanError
+from ..plan.patterns import match_names
+from ..plan.schema import Plan
+from .attributes import check_divided
+from .lookups import check_lookups
+from .regions import check_heads, check_regions
+from .shared import Match, closes_region, opens_region, traced_name
+from .structure import check_by_structure
+from .widths import check_widths
+
+if TYPE_CHECKING:
+    from ..trace import Trace
+
+__all__ = ["check_flow"]
+
+
+def check_flow(
+    plan: Plan, by_rule: dict[int, list[str]], model: nn.Module, tp: int, undivided: set[str]
+) -> list[Problem]:
+    """A column-parallel output must reach row-parallel layers only (and the reverse), and
+    split into whole heads as the model itself views them; the heads and fused pieces a
+    rule states must be the model's; a vocab-parallel embedding must sum where its rows are.
+
+    `by_rule` is each rule's matched modules; `undivided`, the modules whose split sizes a
+    divisibility problem already names (the heads check does not name them again). The
+    model is traced (tpplan/trace/) to see where each layer's output goes; a model that
+    cannot be traced (its inputs cannot be guessed) gets the structural check instead.
+    Idle parts are traced on their own, as infer_plan splits them.
+    """
+    from ..trace import idle_roots, trace_model
+
+    targets = _targets(plan, by_rule, [n for n, _ in model.named_modules() if n])
+    if not any(targets):
+        return []
+    try:
+        trace = trace_model(model)
+    except TpplanError:
+        return check_by_structure(plan, targets.openers, targets.closers, model)
+    out = _check_trace(plan, targets, trace, tp, undivided)
+    named = (name for pairs in targets for _, name in pairs)
+    for root in idle_roots(named, trace.layers.ran, lambda n: traced_name(trace, n)):
+        out += _check_part(plan, targets, model, root, tp, undivided)
+    return out
+
+
+class _Targets(NamedTuple):
+    """The (rule index, module name) pairs each check of a trace looks at."""
+
+    openers: list[Match]
+    closers: list[Match]
+    vocab_parallel: list[Match]
+    widths: list[Match]
+    """Modules whose rule states a head_dim, parts or fused pieces."""
+    divided: list[Match]
+    """(attribute rule index, module name): the rule indexes plan.attributes."""
+
+
+def _targets(plan: Plan, by_rule: dict[int, list[str]], names: list[str]) -> _Targets:
+    def having(keep: Any) -> list[Match]:
+        return [(i, n) for i, r in enumerate(plan.rules) if keep(r) for n in by_rule[i]]
+
+    return _Targets(
+        openers=having(opens_region),
+        closers=having(closes_region),
+        vocab_parallel=having(lambda r: r.style == "vocab_parallel"),
+        # a colwise layer gathered right after is no opener, but its parts must still be right
+        widths=having(lambda r: r.head_dim or r.parts or r.fused),
+        divided=[
+            (i, n) for i, a in enumerate(plan.attributes) for n in match_names(a.match, names)
+        ],
+    )
+
+
+def _check_trace(
+    plan: Plan, targets: _Targets, trace: Trace, tp: int, undivided: set[str]
+) -> list[Problem]:
+    """Every check of one trace, in the order their problems are reported."""
+    return (
+        check_regions(plan, targets.openers, targets.closers, trace)
+        + check_heads(plan, targets.openers, trace, tp, undivided)
+        + check_widths(plan, targets.widths, trace)
+        + check_lookups(plan, targets.vocab_parallel, trace)
+        + check_divided(plan, targets.openers, targets.divided, trace)
+    )
+
+
+def _check_part(
+    plan: Plan, targets: _Targets, model: nn.Module, root: str, tp: int, undivided: set[str]
+) -> list[Problem]:
+    """The checks on a trace of one idle part alone, on the inputs infer_plan traces it on;
+    a part that cannot run alone is tried child by child, as infer_plan does. What nothing
+    can run stays unchecked by flow (infer_plan keeps it whole)."""
+    from .._runtime.inputs import example_inputs, part_inputs
+    from ..trace import trace_model
+
+    part = model.get_submodule(root)
+    try:
+        guess = part_inputs(part)
+        inputs = guess if guess is not None else example_inputs(part, batch=2, seq=16)
+        trace = trace_model(_placed(part, root), example_inputs=inputs)
+    except TpplanError:
+        out: list[Problem] = []
+        for child, _ in part.named_children():
+            below = f"{root}.{child}"
+            if any(n == below or n.startswith(below + ".") for pairs in targets for _, n in pairs):
+                out += _check_part(plan, targets, model, below, tp, undivided)
+        return out
+    return _check_trace(plan, targets, trace, tp, undivided)
+
+
+def _placed(part: nn.Module, root: str) -> nn.Module:
+    """A module holding only `part`, at the same dotted path as in the model, whose forward
+    is the part's: traced, the part's layers keep the names the plan's rules match (and
+    layers outside it do not run, so the checks pass them by)."""
+
+    class Placed(nn.Module):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return self.get_submodule(root)(*args, **kwargs)
+
+    shell = Placed()
+    here: nn.Module = shell
+    *path, last = root.split(".")
+    for name in path:
+        here.add_module(name, nn.Module())
+        here = here.get_submodule(name)
+    here.add_module(last, part)
+    return shell

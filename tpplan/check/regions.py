@@ -1,0 +1,149 @@
+"""Regions checked by the traced data flow: a column-parallel output must reach row-parallel
+layers only (and a row-parallel input come from column-parallel ones), and split into whole
+heads as the model's own views cut them. Start at `check_regions`; flow.py calls it and
+`check_heads` on each trace.
+
+The words are the tracer's (tpplan/trace/record.py): opener, closer, region, whole.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import Problem
+from ..plan.patterns import wildcard
+from ..plan.schema import Plan, Rule
+from .shared import Match, legal_sizes, rule_label, traced_name
+
+if TYPE_CHECKING:
+    from ..trace import Trace
+
+__all__ = ["check_heads", "check_regions"]
+
+
+def check_regions(
+    plan: Plan, openers: list[Match], closers: list[Match], trace: Trace
+) -> list[Problem]:
+    """Every opener's problems, then every closer's: a region the plan opens and does not
+    close (or closes and does not open), as the trace links them."""
+    return _check_openers(plan, openers, closers, trace) + _check_closers(
+        plan, openers, closers, trace
+    )
+
+
+def _partners(trace: Trace, t: str, role: dict[str, Any]) -> set[str]:
+    """The layers of `role` (the trace's openers or closers) in a region with `t`."""
+    return {m for g in trace.regions.links if t in g for m in g if m in role and m != t}
+
+
+def _check_openers(
+    plan: Plan, openers: list[Match], closers: list[Match], trace: Trace
+) -> list[Problem]:
+    close_t = {traced_name(trace, n) for _, n in closers}
+    out: list[Problem] = []
+    for i, name in openers:
+        rule, t = plan.rules[i], traced_name(trace, name)
+        if t in trace.lookups.token_ids and t not in trace.regions.openers:
+            out.append(_split_rows(i, rule, name))
+        if t not in trace.regions.openers:
+            continue  # not a Linear called on a whole input; the type check speaks for it
+        missing = sorted(wildcard(c) for c in _partners(trace, t, trace.regions.closers) - close_t)
+        if missing:
+            out.append(
+                Problem(
+                    "unclosed_region",
+                    rule_label(i, rule),
+                    name,
+                    f"its output is contracted by {', '.join(missing)}, which the plan does not make "
+                    "rowwise, so that layer would read a shard as if it were the whole tensor.",
+                    "make those layers rowwise, or gather this output with `output: replicate`.",
+                )
+            )
+        elif (
+            t in trace.regions.at_output
+            and not _partners(trace, t, trace.regions.closers)
+            and not plan.options.loss_parallel
+        ):
+            out.append(
+                Problem(
+                    "unclosed_region",
+                    rule_label(i, rule),
+                    name,
+                    f"its output stays sharded ({rule.output or 'shard(-1)'}) up to the model's output.",
+                    "gather it with `output: replicate`, or set options.loss_parallel and compute "
+                    "the loss under torch.distributed.tensor.parallel.loss_parallel().",
+                )
+            )
+    return out
+
+
+def _check_closers(
+    plan: Plan, openers: list[Match], closers: list[Match], trace: Trace
+) -> list[Problem]:
+    open_t = {traced_name(trace, n) for _, n in openers}
+    out: list[Problem] = []
+    for i, name in closers:
+        rule, t = plan.rules[i], traced_name(trace, name)
+        if t not in trace.regions.closers:
+            # The trace saw no split arrive (or its split went through a reshape by stored
+            # head counts, which the plan's attributes fix): nothing to pair it with.
+            continue
+        missing = sorted(wildcard(o) for o in _partners(trace, t, trace.regions.openers) - open_t)
+        if missing:
+            out.append(
+                Problem(
+                    "unopened_region",
+                    rule_label(i, rule),
+                    name,
+                    f"its input comes from {', '.join(missing)}, which the plan does not make colwise.",
+                    "make those layers colwise too, or declare `input: replicate`.",
+                )
+            )
+    return out
+
+
+def _split_rows(i: int, rule: Rule, name: str) -> Problem:
+    """colwise on an embedding whose rows are looked up (not one looked up at computed positions
+    to open a split, as T5's relative position bias is) and whose output stays split."""
+    return Problem(
+        "unclosed_region",
+        rule_label(i, rule),
+        name,
+        "colwise on an nn.Embedding gives each rank a slice of every looked-up row's "
+        f"features and leaves its output split ({rule.output or 'shard(-1)'}), but the "
+        "layers after a lookup take whole rows.",
+        "colwise on an Embedding: use vocab_parallel (each rank holds a share of the vocab; "
+        "one all-reduce) or replicate, or gather its rows with `output: replicate`.",
+    )
+
+
+def check_heads(
+    plan: Plan, openers: list[Match], trace: Trace, tp: int, undivided: set[str]
+) -> list[Problem]:
+    """Each split output must give every rank whole heads as the model's own views cut them
+    (the trace's units), whatever head_dim the plan states: a plan whose head_dim is too
+    small (or missing) would pass the rule's own check and cut heads in half mid-forward.
+    A module in `undivided` has had its divisibility problem told already."""
+    out: list[Problem] = []
+    for i, name in openers:
+        t = traced_name(trace, name)
+        units = trace.regions.units.get(t)
+        if name in undivided or t not in trace.regions.openers or units is None or units % tp == 0:
+            continue
+        features, heads = trace.regions.openers[t], trace.regions.heads.get(t)
+        size = features // heads if heads and features % heads == 0 else None
+        what = f"{heads} heads of {size}" if size else f"{features} features"
+        if heads != units:
+            what += f", which must stay together in {units} groups"
+        # a head_dim that disagrees with the model's is a problem of its own (widths.py)
+        out.append(
+            Problem(
+                "divisibility",
+                rule_label(i, plan.rules[i]),
+                name,
+                f"the model views its {features} output features as {what}: tp size {tp} "
+                "would cut them.",
+                f"use a tp size among {legal_sizes(units)}, or keep this module replicated.",
+            )
+        )
+    return out

@@ -1,0 +1,351 @@
+"""The checks of each rule on the modules it matches, read from module types and shapes
+alone: a pattern that matches nothing, a module two rules match, a style the module cannot
+take, parameters an experts or split_params rule names that the module lacks, sizes tp does
+not divide (sizes.py), and, across rules, a module split inside an experts module and a
+tied parameter split two ways. Start at `match_rules` and `check_rules`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import nn
+
+from .._runtime.facts import tied_groups, weight_split
+from ..errors import Problem, did_you_mean
+from ..plan.patterns import collapse, match_names
+from ..plan.schema import Plan, Rule
+from .shared import rule_label
+from .sizes import check_size, sharded_dim, split_dims
+
+__all__ = ["Matches", "check_inside_experts", "check_rules", "check_tied", "match_rules"]
+
+# Module types each style can be applied to; None means any module.
+_FITS: dict[str, tuple[type[nn.Module], ...] | None] = {
+    "colwise": (nn.Linear, nn.Embedding),
+    "rowwise": (nn.Linear, nn.Embedding),
+    "vocab_parallel": (nn.Embedding,),
+    "sequence_parallel": None,
+    "prepare": None,
+    "replicate": None,
+    "replicate_grad_sum": None,
+    "experts": None,
+    "split_params": None,
+}
+
+
+class Matches(NamedTuple):
+    """Which modules each rule matches, and which rule styles each module."""
+
+    by_rule: dict[int, list[str]]
+    """Rule index -> the modules its pattern matches."""
+    owner: dict[str, int]
+    """Module -> index of the rule that styles it (the first to match it)."""
+
+
+def match_rules(plan: Plan, names: list[str]) -> Matches:
+    """Which modules each rule's pattern matches, and which rule styles each module: the
+    first that matches it (a module takes one style; a later match is an overlap)."""
+    by_rule = {i: match_names(rule.match, names) for i, rule in enumerate(plan.rules)}
+    owner: dict[str, int] = {}
+    for i, hits in by_rule.items():
+        for name in hits:
+            owner.setdefault(name, i)
+    return Matches(by_rule, owner)
+
+
+def check_rules(
+    plan: Plan, matches: Matches, modules: dict[str, nn.Module], tp: int
+) -> list[Problem]:
+    """Rule by rule, in the plan's order: a pattern that matches nothing, then for each
+    module it matches, another rule's match of it or the rule's own problems there."""
+    names = [n for n in modules if n]
+    out: list[Problem] = []
+    for i, rule in enumerate(plan.rules):
+        if not matches.by_rule[i]:
+            out.append(_no_match(i, rule, names))
+        for name in matches.by_rule[i]:
+            j = matches.owner[name]
+            if j != i:
+                out.append(_overlap(i, rule, name, j, plan.rules[j]))
+            else:
+                out.extend(_check_module(i, rule, name, modules[name], tp))
+    return out
+
+
+def _no_match(i: int, rule: Rule, names: list[str]) -> Problem:
+    depth = rule.match.count(".")
+    candidates = [c for c in collapse(names, names) if c.count(".") == depth]
+    hint = did_you_mean(rule.match, candidates) or did_you_mean(rule.match, collapse(names, names))
+    return Problem(
+        "no_match",
+        rule_label(i, rule),
+        None,
+        f"the pattern matches no module of the model.{hint}",
+        "correct the pattern (segments are matched one by one, `*` never crosses a dot) "
+        "or delete the rule.",
+    )
+
+
+def _overlap(i: int, rule: Rule, name: str, j: int, first: Rule) -> Problem:
+    return Problem(
+        "overlap",
+        rule_label(i, rule),
+        name,
+        f"the module is also matched by rules[{j}] (match: {first.match}); "
+        "a module takes one style.",
+        "narrow one of the two patterns.",
+    )
+
+
+def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    """The problems of one rule on a module it styles: a style that does not fit the module,
+    then the sizes it splits."""
+    if rule.style == "experts":
+        return _check_own_params(i, rule, name, module, tp) + _check_added_whole(
+            i, rule, name, module
+        )
+    if rule.style == "split_params":
+        return _check_own_params(i, rule, name, module, tp)
+    misfit = _misfit(i, rule, name, module)
+    if misfit is not None:
+        return [misfit]  # no size of a module the style cannot take means anything
+    out: list[Problem] = []
+    if rule.style == "replicate_grad_sum" and not any(True for _ in module.parameters(False)):
+        out.append(
+            Problem(
+                "module_type",
+                rule_label(i, rule),
+                name,
+                "style 'replicate_grad_sum' needs a module with parameters of its own.",
+                "match the module that holds the parameters.",
+            )
+        )
+    return out + _check_split(i, rule, name, module, tp)
+
+
+def _misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
+    """The problem of a style the module cannot take at all, if it cannot."""
+    types = _FITS[rule.style]
+    if rule.transposed:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            return Problem(
+                "module_type",
+                rule_label(i, rule),
+                name,
+                f"transposed: true needs a module with a 2-D weight stored (in, out); "
+                f"{type(module).__name__} has none.",
+                "remove transposed, or match the layer that holds the weight.",
+            )
+    elif types is not None and not isinstance(module, types):
+        ok = " or ".join(f"nn.{t.__name__}" for t in types)
+        return Problem(
+            "module_type",
+            rule_label(i, rule),
+            name,
+            f"style '{rule.style}' applies to {ok}, not to {type(module).__name__}.",
+            "match the layers inside this module instead, or use another style.",
+        )
+    if rule.style == "sequence_parallel" and isinstance(module, nn.Embedding):
+        return Problem(
+            "module_type",
+            rule_label(i, rule),
+            name,
+            "style 'sequence_parallel' takes a module's input as this rank's share of the "
+            "sequence, but an nn.Embedding's input is the token ids, which every rank "
+            "holds whole: its rows would be read as 1/tp of a sequence tp times as long.",
+            "use vocab_parallel (`output: shard(1)` starts a sequence-parallel region, "
+            "as `tpplan infer --sequence-parallel` writes it) or replicate.",
+        )
+    return None
+
+
+def _check_split(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    """The dim the style splits: fused parts that add up to it, each of them (or the whole
+    dim) a size tp divides, and the parameters `written` names as wide as the rows."""
+    whole = sharded_dim(rule, module)
+    if rule.parts and whole is not None and sum(rule.parts) != whole[1]:
+        return [
+            Problem(
+                "parts",
+                rule_label(i, rule),
+                name,
+                f"parts {rule.parts} add up to {sum(rule.parts)}, but the {whole[0]} is {whole[1]}.",
+                "list the sizes of the fused pieces (e.g. q, k, v) in order; they must add up "
+                "to the whole.",
+            )
+        ]
+    out: list[Problem] = []
+    for what, size in split_dims(rule, module):
+        out.extend(check_size(i, rule, name, what, size, tp))
+    return out + _check_written(i, rule, name, module, tp)
+
+
+def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    """Every parameter an experts or split_params rule names exists, and each split dim
+    divides by tp."""
+    # experts may name a child's parameters (`input_linear.weight`) too
+    own = dict(module.named_parameters(recurse=rule.style == "experts"))
+    named = [*(rule.shard or {}), *(rule.after_sum or ())]
+    missing = [p for p in named if p not in own]
+    if missing:
+        have = ", ".join(f"{n} {tuple(p.shape)}" for n, p in own.items()) or "none"
+        return [
+            Problem(
+                "module_type",
+                rule_label(i, rule),
+                name,
+                f"{rule.style} names {', '.join(missing)}, which {type(module).__name__} does "
+                f"not hold (its parameters: {have}).",
+                "name the module's own parameters (a child's by its dotted name) in shard "
+                "and after_sum."
+                if rule.style == "experts"
+                else "name the module's own parameters (not its children's) in shard.",
+            )
+        ]
+    out: list[Problem] = []
+    for pname, dim in (rule.shard or {}).items():
+        out.extend(_check_param_dim(i, rule, name, pname, dim, tuple(own[pname].shape), tp))
+    return out
+
+
+def _check_param_dim(
+    i: int, rule: Rule, name: str, pname: str, dim: int, shape: tuple[int, ...], tp: int
+) -> list[Problem]:
+    """One `shard: {pname: dim}` entry: a dim the parameter has, fused pieces that add up to
+    it, and sizes tp divides."""
+    if dim >= len(shape):
+        return [
+            Problem(
+                "module_type",
+                rule_label(i, rule),
+                name,
+                f"shard: {pname}: {dim}, but {pname} has {len(shape)} dims {shape}.",
+                "give a dim of the parameter"
+                + (" (0 is the experts)." if rule.style == "experts" else "."),
+            )
+        ]
+    pieces = (rule.fused or {}).get(pname)
+    experts = rule.style == "experts" and dim == 0
+    what = f"{pname} dim {dim}" + (" (the number of experts)" if experts else "")
+    if pieces is not None and sum(pieces) != shape[dim]:
+        return [
+            Problem(
+                "parts",
+                rule_label(i, rule),
+                name,
+                f"fused {pname} {pieces} add up to {sum(pieces)}, but {what} is {shape[dim]}.",
+                "list the sizes of the fused pieces (gate, up) in order; they must add up "
+                "to the whole.",
+            )
+        ]
+    out: list[Problem] = []
+    for size in pieces or [shape[dim]]:
+        out.extend(check_size(i, rule, name, what, size, tp))
+    return out
+
+
+def _check_added_whole(i: int, rule: Rule, name: str, module: nn.Module) -> list[Problem]:
+    """Every submodule an experts rule scales by 1/tp exists under the matched module."""
+    have = {n for n, _ in module.named_modules() if n}
+    missing = [c for c in rule.added_whole or () if c not in have]
+    if not missing:
+        return []
+    return [
+        Problem(
+            "module_type",
+            rule_label(i, rule),
+            name,
+            f"added_whole names {', '.join(missing)}, which {type(module).__name__} does not "
+            f"hold (its submodules: {', '.join(sorted(have)) or 'none'}).",
+            "name submodules of the matched module by their dotted names under it.",
+        )
+    ]
+
+
+def _check_written(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    """Each parameter `written` names is the embedding's own and as wide as its rows, a width
+    that divides by tp."""
+    if not rule.written or not isinstance(module, nn.Embedding):
+        return []
+    own = dict(module.named_parameters(recurse=False))
+    wrong = [
+        p
+        for p in rule.written
+        if p == "weight" or p not in own or own[p].shape[-1:] != (module.embedding_dim,)
+    ]
+    if wrong:
+        have = ", ".join(f"{n} {tuple(q.shape)}" for n, q in own.items())
+        return [
+            Problem(
+                "module_type",
+                rule_label(i, rule),
+                name,
+                f"written names {', '.join(wrong)}, not a parameter of "
+                f"{type(module).__name__} as wide as its rows ({module.embedding_dim}); its "
+                f"parameters: {have}.",
+                "name the parameters its forward writes over looked-up rows.",
+            )
+        ]
+    what = f"embedding_dim (the width of {', '.join(rule.written)})"
+    return check_size(i, rule, name, what, module.embedding_dim, tp)
+
+
+def check_inside_experts(plan: Plan, owner: dict[str, int]) -> list[Problem]:
+    """An experts module runs its forward on each rank's local tensors with every parameter
+    but its expert weights whole, so a module inside it takes no split of its own."""
+    experts = [n for n, i in owner.items() if plan.rules[i].style == "experts"]
+    out: list[Problem] = []
+    for name, i in owner.items():
+        rule = plan.rules[i]
+        outer = next((e for e in experts if name.startswith(f"{e}.")), None)
+        if outer is None or rule.style == "replicate":
+            continue
+        out.append(
+            Problem(
+                "overlap",
+                rule_label(i, rule),
+                name,
+                f"it is inside {outer}, matched by rules[{owner[outer]}] (style experts), whose "
+                "forward runs on each rank's local tensors with its other parameters whole.",
+                "drop this rule, or keep the module whole (style: replicate).",
+            )
+        )
+    return out
+
+
+def check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Problem]:
+    """Modules sharing one parameter (tied embeddings) must split it alike, or it would be
+    two different tensors after sharding: no longer tied, and wrong after one step. A
+    holder no rule matches (T5's `shared` embedding, which forward never calls; BERT's
+    prediction head, which keeps a reference to its decoder's bias) follows the split copy
+    when apply re-ties them; were it to compute with it, DTensor would refuse the mix of a
+    plain input and a split weight loudly."""
+    modules = dict(model.named_modules())
+    out = []
+    for group in tied_groups(model):
+        splits = {
+            (mod, name): weight_split(
+                plan.rules[owner[mod]] if mod in owner else None, modules[mod], name
+            )
+            for mod, name in group
+            if mod in owner
+        }
+        if len(set(splits.values())) > 1:
+            (mod, _), *_ = [k for k, v in splits.items() if v != "whole"] or list(splits)
+            i = owner[mod]
+            said = ", ".join(f"{m}.{n}: {v}" for (m, n), v in splits.items())
+            out.append(
+                Problem(
+                    "tied",
+                    rule_label(i, plan.rules[i]),
+                    mod,
+                    f"it shares a parameter with other modules (tied), which the plan splits "
+                    f"differently ({said}); sharded, they would stop being one tensor.",
+                    "give every module holding the tied parameter a style that splits it the "
+                    "same way (vocab_parallel input embedding with a colwise head), or keep them "
+                    "all replicated.",
+                )
+            )
+    return out
