@@ -169,3 +169,22 @@ def test_the_tour_runs_as_written(tmp_path: Path) -> None:
     assert f"sound at tp {tp['check']}" in out[tpplan["check"]]
     last = out[tpplan["verify"]].splitlines()[-1]
     assert last.startswith(f"tp {tp['verify']}: the sharded model matches the unsharded one")
+
+
+def _map_section() -> str:
+    return README.split("\n## How it works\n", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.unit
+def test_the_map_names_every_stage_and_only_files_that_exist() -> None:
+    """The "How it works" map lists each subpackage of tpplan/ (and only those), and every
+    file its question table points to exists: a module moved or renamed fails here."""
+    section = _map_section()
+    drawn = set(re.findall(r"^  (\w+)/ ", section, flags=re.M))
+    packages = {p.parent.name for p in (ROOT / "tpplan").glob("*/__init__.py")}
+    assert drawn == packages, f"map draws {sorted(drawn)}, tpplan/ has {sorted(packages)}"
+    table = section.split("| Question | File |", 1)[1]
+    files = re.findall(r"`([\w/]+\.py|[\w/]+/)`", table)
+    assert len(files) > 20, "the question table names too few files to be the map"
+    missing = [f for f in files if not (ROOT / "tpplan" / f).exists()]
+    assert not missing, f"the README map names files tpplan/ does not have: {missing}"
