@@ -152,7 +152,8 @@ def test_infer_is_silent_when_no_plan_is_shipped(capsys) -> None:
 
 @pytest.mark.slow  # builds a wheel; pip fetches hatchling into an isolated build environment
 def test_the_wheel_carries_the_shipped_plans(tmp_path: Path) -> None:
-    """An installed tpplan finds its plans as tpplan/plans (see tpplan/plan/shipped.py)."""
+    """An installed tpplan finds its plans as tpplan/plans (see tpplan/plan/shipped.py), and
+    every module of every subpackage."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(tmp_path)],
         check=True, timeout=600, capture_output=True,
@@ -161,3 +162,6 @@ def test_the_wheel_carries_the_shipped_plans(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"tpplan/plans/{p.relative_to(ROOT / 'plans')}" for p in PLANS} <= names
     assert "tpplan/plans/schema.json" in names
+    # every subpackage, found by the build backend, not a hand-kept list
+    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tpplan").rglob("*.py")}
+    assert sources <= names, f"the wheel lacks {sorted(sources - names)}"
