@@ -634,6 +634,64 @@ def test_a_merge_sized_by_a_stored_width_divides_it(tp: int) -> None:
     assert_parity(model, plan, tp, _tokens())
 
 
+class _GroupedRotary(nn.Module):
+    """CodeGen's attention as transformers 5.24 writes it, with names that mean nothing: the
+    fused projection holds `groups` blocks of [q | v | k], the per-block width is computed
+    from `groups` (width // groups), and the rotary half-swap ends in `flatten`, whose view
+    is sized by the tensor itself. `groups` equals the head count by chance."""
+
+    def __init__(self, width: int = 64, heads: int = 4, groups: int = 4) -> None:
+        super().__init__()
+        self.width, self.hd, self.groups = width, width // heads, groups
+        self.a = nn.Linear(width, 3 * width, bias=False)
+        self.b = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1]
+        heads = (*shape, -1, self.hd)
+        local = self.width // self.groups
+        qvk = self.a(x).view(*shape, -1, 3 * local)
+        q, v, k = qvk.split(local, dim=-1)
+        q, k, v = (t.reshape(heads) for t in (q, k, v))
+        q = torch.stack((-q[..., 1::2], q[..., ::2]), dim=-1).flatten(-2)  # rotary half-swap
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.b(out.transpose(1, 2).reshape(*shape, -1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_count_that_equals_an_attribute_by_chance_is_not_divided(tp: int) -> None:
+    """A flatten keeps the heads dim at the shard's own size; that the count equals an
+    attribute read earlier (`groups`, which sizes each block as width // groups) is no
+    evidence. Dividing `groups` would double each block's width on a shard and mix q with v
+    silently (CodeGen under transformers 5.24: logits off by 0.48)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_GroupedRotary())
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    assert plan.attributes == []
+    assert styles(plan, model) == {"0.a": ("colwise", None), "0.b": ("rowwise", None)}
+    assert_parity(model, plan, tp, x)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_codegen_keeps_the_numbers(tp: int) -> None:
+    """transformers' CodeGen: q|v|k interleaved over four blocks in one projection, split
+    contiguously (each rank holds whole blocks), with nothing divided."""
+    import transformers
+
+    cfg = transformers.CodeGenConfig(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.CodeGenForCausalLM(cfg).eval()
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    assert plan.attributes == []
+    assert styles(plan, model)["transformer.h.0.attn.qkv_proj"] == ("colwise", None)
+    assert_parity(model, plan, tp, _tokens())
+
+
 def test_a_merge_whose_width_cannot_be_traced_to_one_attribute_is_gathered() -> None:
     """XGLM merges batch and heads with `bsz * self.num_heads`, computed before two other
     ops: no attribute read right before the view holds the merged size, so the split ends

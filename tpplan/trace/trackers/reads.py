@@ -101,6 +101,12 @@ class AttributeReads:
         if kept:
             if sizes[k] == -1 or (-1 not in sizes and sizes[k] not in read):
                 return
+            if not self.asked:
+                # no view or reshape of the model's code is running: the sizes are the
+                # tensor's own (flatten, unflatten of another dim), so the shard's own; a
+                # count that equals an attribute read earlier is a coincidence, and dividing
+                # that attribute would resize whatever else the forward computes from it
+                return
         elif len(pieces) > 1:  # the split dim is cut into (count, ..., size) dims
             self._check_beside(pieces[1:], sizes[k], width, read)
         else:
