@@ -124,6 +124,9 @@ MROPE_SECTIONS = {
     "glm_ocr_text": [2, 3, 3], "glm4v_moe_text": [1, 1, 2],
     # Ernie 4.5 VL: (height, width, time), interleaving height with width, so the first two match
     "ernie4_5_vl_moe_text": [3, 3, 2],
+    # HunYuan-VL's default config names no sections, which its rotary embedding needs (a
+    # TypeError at any size): four, adding up to the small head's rotary half
+    "hunyuan_vl_text": [2, 2, 2, 2],
 }  # fmt: skip
 
 # Per-architecture fixes on top of SMALL, where the generic values do not build.
@@ -141,6 +144,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     # a mamba layer and an attention layer (the default is all mamba)
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    # its default Mamba width (mamba_d_ssm 1024) must equal mamba_n_heads * mamba_d_head,
+    # which SMALL sets to 8 * 16; transformers 5.24 validates it when the config is built
+    "falcon_h1": {"mamba_d_ssm": 128},
     # sliding-window layers, but the default leaves the window unset
     "step3p5": {"sliding_window": 16},
     # its default leaves layer_types None, which its own modeling code cannot read
