@@ -103,6 +103,12 @@ def _rank_slices(t: torch.Tensor, tp: int, parts: list[int] | None = None) -> li
     return [torch.cat([p.chunk(tp, dim=-1)[r] for p in pieces], dim=-1) for r in range(tp)]
 
 
+def _assert_each_rank(got: torch.Tensor, wants: Any) -> None:
+    """Each simulated rank's value of `got` is close to its own entry of `wants`."""
+    for v, w in zip(rank_values(got), wants, strict=True):
+        assert (v - w).abs().max() <= TOL
+
+
 # ---- Colwise --------------------------------------------------------------------------------
 
 
@@ -127,8 +133,7 @@ def test_colwise_hands_each_rank_its_slice_of_the_output(tp: int) -> None:
         _apply(layer, mesh, Colwise(output_layouts=Shard(-1)))
         got = layer(x)
         assert not isinstance(got, DTensor)
-        for v, w in zip(rank_values(got), _rank_slices(want, tp), strict=True):
-            assert (v - w).abs().max() <= TOL
+        _assert_each_rank(got, _rank_slices(want, tp))
 
 
 def test_colwise_gathered_output_is_whole_and_may_be_changed_in_place() -> None:
@@ -183,8 +188,7 @@ def test_colwise_fused_equal_parts_output_is_each_ranks_slice_of_each_part(tp: i
     with simulated_ranks(tp) as mesh:
         _apply(layer, mesh, Colwise(parts=[8, 8, 8]))
         got = layer(x)
-        for v, w in zip(rank_values(got), _rank_slices(want, tp, [8, 8, 8]), strict=True):
-            assert (v - w).abs().max() <= TOL
+        _assert_each_rank(got, _rank_slices(want, tp, [8, 8, 8]))
 
 
 def test_colwise_fused_unequal_parts_are_a_plain_shard_and_gather_the_output() -> None:
@@ -199,8 +203,7 @@ def test_colwise_fused_unequal_parts_are_a_plain_shard_and_gather_the_output() -
         _apply(layer, mesh, Colwise(parts=[16, 8, 8]))
         assert layer.weight.placements == (Shard(0),)
         got = layer(x)
-        for v, w in zip(rank_values(got), _rank_slices(want, 2, [16, 8, 8]), strict=True):
-            assert (v - w).abs().max() <= TOL
+        _assert_each_rank(got, _rank_slices(want, 2, [16, 8, 8]))
         # the ranks' picks cover every feature once: their gradients sum to the whole one
         got.square().sum().backward()
         _assert_close(layer.weight.grad.full_tensor(), _grad(ref.weight))
@@ -234,8 +237,7 @@ def test_colwise_transposed_splits_dim_1_of_an_in_out_weight(tp: int) -> None:
         assert layer.weight.placements == (Shard(1),)
         assert _local(layer.weight) == (16, 24 // tp)
         assert _local(layer.bias) == (24 // tp,)
-        for v, w in zip(rank_values(layer(x)), _rank_slices(want, tp), strict=True):
-            assert (v - w).abs().max() <= TOL
+        _assert_each_rank(layer(x), _rank_slices(want, tp))
 
 
 def test_colwise_transposed_and_fused_is_gpt2s_c_attn() -> None:
@@ -247,8 +249,7 @@ def test_colwise_transposed_and_fused_is_gpt2s_c_attn() -> None:
         _apply(layer, mesh, Colwise(parts=[16, 16, 16], transposed=True))
         assert layer.weight.placements == (_StridedShard(1, split_factor=3),)
         _assert_close(layer.weight.full_tensor(), ref.weight)
-        for v, w in zip(rank_values(layer(x)), _rank_slices(want, 2, [16] * 3), strict=True):
-            assert (v - w).abs().max() <= TOL
+        _assert_each_rank(layer(x), _rank_slices(want, 2, [16] * 3))
 
 
 def test_colwise_on_an_embedding_is_torchs() -> None:
@@ -498,8 +499,7 @@ def test_written_rows_reduce_scatters_to_a_sequence_shard() -> None:
     with simulated_ranks(2) as mesh:
         _apply(emb, mesh, WrittenRows(written=["special"], output_layouts=Shard(1)))
         got = emb(ids)
-        for v, w in zip(rank_values(got), want.chunk(2, dim=1), strict=True):
-            assert (v - w).abs().max() <= TOL
+        _assert_each_rank(got, want.chunk(2, dim=1))
 
 
 def test_written_rows_output_kept_a_dtensor() -> None:

@@ -28,14 +28,12 @@ from torch.distributed.tensor import (
     Partial,
     Placement,
     Replicate,
-    Shard,
-    distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._runtime.lookup import put_in_lookup_place
 from ..errors import TpplanError
-from .params import split_param
+from .params import own_start, split_param
 
 __all__ = ["SumAtLookup", "WrittenRows"]
 
@@ -184,7 +182,7 @@ class _LocalLookup(nn.Embedding):
         weight = self.weight
         assert isinstance(weight, DTensor)  # WrittenRows split it
         local = weight.to_local()
-        first = _own_start(self.num_embeddings, weight.device_mesh, input.device)
+        first = own_start(self.num_embeddings, weight.device_mesh, input.device)
         at = input - first
         mine = (at >= 0) & (at < local.shape[0])
         rows = F.embedding(torch.where(mine, at, torch.zeros_like(at)), local)
@@ -195,18 +193,10 @@ class _LocalLookup(nn.Embedding):
         return rows
 
 
-def _own_start(n: int, mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
-    """Where this rank's share of `n` entries split by `Shard` starts (a 1-element tensor;
-    each rank's own without a collective, also on simulated ranks)."""
-    step = -(-n // mesh.size())
-    starts = torch.arange(mesh.size(), device=device) * step
-    return distribute_tensor(starts, mesh, [Shard(0)], src_data_rank=None).to_local()
-
-
 def _padded(param: DTensor) -> torch.Tensor:
     """This rank's share of a parameter split along its last dim, in place within zeros of
     the whole parameter's shape: summed over the ranks, the whole parameter."""
     local = param.to_local()
-    start = _own_start(param.shape[-1], param.device_mesh, local.device)
+    start = own_start(param.shape[-1], param.device_mesh, local.device)
     at = start + torch.arange(local.shape[-1], device=local.device)
     return local.new_zeros(param.shape).index_copy(-1, at, local)

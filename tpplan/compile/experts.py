@@ -19,14 +19,13 @@ from torch.distributed.tensor import (
     DTensor,
     Partial,
     Replicate,
-    Shard,
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils import _pytree as pytree
 
 from ..errors import TpplanError
-from .params import split_param
+from .params import own_start, split_param
 
 __all__ = ["EXPERTS_MARK", "Experts"]
 
@@ -206,8 +205,7 @@ def _own_experts(args: Any, kwargs: Any, n_experts: int, mesh: DeviceMesh) -> tu
             f"{len(weights)}. Use mode tensor for it."
         )
     w_where, w = weights[0]
-    every = torch.arange(n_experts, device=index.device)
-    first = distribute_tensor(every, mesh, [Shard(0)], src_data_rank=None).to_local()[:1]
+    first = own_start(n_experts, mesh, index.device)
     local = index - first
     mine = (local >= 0) & (local < n_experts // mesh.size())
     found = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tensor
@@ -19,7 +20,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .strided import equal_parts, split_parts, teach_checkpoint_chunks
 
-__all__ = ["ReplicateGradSum", "SplitParams", "split_param"]
+__all__ = ["ReplicateGradSum", "SplitParams", "own_start", "split_param"]
+
+
+def own_start(n: int, mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+    """Where this rank's share of `n` entries split by `Shard` starts (a 1-element tensor;
+    each rank's own without a collective, also on simulated ranks)."""
+    step = -(-n // mesh.size())
+    starts = torch.arange(mesh.size(), device=device) * step
+    return distribute_tensor(starts, mesh, [Shard(0)], src_data_rank=None).to_local()
 
 
 def split_param(
