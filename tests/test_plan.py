@@ -126,8 +126,8 @@ def test_unknown_top_level_field_is_named() -> None:
 
 
 def test_wrong_schema_version_says_what_to_do() -> None:
-    msg = _error("tpplan: 8\nrules: []\n")
-    assert "schema version 8" in msg and "reads versions 1, 2, 3" in msg
+    msg = _error("tpplan: 9\nrules: []\n")
+    assert "schema version 9" in msg and "reads versions 1, 2, 3" in msg
     assert "pip install -U tpplan" in msg
 
 

@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8"
 
 
 def _error(text: str) -> str:
@@ -321,8 +321,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 8\nrules: []\n",
-            f"schema version 8 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 9\nrules: []\n",
+            f"schema version 9 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -340,7 +340,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 7' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 8' (the schema version) is missing.",
             id="missing",
         ),
         _case(

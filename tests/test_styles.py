@@ -209,12 +209,25 @@ def test_colwise_fused_unequal_parts_are_a_plain_shard_and_gather_the_output() -
         _assert_close(layer.weight.grad.full_tensor(), _grad(ref.weight))
 
 
-def test_colwise_fused_parts_refuse_a_dtensor_output() -> None:
-    layer = _linear(16, 24)
+def test_colwise_fused_parts_of_unequal_sizes_refuse_a_dtensor_output() -> None:
+    layer = _linear(16, 32)
+    with simulated_ranks(2) as mesh:
+        _apply(layer, mesh, Colwise(parts=[16, 8, 8], use_local_output=False))
+        with pytest.raises(TpplanError, match=r"unequal parts \[16, 8, 8\] has no DTensor layout"):
+            layer(_randn(3, 16))
+
+
+def test_colwise_fused_parts_hand_on_a_strided_dtensor() -> None:
+    """In a DTensor region a fused layer's output stays a DTensor whose global value is the
+    unsplit output (q|k|v laid end to end), each rank holding its slice of every piece."""
+    ref = _linear(16, 24)
+    layer = copy.deepcopy(ref)
+    x = _randn(3, 16)
     with simulated_ranks(2) as mesh:
         _apply(layer, mesh, Colwise(parts=[8, 8, 8], use_local_output=False))
-        with pytest.raises(TpplanError, match="drop local_output: false from its rule"):
-            layer(_randn(3, 16))
+        got = layer(x)
+        assert isinstance(got.placements[0], _StridedShard)
+        _assert_close(got.full_tensor(), ref(x))
 
 
 def test_colwise_fused_parts_gathered_are_the_whole_output() -> None:

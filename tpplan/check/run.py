@@ -39,7 +39,7 @@ from ..trace import quiet_fake_tensor_log, repeated_blocks
 from .blame import Failure, MetaKernels, Watch, failure_problem
 from .shared import rules_by_module
 
-__all__ = ["meta_copy", "run_plan"]
+__all__ = ["collectives_inside", "meta_copy", "run_plan"]
 
 
 def meta_copy(
@@ -179,7 +179,14 @@ def _kept_rng_tracker() -> Iterator[None]:
 
 
 def _run_sharded(
-    plan: Plan, model: nn.Module, tp: int, inputs: dict[str, Any], keep: dict[int, int]
+    plan: Plan,
+    model: nn.Module,
+    tp: int,
+    inputs: dict[str, Any],
+    keep: dict[int, int],
+    *,
+    args: tuple[Any, ...] = (),
+    counting: Any = None,
 ) -> Failure | None:
     # Fake tensors rather than bare meta ones: models skip value checks on them (Hugging
     # Face's mask code asks `.all()` of position ids otherwise), as they do for the tracer.
@@ -199,8 +206,10 @@ def _run_sharded(
         except Exception as e:
             return Failure("applying the plan", applying[-1], [(applying[-1], "in")], e)
         watch = Watch(copy_)
+        if counting is not None:
+            stack.enter_context(counting)
         try:
-            _forward_backward(copy_, fake, inputs, watch)
+            _forward_backward(copy_, fake, inputs, watch, args)
         except Exception as e:
             at, suspects = watch.suspects()
             return Failure(watch.phase, at, suspects, e)
@@ -223,18 +232,76 @@ def _runs_unsharded(model: nn.Module, inputs: dict[str, Any]) -> bool:
 
 
 def _forward_backward(
-    model: nn.Module, fake: FakeTensorMode, inputs: dict[str, Any], watch: Watch | None
+    model: nn.Module,
+    fake: FakeTensorMode,
+    inputs: dict[str, Any],
+    watch: Watch | None,
+    args: tuple[Any, ...] = (),
 ) -> None:
     given = {
         k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
     }
+    given_args = [fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in args]
     kernels = watch.kernels if watch is not None else MetaKernels()
     # grads on even where the caller has them off: a plan must also train
     with torch.inference_mode(False), torch.enable_grad(), kernels:
-        out = model(**given)
+        out = model(*given_args, **given)
         loss = next((t for t in tensor_leaves(out) if t.requires_grad), None)
         if loss is None:
             return
         if watch is not None:
             watch.phase = "a backward"
         loss.float().sum().backward()
+
+
+def collectives_inside(
+    plan: Plan,
+    model: nn.Module,
+    *,
+    tp_size: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    modules: dict[str, list[str]],
+) -> dict[str, int] | None:
+    """The proof of DTensor regions: the plan applied to a meta copy on `tp_size` fake
+    ranks, one forward and backward counted by torch's CommDebugMode. For each of
+    `modules` ({module: the split layers inside it}): the collectives its forward and
+    backward ran outside those layers' own calls (0: the split ran through it untouched),
+    keyed by module name; a module of a shortened stack that did not run is left out. None
+    when the run fails."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with outside_simulation(), quiet_fake_tensor_log(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args, kwargs = _to_meta((args, kwargs))
+        counting = CommDebugMode()
+        cut = _shortened(plan, model)
+        try:
+            failed = _run_sharded(plan, model, tp_size, kwargs, cut, args=args, counting=counting)
+            if failed:
+                return None
+        except _CannotRun:
+            return None
+    counts = {
+        fqn.partition(".")[2] if "." in fqn else "": sum(
+            n for phase in per.values() for n in phase.values()
+        )
+        for fqn, per in counting.comm_module_counts.items()
+    }
+    out = {}
+    for module, inside in modules.items():
+        if module in counts:
+            out[module] = counts[module] - sum(counts.get(m, 0) for m in inside)
+    return out
+
+
+def _to_meta(tree: Any) -> Any:
+    """Tensors of `tree` as meta tensors for a fake run."""
+    from torch.utils._pytree import tree_map
+
+    def meta(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return t if t.device.type == "meta" else t.to("meta")
+        return t
+
+    return tree_map(meta, tree)

@@ -80,10 +80,14 @@ class Colwise(ColwiseParallel):
         mesh: DeviceMesh,
     ) -> Any:
         if parts is not None and not isinstance(layouts[0], Replicate):
+            if not local and equal_parts(parts):
+                # a DTensor region: the output stays a `_StridedShard`, whose global value
+                # is the unsplit fused output the model's code cuts into its pieces
+                return out
             if not local:
                 raise TpplanError(
-                    "a fused colwise layer (parts) hands each rank its slice of every part as a "
-                    "plain tensor; drop local_output: false from its rule."
+                    f"a fused colwise layer of unequal parts {list(parts)} has no DTensor layout "
+                    "for its output; drop local_output: false from its rule."
                 )
             if equal_parts(parts):
                 # its weight is a _StridedShard: the local output already holds this rank's

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from .._runtime.facts import tied_groups
 from ..plan.patterns import match_names
 from ..plan.schema import Plan
+from .regions import hold_dtensors
 from .rules import plan_to_torch
 
 __all__ = ["shard_model"]
@@ -28,7 +29,8 @@ def shard_model(
     *,
     on_module: Callable[[str], None] | None = None,
 ) -> None:
-    """Apply a checked plan's styles and attribute fixes to `model` in place, no check.
+    """Apply a checked plan's styles, attribute fixes and DTensor regions to `model` in
+    place, no check.
 
     `on_module` is told each module's name before its style is applied (the dry run names
     the module a failure came from). Styles are applied one module at a time, which is what
@@ -41,6 +43,10 @@ def shard_model(
         parallelize_module(model, mesh, {name: style})
     _retie(model, tied)
     _divide_attributes(plan, model, mesh.size())
+    names = [n for n, _ in model.named_modules()]
+    for region in plan.regions:
+        for name in match_names(region.match, names):
+            hold_dtensors(model.get_submodule(name))
 
 
 def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -19,6 +19,7 @@ from ..trace import Trace, trace_model
 from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
 from .context import Context, Decided
 from .decision import Attributes, Decision
+from .dtensor_regions import try_dtensor_regions
 from .embeddings import decide_embeddings, decide_head
 from .experts import decide_experts, keep_inside_experts, keep_unsplit_experts, pool_experts
 from .names import shared_params
@@ -93,6 +94,7 @@ def infer_plan(
         rules=_rules(model, decisions),
         attributes=_attribute_rules(model, attributes),
     )
+    plan = try_dtensor_regions(model, plan, asked.tp, example_inputs)
     if sequence_parallel:
         try_sequence_parallel(model, plan, asked.tp, example_inputs)
     return plan

@@ -19,7 +19,7 @@ from ..errors import PlanFileError
 
 __all__ = ["read_yaml", "write_yaml"]
 
-_COMMENTED = ("rules", "attributes")  # the top-level lists whose items carry a `why`
+_COMMENTED = ("rules", "attributes", "regions")  # the top-level lists whose items carry a `why`
 _COMMENT_WIDTH = 100  # columns of a comment line, its indent and "# " included
 _OWN_LINE = re.compile(r"^[ \t]*(-[ \t]+)*$")
 

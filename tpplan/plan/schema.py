@@ -30,6 +30,7 @@ __all__ = [
     "ModelInfo",
     "Options",
     "Plan",
+    "RegionRule",
     "Rule",
     "plan_json_schema",
 ]
@@ -193,10 +194,23 @@ class AttributeRule(_Strict):
     """Which reshape reads them."""
 
 
+class RegionRule(_Strict):
+    """A module whose forward runs on DTensors: the split layers inside it hand DTensors on
+    (their rules say `local_output: false`) instead of local shards, so its own code sees
+    global shapes, and DTensor's sharding propagation carries the split through its views,
+    rotary embeddings and attention to the rowwise layers that end it. Plain tensors it meets
+    (rotary tables, masks) are whole on every rank and are treated as replicated."""
+
+    match: str = Field(min_length=1)
+    """Dotted module-name pattern, as in rules."""
+    why: str = Field(min_length=1)
+    """The evidence: which layers open and close the split, and what the proof run saw."""
+
+
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6, 7] = 7  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8] = 8  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None
@@ -207,6 +221,8 @@ class Plan(_Strict):
     """Pattern -> style rules; a module may be matched by one rule only."""
     attributes: list[AttributeRule] = Field(default_factory=list)
     """Attribute fixes applied after sharding."""
+    regions: list[RegionRule] = Field(default_factory=list)
+    """Modules whose forward runs on DTensor activations (schema 8)."""
 
     @model_validator(mode="after")
     def _fields_fit_version(self) -> Plan:
@@ -214,6 +230,7 @@ class Plan(_Strict):
             self.tpplan,
             model_fields=self.model.model_fields_set if self.model is not None else (),
             rules=[(r.style, r.model_fields_set) for r in self.rules],
+            regions=bool(self.regions),
         )
         return self
 
@@ -257,8 +274,9 @@ class Plan(_Strict):
     def to_data(self) -> dict[str, Any]:
         """Plain data in the file's fixed key order, without unset optional fields."""
         data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
-        if not data["attributes"]:
-            del data["attributes"]
+        for key in ("attributes", "regions"):
+            if not data[key]:
+                del data[key]
         return data
 
     def to_yaml(self) -> str:

@@ -20,9 +20,9 @@ __all__ = [
 
 # A new version is added here, to READABLE_VERSIONS and to Plan.tpplan's Literal (schema.py),
 # with its schema hash in plans/schema_versions.json (tests/test_plan.py checks it).
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {
     2: ("parts", "transposed"),
@@ -33,6 +33,7 @@ _ADDED_FIELDS = {
 }
 _ADDED_STYLES = {3: ("experts",), 4: ("split_params",)}
 _ADDED_MODEL_FIELDS = {4: ("command",)}
+_ADDED_TOP_LEVEL = {8: ("regions",)}
 
 
 def version_problem(data: dict[str, Any]) -> str | None:
@@ -54,14 +55,21 @@ def version_problem(data: dict[str, Any]) -> str | None:
 
 
 def check_fields_fit_version(
-    version: int, *, model_fields: Collection[str], rules: Sequence[tuple[str, Collection[str]]]
+    version: int,
+    *,
+    model_fields: Collection[str],
+    rules: Sequence[tuple[str, Collection[str]]],
+    regions: bool = False,
 ) -> None:
     """Raise ValueError naming every field and style newer than `version`, with the newest
-    version they need: `rules` is each rule's (style, fields given)."""
-    for needed in sorted({*_ADDED_FIELDS, *_ADDED_STYLES, *_ADDED_MODEL_FIELDS}, reverse=True):
+    version they need: `rules` is each rule's (style, fields given); `regions`, whether the
+    plan has DTensor regions."""
+    added = {*_ADDED_FIELDS, *_ADDED_STYLES, *_ADDED_MODEL_FIELDS, *_ADDED_TOP_LEVEL}
+    for needed in sorted(added, reverse=True):
         if version >= needed:
             break
-        newer = [f"model.{f}" for f in _ADDED_MODEL_FIELDS.get(needed, ()) if f in model_fields]
+        newer = [f for f in _ADDED_TOP_LEVEL.get(needed, ()) if regions]
+        newer += [f"model.{f}" for f in _ADDED_MODEL_FIELDS.get(needed, ()) if f in model_fields]
         newer += [
             f"rules[{i}].{f}"
             for i, (_, fields) in enumerate(rules)

@@ -1,0 +1,135 @@
+"""Modules whose forward runs on DTensor activations (`Plan.regions`).
+
+Start at `hold_dtensors`. Inside such a module the split layers hand DTensors on, so the
+module's own code sees global shapes and DTensor's sharding propagation carries the split
+from the colwise layers that open it to the rowwise ones that close it (the plan's rules
+say `local_output: false` on the openers). What the forward meets besides them (rotary
+tables, masks, positions, a norm's plain weight) is a plain tensor, whole on every rank.
+DTensor refuses an op that mixes the two, so while the module's forward runs, a plain
+tensor that meets a DTensor in one op is made a replicated DTensor first (`from_local`,
+no copy, no collective). That is done in the forward, where autograd records it, so the
+backward needs nothing more: a gradient that comes back partial to such a tensor (a norm's
+weight applied to split heads) is summed there, as DTensor's `from_local` does.
+
+torch's own `implicit_replication()` is not used: it is a thread-local flag that autograd
+resets to its value at `.backward()` for every node it runs, so it cannot be scoped to one
+module's backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .dtensor_ops import teach_dtensor
+
+__all__ = ["hold_dtensors"]
+
+_HOOKED = "_tpplan_dtensor_region"
+
+
+class _ReplicatePlain(TorchFunctionMode):
+    """An op mixing DTensors with plain tensors gets the plain ones as replicated DTensors;
+    attention on heads split alike runs on each rank's own heads."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            found = _heads_attention(*args, **kwargs)
+            if found is not None:
+                return found
+        leaves, _ = tree_flatten((args, kwargs))
+        first = next((t for t in leaves if isinstance(t, DTensor)), None)
+        if first is not None and any(_plain(t) for t in leaves):
+            mesh = first.device_mesh
+            placements = [Replicate()] * mesh.ndim
+
+            def lift(t: Any) -> Any:
+                if _plain(t):
+                    return DTensor.from_local(t, mesh, placements, run_check=False)
+                return t
+
+            args, kwargs = tree_map(lift, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _heads_attention(
+    query: Any, key: Any, value: Any, attn_mask: Any = None, *rest: Any, **kw: Any
+) -> Any:
+    """SDPA of q, k, v split alike on a dim before the last two (heads, or batch): each
+    rank attends over its own heads, whatever kernel the device picks (torch has DTensor
+    strategies for some of SDPA's kernels only, and none for its math fallback, which the
+    meta device of a proof run takes). None where that does not hold (then DTensor's own
+    dispatch decides): a mask that is split otherwise or not broadcast over the split dim."""
+    if not all(isinstance(t, DTensor) for t in (query, key, value)):
+        return None
+    p = query.placements
+    if key.placements != p or value.placements != p:
+        return None
+    if any(not isinstance(x, (Shard, Replicate)) for x in p):
+        return None
+    dims = [x.dim % query.ndim for x in p if isinstance(x, Shard)]
+    if not dims or any(d > query.ndim - 3 for d in dims):
+        return None
+    mask = attn_mask
+    if isinstance(mask, DTensor):
+        if mask.placements != p and any(not isinstance(x, Replicate) for x in mask.placements):
+            return None
+        mask = mask.to_local() if mask.placements == p else mask.full_tensor()
+    if isinstance(mask, torch.Tensor) and not isinstance(attn_mask, DTensor) or (
+        isinstance(attn_mask, DTensor) and attn_mask.placements != p
+    ):
+        # a whole mask must broadcast over every split dim
+        for d in dims:
+            back = query.ndim - d
+            if mask.dim() >= back and mask.shape[-back] != 1:
+                return None
+    out = F.scaled_dot_product_attention(
+        query.to_local(), key.to_local(), value.to_local(), mask, *rest, **kw
+    )
+    shape = (*query.shape[:-1], value.shape[-1])
+    return DTensor.from_local(out, query.device_mesh, p, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape))
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= n
+    return tuple(reversed(out))
+
+
+def _plain(t: Any) -> bool:
+    # 0-d tensors are scalars to DTensor already
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0
+
+
+def hold_dtensors(module: nn.Module) -> None:
+    """Let `module`'s forward mix DTensors with whole plain tensors; idempotent."""
+    teach_dtensor()
+    if getattr(module, _HOOKED, False):
+        return
+    # modes entered by this module's pre-hook, left by its hook (a list in the closures,
+    # not on the module, so a deepcopy of the module holds no live mode)
+    modes: list[_ReplicatePlain] = []
+
+    def enter(m: nn.Module, args: Any) -> None:
+        mode = _ReplicatePlain()
+        mode.__enter__()
+        modes.append(mode)
+
+    def leave(m: nn.Module, args: Any, out: Any) -> None:
+        if modes:
+            modes.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+    setattr(module, _HOOKED, True)

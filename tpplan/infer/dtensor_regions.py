@@ -1,0 +1,322 @@
+"""Regions run on DTensors: attention and MLPs split the Megatron way where the local shapes
+of a split cannot be proven from attributes tpplan may divide.
+
+Start at `try_dtensor_regions`, which infer_plan calls once a plan is made. A layer whose
+split ended at a view the trace could not size per rank (a head size computed as
+`C // self.n_head` from `x.size()`, a literal in `reshape(B, N, 3, heads, hd)`, a count
+read from a config object every layer shares) was split and gathered right after: weights
+shrink, work does not. Here such layers get a second chance:
+
+1. roles: a forward on fake tensors follows which of them read what the others made, in
+   the module that holds them: a layer reading none of their outputs opens a split, a
+   layer reading an opener's output closes it (`_roles`);
+2. candidate: in each module whose gathered layers all took a role, openers colwise with
+   DTensor outputs (`local_output: false`; a fused one as its equal pieces), closers
+   rowwise, and the module a DTensor region (`Plan.regions`);
+3. proof: the plan applied to a meta copy on fake ranks, one forward and backward counted
+   (`check.run.collectives_inside`): a region is kept only where no collective ran inside
+   the module outside its layers' own calls, so the split ran through every view, rotary
+   embedding and attention untouched, and DTensor's own sharding propagation computed
+   every op (its numbers are the unsplit model's by construction). Anything else keeps
+   the split-and-gather rules, with their reasons.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..check.run import collectives_inside, meta_copy
+from ..plan.patterns import collapse, match_names
+from ..plan.schema import Plan, RegionRule, Rule
+from ..trace import quiet_fake_tensor_log
+
+__all__ = ["try_dtensor_regions"]
+
+# how rest.py words a layer whose output could not stay split (split and gathered)
+_GATHERED = "its output cannot stay split ("
+
+
+def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: Any) -> Plan:
+    """`plan` with every region it can prove turned into a DTensor region (see the module
+    docstring); `plan` itself when there is none."""
+    names = [n for n, _ in model.named_modules() if n]
+    rules = _per_module(plan, names)
+    gathered = {
+        n
+        for n, r in rules.items()
+        if r.style == "colwise" and r.output == "replicate" and r.why.startswith(_GATHERED)
+    }
+    if not gathered:
+        return plan
+    args, kwargs = _call(model, example_inputs)
+    roles = _roles(model, gathered, args, kwargs)
+    if roles is None:
+        return plan
+    candidates = _candidates(gathered, roles)
+    if not candidates:
+        return plan
+    proven: dict[str, dict[str, Rule]] = {}
+    for pieces in (1, 3, 2):
+        trial = {m: c for m, c in candidates.items() if m not in proven}
+        made = {m: _rewrite(model, rules, opens, closes, pieces, tp) for m, (opens, closes) in trial.items()}
+        made = {m: r for m, r in made.items() if r is not None}
+        if not made:
+            continue
+        found = collectives_inside(
+            _with(plan, rules, made, names),
+            model,
+            tp_size=tp,
+            args=args,
+            kwargs=kwargs,
+            modules={m: [*trial[m][0], *trial[m][1]] for m in made},
+        )
+        if found is None:
+            continue
+        for m in made:
+            if found.get(m, _same_kind(m, found)) == 0:
+                proven[m] = made[m]
+    if not proven:
+        return plan
+    return _with(plan, rules, proven, names)
+
+
+def _same_kind(module: str, found: dict[str, int]) -> int:
+    """A module of a shortened stack that did not run: the count of the block it repeats
+    (the run's first blocks stand for the rest; `check.run._shortened`)."""
+    key = re.sub(r"\.\d+(\.|$)", r".*\1", module)
+    seen = [n for m, n in found.items() if re.sub(r"\.\d+(\.|$)", r".*\1", m) == key]
+    return max(seen) if seen else -1
+
+
+def _per_module(plan: Plan, names: list[str]) -> dict[str, Rule]:
+    out: dict[str, Rule] = {}
+    for rule in plan.rules:
+        for n in match_names(rule.match, names):
+            out.setdefault(n, rule)
+    return out
+
+
+def _call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    from torch.utils._pytree import tree_map
+
+    from ..trace.run import _example_inputs
+
+    found = _example_inputs(model, example_inputs, torch.device("meta"))
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, found)
+
+
+# ---- 1. roles --------------------------------------------------------------------------------
+class _Taint(TorchFunctionMode):
+    """Which gathered layers' outputs each tensor was computed from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.of: dict[int, frozenset[str]] = {}
+        self.keep: list[Any] = []  # tensors whose ids are keys: alive, so ids stay unique
+
+    def sources(self, tree: Any) -> frozenset[str]:
+        leaves, _ = tree_flatten(tree)
+        found: frozenset[str] = frozenset()
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                found |= self.of.get(id(t), frozenset())
+        return found
+
+    def mark(self, tree: Any, sources: frozenset[str]) -> None:
+        leaves, _ = tree_flatten(tree)
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                self.of[id(t)] = sources
+                self.keep.append(t)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        found = self.sources((args, kwargs))
+        if found:
+            self.mark(out, found | self.sources(out))
+        return out
+
+
+def _roles(
+    model: nn.Module, gathered: set[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, tuple[str, frozenset[str]]] | None:
+    """{gathered layer: ("open", {}) or ("close", the openers it read)}, and for each
+    module holding them ("holds", the gathered layers whose outputs reach its output)."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    copy_ = meta_copy(model, fake=fake).eval()
+    modules = dict(copy_.named_modules())
+    taint = _Taint()
+    roles: dict[str, tuple[str, frozenset[str]]] = {}
+    holders = {n.rpartition(".")[0] for n in gathered}
+
+    def pre(name: str) -> Any:
+        def hook(m: nn.Module, a: Any, kw: Any) -> None:
+            read = taint.sources((a, kw))
+            role = ("close", read) if read else ("open", frozenset())
+            if roles.setdefault(name, role)[0] != role[0]:
+                roles[name] = ("mixed", frozenset())
+
+        return hook
+
+    def post(name: str) -> Any:
+        def hook(m: nn.Module, a: Any, kw: Any, out: Any) -> None:
+            opened = roles.get(name, ("", frozenset()))[0] == "open"
+            taint.mark(out, frozenset({name}) if opened else frozenset())
+
+        return hook
+
+    def leaving(name: str) -> Any:
+        def hook(m: nn.Module, a: Any, out: Any) -> None:
+            found = taint.sources(out)
+            if found:
+                roles[f"{name}>"] = ("leaks", found)
+
+        return hook
+
+    handles = []
+    for n in gathered:
+        handles.append(modules[n].register_forward_pre_hook(pre(n), with_kwargs=True))
+        handles.append(modules[n].register_forward_hook(post(n), with_kwargs=True))
+    for h in holders:
+        handles.append(modules[h].register_forward_hook(leaving(h)))
+    try:
+        with quiet_fake_tensor_log(), fake, taint, torch.no_grad():
+            given = [fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
+            given_kw = {
+                k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for k, v in kwargs.items()
+            }
+            copy_(*given, **given_kw)
+    except Exception:
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return roles
+
+
+def _candidates(
+    gathered: set[str], roles: dict[str, tuple[str, frozenset[str]]]
+) -> dict[str, tuple[list[str], list[str]]]:
+    """{module: (openers, closers)} where every gathered layer the module holds took one
+    role, each closer read only this module's openers, every opener was read by a closer,
+    and nothing the openers made leaves the module unclosed."""
+    by_holder: dict[str, list[str]] = {}
+    for n in sorted(gathered):
+        by_holder.setdefault(n.rpartition(".")[0], []).append(n)
+    out = {}
+    for holder, layers in by_holder.items():
+        if not holder or f"{holder}>" in roles:
+            continue
+        if any(roles.get(n, ("", frozenset()))[0] not in ("open", "close") for n in layers):
+            continue
+        opens = [n for n in layers if roles[n][0] == "open"]
+        closes = [n for n in layers if roles[n][0] == "close"]
+        read = frozenset().union(*(roles[c][1] for c in closes)) if closes else frozenset()
+        if opens and closes and read == set(opens):
+            out[holder] = (opens, closes)
+    return out
+
+
+# ---- 2. candidates as rules ----------------------------------------------------------------
+def _rewrite(
+    model: nn.Module,
+    rules: dict[str, Rule],
+    opens: list[str],
+    closes: list[str],
+    pieces: int,
+    tp: int,
+) -> dict[str, Rule] | None:
+    """The region's rules: openers colwise handing DTensors on (cut into `pieces` equal
+    fused pieces when more than 1), closers rowwise; None when the pieces do not fit."""
+    out = {}
+    by = ", ".join(n.rpartition(".")[2] for n in opens)
+    to = ", ".join(n.rpartition(".")[2] for n in closes)
+    for o in opens:
+        features = rules[o].parts and sum(rules[o].parts) or _out_features(model, o)
+        if features is None:
+            return None
+        parts = None
+        if pieces > 1:
+            if features % (pieces * tp):
+                return None
+            parts = [features // pieces] * pieces
+        split = f"as {pieces} fused pieces of {features // pieces}, each rank its slice of every piece, " if parts else ""
+        out[o] = Rule(
+            match=o,
+            style="colwise",
+            parts=parts,
+            transposed=rules[o].transposed,
+            local_output=False,
+            why=(
+                f"its {features} output features are split {split}and stay a DTensor through "
+                f"the module's own code (a DTensor region) to {to}, which contracts them "
+                "(rowwise)"
+            ),
+        )
+    for c in closes:
+        out[c] = Rule(
+            match=c,
+            style="rowwise",
+            transposed=rules[c].transposed,
+            why=(
+                f"contracts the features split by {by}, which reach it as a DTensor; its "
+                "output is a partial sum, one all-reduce"
+            ),
+        )
+    return out
+
+
+def _out_features(model: nn.Module, name: str) -> int | None:
+    m = model.get_submodule(name)
+    n = getattr(m, "out_features", None)
+    if isinstance(n, int):
+        return n
+    w = getattr(m, "weight", None)
+    return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def _with(
+    plan: Plan, rules: dict[str, Rule], regions: dict[str, dict[str, Rule]], names: list[str]
+) -> Plan:
+    """The plan with each region's rules in place of its layers' old ones, and the regions
+    listed; rules are collapsed to patterns again, in module order."""
+    per = dict(rules)
+    for new in regions.values():
+        per.update(new)
+    groups: dict[str, tuple[Rule, list[str]]] = {}
+    for n in names:
+        if n in per:
+            key = per[n].model_copy(update={"match": "_"}).model_dump_json()
+            groups.setdefault(key, (per[n], []))[1].append(n)
+    new_rules = [
+        r.model_copy(update={"match": p})
+        for r, members in groups.values()
+        for p in collapse(members, names)
+    ]
+    kinds: dict[str, list[str]] = {}
+    for m, made in regions.items():
+        opens = [n for n, r in made.items() if r.style == "colwise"]
+        closes = [n for n, r in made.items() if r.style == "rowwise"]
+        why = (
+            f"runs on DTensors from {', '.join(o.rpartition('.')[2] for o in opens)} to "
+            f"{', '.join(c.rpartition('.')[2] for c in closes)}: its code sizes the split "
+            "features by what no attribute a plan may divide holds, so it sees global shapes "
+            "and DTensor carries the split; proven on fake ranks with no collective inside "
+            "it but the closers' sums"
+        )
+        kinds.setdefault(why, []).append(m)
+    region_rules = [
+        RegionRule(match=p, why=why) for why, ms in kinds.items() for p in collapse(ms, names)
+    ]
+    return plan.model_copy(update={"rules": new_rules, "regions": region_rules, "tpplan": 8})
