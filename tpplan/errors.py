@@ -62,6 +62,7 @@ ProblemKind = Literal[
     "tied",
     "lookup",
     "dry_run",
+    "dtensor_region",
 ]
 
 

@@ -52,6 +52,10 @@ def _patch_width(model: nn.Module) -> int | None:
     return None
 
 
+# first forward arguments that hand-written language models name their token ids
+_TOKEN_NAMES = ("idx", "ids", "tokens", "token_ids")
+
+
 def example_inputs(
     model: nn.Module,
     *,
@@ -82,8 +86,12 @@ def example_inputs(
             )
         return torch.randint(0, int(vocab), (batch, n), generator=g).to(device)
 
+    first = next(iter(params), None)
     if "input_ids" in params:
         out["input_ids"] = tokens(seq)
+    elif first in _TOKEN_NAMES and any(isinstance(m, torch.nn.Embedding) for m in model.modules()):
+        # a hand-written language model (nanoGPT's `idx`, torchtitan's `tokens`)
+        out[first] = tokens(seq)
     elif "input_features" in params and config is not None:  # speech encoders (Whisper)
         mels = _get(config, "num_mel_bins", default=80)
         frames = 2 * _get(config, "max_source_positions", default=seq)

@@ -23,6 +23,7 @@ from ..plan.schema import Plan
 from .attributes import check_attributes
 from .fingerprint import check_fingerprint
 from .flow import check_flow
+from .regions_dtensor import check_region_collectives, check_regions
 from .rules import check_inside_experts, check_rules, check_tied, match_rules
 
 __all__ = ["check_plan", "splits_nothing"]
@@ -56,13 +57,18 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     problems += check_flow(plan, matches.by_rule, model, tp_size, undivided)
     problems += check_attributes(plan, names, modules, tp_size)
     problems += check_fingerprint(plan, model)
+    problems += check_regions(plan, names)
     if problems:
         return _merge_layers(problems, names)
     # Last, the proof: the plan applied to a meta copy runs a forward and a backward. Only
     # for a plan the checks above pass, so that one mistake is not told twice.
     from .run import run_plan
 
-    return run_plan(plan, model, tp_size=tp_size)
+    problems = run_plan(plan, model, tp_size=tp_size)
+    if problems:
+        return problems
+    # a region that runs but gathers inside is sound, and does not split the work
+    return _merge_layers(check_region_collectives(plan, model, tp_size), names)
 
 
 def splits_nothing(plan: Plan) -> bool:

@@ -39,7 +39,7 @@ from ..trace import quiet_fake_tensor_log, repeated_blocks
 from .blame import Failure, MetaKernels, Watch, failure_problem
 from .shared import rules_by_module
 
-__all__ = ["collectives_inside", "meta_copy", "run_plan"]
+__all__ = ["collectives_inside", "meta_copy", "region_inputs", "run_plan"]
 
 
 def meta_copy(
@@ -293,6 +293,14 @@ def collectives_inside(
         if module in counts:
             out[module] = counts[module] - sum(counts.get(m, 0) for m in inside)
     return out
+
+
+def region_inputs(model: nn.Module, tp: int) -> dict[str, Any] | None:
+    """The dry run's made-up inputs, or None where tpplan cannot make them up."""
+    try:
+        return _inputs(model, tp)
+    except _CannotRun:
+        return None
 
 
 def _to_meta(tree: Any) -> Any:

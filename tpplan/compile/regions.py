@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -38,9 +38,7 @@ class _ReplicatePlain(TorchFunctionMode):
     """An op mixing DTensors with plain tensors gets the plain ones as replicated DTensors;
     attention on heads split alike runs on each rank's own heads."""
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             found = _heads_attention(*args, **kwargs)
@@ -84,7 +82,7 @@ def _heads_attention(
         if mask.placements != p and any(not isinstance(x, Replicate) for x in mask.placements):
             return None
         mask = mask.to_local() if mask.placements == p else mask.full_tensor()
-    if isinstance(mask, torch.Tensor) and not isinstance(attn_mask, DTensor) or (
+    if (isinstance(mask, torch.Tensor) and not isinstance(attn_mask, DTensor)) or (
         isinstance(attn_mask, DTensor) and attn_mask.placements != p
     ):
         # a whole mask must broadcast over every split dim
@@ -96,7 +94,14 @@ def _heads_attention(
         query.to_local(), key.to_local(), value.to_local(), mask, *rest, **kw
     )
     shape = (*query.shape[:-1], value.shape[-1])
-    return DTensor.from_local(out, query.device_mesh, p, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape))
+    return DTensor.from_local(
+        out,
+        query.device_mesh,
+        p,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous(shape),
+    )
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -24,8 +24,6 @@ shrink, work does not. Here such layers get a second chance:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -67,8 +65,11 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     proven: dict[str, dict[str, Rule]] = {}
     for pieces in (1, 3, 2):
         trial = {m: c for m, c in candidates.items() if m not in proven}
-        made = {m: _rewrite(model, rules, opens, closes, pieces, tp) for m, (opens, closes) in trial.items()}
-        made = {m: r for m, r in made.items() if r is not None}
+        made: dict[str, dict[str, Rule]] = {}
+        for m, (opens, closes) in trial.items():
+            rewritten = _rewrite(model, rules, opens, closes, pieces, tp)
+            if rewritten is not None:
+                made[m] = rewritten
         if not made:
             continue
         found = collectives_inside(
@@ -243,7 +244,8 @@ def _rewrite(
     by = ", ".join(n.rpartition(".")[2] for n in opens)
     to = ", ".join(n.rpartition(".")[2] for n in closes)
     for o in opens:
-        features = rules[o].parts and sum(rules[o].parts) or _out_features(model, o)
+        given = rules[o].parts
+        features = sum(given) if given else _out_features(model, o)
         if features is None:
             return None
         parts = None
@@ -251,7 +253,11 @@ def _rewrite(
             if features % (pieces * tp):
                 return None
             parts = [features // pieces] * pieces
-        split = f"as {pieces} fused pieces of {features // pieces}, each rank its slice of every piece, " if parts else ""
+        split = (
+            f"as {pieces} fused pieces of {features // pieces}, each rank its slice of every piece, "
+            if parts
+            else ""
+        )
         out[o] = Rule(
             match=o,
             style="colwise",

@@ -1,0 +1,230 @@
+"""DTensor regions: modules whose forward runs on DTensor activations (`Plan.regions`).
+
+What each piece does on its own (simulated ranks, real numbers), then infer_plan choosing a
+region only where its proof run saw no collective inside the module, and the plan file
+and `check` around it.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import tpplan
+from tpplan import Plan
+from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan.compile.dtensor_ops import teach_dtensor
+from tpplan.compile.regions import hold_dtensors
+from tpplan.compile.strided import split_parts
+from tpplan.errors import PlanFileError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from blocks import assert_parity
+from test_handwritten import NanoGpt, _build, _tokens
+
+pytestmark = pytest.mark.unit
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert (a - b).abs().max().item() < 1e-5
+
+
+# ---- DTensor strategies ----------------------------------------------------------------------
+def test_cpu_sdpa_runs_on_heads_split_alike_with_no_collective() -> None:
+    """DTensor has no strategy for SDPA's CPU kernel; the one registered shards q, k, v and
+    the output alike on the heads dim, forward and backward, exactly."""
+    teach_dtensor()
+    q, k, v = (_randn(2, 4, 6, 8, seed=s).requires_grad_() for s in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.square().sum().backward()
+    with simulated_ranks(2) as mesh:
+        qd, kd, vd = (
+            distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in (q, k, v)
+        )
+        with CommDebugMode() as comms:
+            got = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qd, kd, vd, 0.0, True)[
+                0
+            ]
+            assert got.placements == (Shard(1),)
+            got.square().sum().backward()
+        assert comms.get_total_counts() == 0
+        whole = rank_values(got.full_tensor())[0]
+        grads = [rank_values(t.grad.full_tensor())[0] for t in (qd, kd, vd)]
+    _close(whole, want)
+    for g, t in zip(grads, (q, k, v), strict=True):
+        _close(g, t.grad)
+
+
+def test_a_strided_output_splits_into_its_pieces_with_no_collective() -> None:
+    """A fused output (q|k|v, each rank its slice of each piece) cut into its pieces gives
+    each piece as a plain Shard; the backward's cat gives the strided layout back."""
+    teach_dtensor()
+    weight = _randn(24, 16)
+    x = _randn(3, 16)
+    w_ref = weight.clone().requires_grad_()
+    want = F.linear(x, w_ref).split(8, dim=-1)
+    (want[0] * 1 + want[1] * 2 + want[2] * 3).sum().backward()
+    with simulated_ranks(2) as mesh:
+        w = split_parts(weight, mesh, 0, [8, 8, 8], None).requires_grad_()
+        xd = distribute_tensor(x, mesh, [Replicate()])
+        with CommDebugMode() as comms:
+            pieces = F.linear(xd, w).split(8, dim=-1)
+            assert [p.placements for p in pieces] == [(Shard(1),)] * 3
+            joined = torch.cat([pieces[0] * 1, pieces[1] * 2, pieces[2] * 3], dim=-1)
+            assert joined.placements == (_StridedShard(1, split_factor=3),)
+        assert comms.get_total_counts() == 0
+        joined.to_local().sum().backward()  # each rank's share of the sum
+        got = [rank_values(p.full_tensor())[0] for p in pieces]
+        grad = rank_values(w.grad.full_tensor())[0]
+    for g, p in zip(got, want, strict=True):
+        _close(g, p.detach())
+    _close(grad, w_ref.grad)
+
+
+# ---- hold_dtensors ---------------------------------------------------------------------------
+class _Rotated(nn.Module):
+    """Heads rotated by a plain table the module builds in forward, then merged back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        b, t, c = h.shape
+        h = h.view(b, t, 4, c // 4)  # sized from the global shape
+        angle = torch.arange(t, dtype=h.dtype).view(1, t, 1, 1)  # plain, whole on every rank
+        h = h * angle.cos() + h.flip(-1) * angle.sin()
+        return self.down(h.reshape(b, t, c))
+
+
+def test_a_region_mixes_whole_plain_tensors_forward_and_backward() -> None:
+    x = _randn(2, 5, 8)
+    # rules style submodules: the region is the wrapped module
+    outer = nn.Sequential(_Rotated())
+    plan = Plan.model_validate(
+        {
+            "tpplan": 8,
+            "rules": [
+                {"match": "0.up", "style": "colwise", "local_output": False, "why": "opens"},
+                {"match": "0.down", "style": "rowwise", "why": "closes"},
+            ],
+            "regions": [{"match": "0", "why": "runs on DTensors"}],
+        }
+    )
+    assert_parity(outer, plan, 2, x)
+
+
+def test_without_the_region_the_same_plan_fails_loudly() -> None:
+    outer = nn.Sequential(_Rotated())
+    plan = Plan.model_validate(
+        {
+            "tpplan": 8,
+            "rules": [
+                {"match": "0.up", "style": "colwise", "local_output": False, "why": "opens"},
+                {"match": "0.down", "style": "rowwise", "why": "closes"},
+            ],
+        }
+    )
+    with simulated_ranks(2) as mesh:
+        model = tpplan.apply_plan(copy.deepcopy(outer), mesh, plan)
+        with pytest.raises(RuntimeError, match=r"mixed torch\.Tensor and DTensor"):
+            model(_randn(2, 5, 8))
+
+
+def test_hold_dtensors_is_idempotent() -> None:
+    m = _Rotated()
+    hold_dtensors(m)
+    hold_dtensors(m)
+    assert len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1
+
+
+# ---- the plan file ---------------------------------------------------------------------------
+def test_regions_need_schema_8() -> None:
+    with pytest.raises(PlanFileError, match="regions need schema version 8"):
+        Plan.from_yaml("tpplan: 7\nregions:\n  - match: a\n    why: b\n")
+
+
+def test_a_version_7_file_still_loads() -> None:
+    plan = Plan.from_yaml("tpplan: 7\nrules:\n  - match: a\n    style: colwise\n    why: b\n")
+    assert plan.tpplan == 7 and plan.regions == []
+
+
+def test_regions_round_trip_with_their_reason_as_a_comment() -> None:
+    plan = Plan.model_validate(
+        {"tpplan": 8, "regions": [{"match": "h.*.attn", "why": "runs on DTensors"}]}
+    )
+    text = plan.to_yaml()
+    assert "# runs on DTensors\n  - match: h.*.attn" in text
+    assert Plan.from_yaml(text) == plan
+
+
+# ---- infer_plan ------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp", [2, 4])
+def test_nanogpt_attention_becomes_a_megatron_region(tp: int) -> None:
+    """nanoGPT sizes its heads by `C // self.n_head` from `x.size()` and cuts its fused
+    c_attn with `.split(self.n_embd, dim=2)`: no attribute division can make that per-rank.
+    As a DTensor region, its attention runs each rank's heads and costs one all-reduce in
+    forward, with the unsharded model's numbers."""
+    model = _build(NanoGpt)
+    x = _tokens()
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    assert [r.match for r in plan.regions] == ["transformer.h.*.attn"]
+    rules = {r.match: r for r in plan.rules}
+    opener = rules["transformer.h.*.attn.c_attn"]
+    assert (opener.style, opener.local_output, opener.parts) == ("colwise", False, [32, 32, 32])
+    assert rules["transformer.h.*.attn.c_proj"].style == "rowwise"
+    assert not plan.attributes
+    assert_parity(model, plan, tp, x)
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        with CommDebugMode() as comms:
+            sharded(x)
+        attn = comms.comm_module_counts["NanoGpt.transformer.h.0.attn"]["forward"]
+    assert {str(op): n for op, n in attn.items()} == {"c10d_functional.all_reduce": 1}
+
+
+# ---- check -----------------------------------------------------------------------------------
+def test_check_names_a_region_pattern_that_matches_nothing() -> None:
+    model = _build(NanoGpt)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=_tokens())
+    wrong = plan.model_copy(
+        update={"regions": [plan.regions[0].model_copy(update={"match": "transformer.h.*.atn"})]}
+    )
+    (problem,) = tpplan.check_plan(wrong, model, tp_size=2)
+    assert str(problem) == (
+        "regions[0] (match: transformer.h.*.atn): the region pattern 'transformer.h.*.atn' "
+        "matches no module of the model. Fix: correct the pattern (module names as "
+        "model.named_modules() prints them) or delete the region."
+    )
+
+
+def test_check_passes_an_inferred_region_and_refuses_one_that_gathers() -> None:
+    """The inferred region is proven collective-free; the same region over a plan whose
+    fused layer is cut contiguously (no `parts`) gathers its heads inside the region, and
+    check refuses it, naming the region's module."""
+    model = _build(NanoGpt)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=_tokens())
+    assert tpplan.check_plan(plan, model, tp_size=2) == []
+    rules = [
+        r.model_copy(update={"parts": None}) if r.match.endswith("c_attn") else r
+        for r in plan.rules
+    ]
+    gathers = plan.model_copy(update={"rules": rules})
+    (problem,) = tpplan.check_plan(gathers, model, tp_size=2)
+    assert problem.module is not None and problem.module.startswith("transformer.h.0.attn")
