@@ -112,34 +112,28 @@ class _Rotated(nn.Module):
         return self.down(h.reshape(b, t, c))
 
 
-def test_a_region_mixes_whole_plain_tensors_forward_and_backward() -> None:
-    x = _randn(2, 5, 8)
-    # rules style submodules: the region is the wrapped module
-    outer = nn.Sequential(_Rotated())
-    plan = Plan.model_validate(
+def _rotated_plan(*, region: bool) -> Plan:
+    """`_Rotated` wrapped in a Sequential (rules style submodules, so the region is the
+    wrapped module): up opens with DTensor outputs, down closes; with or without the region."""
+    return Plan.model_validate(
         {
             "tpplan": 8,
             "rules": [
                 {"match": "0.up", "style": "colwise", "local_output": False, "why": "opens"},
                 {"match": "0.down", "style": "rowwise", "why": "closes"},
             ],
-            "regions": [{"match": "0", "why": "runs on DTensors"}],
+            "regions": [{"match": "0", "why": "runs on DTensors"}] if region else [],
         }
     )
-    assert_parity(outer, plan, 2, x)
+
+
+def test_a_region_mixes_whole_plain_tensors_forward_and_backward() -> None:
+    assert_parity(nn.Sequential(_Rotated()), _rotated_plan(region=True), 2, _randn(2, 5, 8))
 
 
 def test_without_the_region_the_same_plan_fails_loudly() -> None:
     outer = nn.Sequential(_Rotated())
-    plan = Plan.model_validate(
-        {
-            "tpplan": 8,
-            "rules": [
-                {"match": "0.up", "style": "colwise", "local_output": False, "why": "opens"},
-                {"match": "0.down", "style": "rowwise", "why": "closes"},
-            ],
-        }
-    )
+    plan = _rotated_plan(region=False)
     with simulated_ranks(2) as mesh:
         model = tpplan.apply_plan(copy.deepcopy(outer), mesh, plan)
         with pytest.raises(RuntimeError, match=r"mixed torch\.Tensor and DTensor"):

@@ -267,13 +267,14 @@ def collectives_inside(
     ranks, one forward and backward counted by torch's CommDebugMode. For each of
     `modules` ({module: the split layers inside it}): the collectives its forward and
     backward ran outside those layers' own calls (0: the split ran through it untouched),
-    keyed by module name; a module of a shortened stack that did not run is left out. None
-    when the run fails."""
+    keyed by module name. A module in a block of a shortened stack that did not run gets
+    the count of the block it repeats (`_shortened` runs the first blocks for the rest);
+    a module that did not run otherwise is left out. `args` and `kwargs` are meta tensors,
+    as `region_inputs` makes them. None when the run fails."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     with outside_simulation(), quiet_fake_tensor_log(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args, kwargs = _to_meta((args, kwargs))
         counting = CommDebugMode()
         cut = _shortened(plan, model)
         try:
@@ -288,11 +289,33 @@ def collectives_inside(
         )
         for fqn, per in counting.comm_module_counts.items()
     }
+    ran_as = _ran_as(model, cut)
     out = {}
     for module, inside in modules.items():
-        if module in counts:
-            out[module] = counts[module] - sum(counts.get(m, 0) for m in inside)
+        if ran_as(module) in counts:
+            out[module] = counts[ran_as(module)] - sum(counts.get(ran_as(m), 0) for m in inside)
     return out
+
+
+def _ran_as(model: nn.Module, cut: dict[int, int]) -> Any:
+    """name -> the name of the module that ran for it: in a block a shortened stack left
+    out, the same module of the earlier block it repeats; else the name itself."""
+    stacks = [
+        (f"{name}.", cut[key], same_as)
+        for key, (name, _, same_as) in repeated_blocks(model).items()
+        if key in cut
+    ]
+
+    def ran_as(module: str) -> str:
+        for prefix, keep, same_as in stacks:
+            if module.startswith(prefix):
+                index, _, rest = module[len(prefix) :].partition(".")
+                if index.isdigit() and int(index) >= keep:
+                    twin = f"{prefix}{same_as.get(int(index), int(index))}"
+                    return f"{twin}.{rest}" if rest else twin
+        return module
+
+    return ran_as
 
 
 def region_inputs(model: nn.Module, tp: int) -> dict[str, Any] | None:
@@ -301,15 +324,3 @@ def region_inputs(model: nn.Module, tp: int) -> dict[str, Any] | None:
         return _inputs(model, tp)
     except _CannotRun:
         return None
-
-
-def _to_meta(tree: Any) -> Any:
-    """Tensors of `tree` as meta tensors for a fake run."""
-    from torch.utils._pytree import tree_map
-
-    def meta(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return t if t.device.type == "meta" else t.to("meta")
-        return t
-
-    return tree_map(meta, tree)

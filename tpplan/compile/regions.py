@@ -77,16 +77,16 @@ def _heads_attention(
     dims = [x.dim % query.ndim for x in p if isinstance(x, Shard)]
     if not dims or any(d > query.ndim - 3 for d in dims):
         return None
-    mask = attn_mask
-    if isinstance(mask, DTensor):
-        if mask.placements != p and any(not isinstance(x, Replicate) for x in mask.placements):
-            return None
-        mask = mask.to_local() if mask.placements == p else mask.full_tensor()
-    if (isinstance(mask, torch.Tensor) and not isinstance(attn_mask, DTensor)) or (
-        isinstance(attn_mask, DTensor) and attn_mask.placements != p
-    ):
+    if isinstance(attn_mask, DTensor) and attn_mask.placements == p:
+        mask = attn_mask.to_local()  # split alike: each rank's own heads' mask
+    else:
+        if isinstance(attn_mask, DTensor):
+            if any(not isinstance(x, Replicate) for x in attn_mask.placements):
+                return None
+            attn_mask = attn_mask.to_local()
+        mask = attn_mask
         # a whole mask must broadcast over every split dim
-        for d in dims:
+        for d in dims if isinstance(mask, torch.Tensor) else ():
             back = query.ndim - d
             if mask.dim() >= back and mask.shape[-back] != 1:
                 return None

@@ -23,7 +23,6 @@ shrink, work does not. Here such layers get a second chance:
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -32,8 +31,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from ..check.rules import match_rules
 from ..check.run import collectives_inside, meta_copy
-from ..plan.patterns import collapse, match_names
+from ..plan.patterns import collapse
 from ..plan.schema import Plan, RegionRule, Rule
 from ..trace import quiet_fake_tensor_log
 
@@ -83,27 +83,16 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         if found is None:
             continue
         for m in made:
-            if found.get(m, _same_kind(m, found)) == 0:
+            if found.get(m) == 0:
                 proven[m] = made[m]
     if not proven:
         return plan
     return _with(plan, rules, proven, names)
 
 
-def _same_kind(module: str, found: dict[str, int]) -> int:
-    """A module of a shortened stack that did not run: the count of the block it repeats
-    (the run's first blocks stand for the rest; `check.run._shortened`)."""
-    key = re.sub(r"\.\d+(\.|$)", r".*\1", module)
-    seen = [n for m, n in found.items() if re.sub(r"\.\d+(\.|$)", r".*\1", m) == key]
-    return max(seen) if seen else -1
-
-
 def _per_module(plan: Plan, names: list[str]) -> dict[str, Rule]:
-    out: dict[str, Rule] = {}
-    for rule in plan.rules:
-        for n in match_names(rule.match, names):
-            out.setdefault(n, rule)
-    return out
+    """{module: the rule that styles it} (the first that matches, as apply does)."""
+    return {n: plan.rules[i] for n, i in match_rules(plan, names).owner.items()}
 
 
 def _call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
