@@ -315,14 +315,20 @@ def test_a_per_head_sink_is_split_with_the_heads(tp: int) -> None:
     assert_parity(model, plan, tp, x)
 
 
-def test_a_sink_also_used_whole_keeps_the_attention_whole() -> None:
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_sink_also_used_whole_makes_the_attention_a_dtensor_region(tp: int) -> None:
+    """The sink is used per head and whole (`s.mean()`), so it cannot be split: the attention
+    runs as a DTensor region instead, the sink a replicated DTensor each rank slices to its
+    heads. No rule splits the sink; forward and every gradient match the unsharded model."""
     model = SinkBlock(also_whole=True)
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
     plan = tpplan.infer_plan(model, example_inputs=x)
     assert not any(r.style == "split_params" for r in plan.rules)
-    assert styles(plan, model)["z.a"] == ("colwise", "replicate")  # gathered at once
-    assert "used both inside and outside the region" in rule_for(plan, model, "z.a").why
-    assert_parity(model, plan, 2, x)
+    assert [r.match for r in plan.regions] == ["z"]
+    assert styles(plan, model)["z.a"] == ("colwise", None)
+    assert rule_for(plan, model, "z.a").local_output is False
+    assert styles(plan, model)["z.d"] == ("rowwise", None)
+    assert_parity(model, plan, tp, x)
 
 
 def test_parameters_of_the_model_itself_in_a_region_keep_it_whole() -> None:
