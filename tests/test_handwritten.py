@@ -403,6 +403,24 @@ def test_titan_llama(rotary: str, tp: int) -> None:
     assert sharded["output"] == ("colwise", "replicate")
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_titan_llama_sequence_parallel(tp: int) -> None:
+    """Its attention takes two positional inputs (x, freqs_cis): the rule gathering the
+    attention's input over the sequence lists a layout for each (torch refuses a list
+    shorter than the inputs), and the plan passes check and holds parity."""
+    model = _build(TitanLlama)
+    x = _tokens()
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x, sequence_parallel=True)
+    prepare = next(r for r in plan.rules if r.match == "layers.*.attention")
+    assert (prepare.style, prepare.inputs, prepare.desired_inputs) == (
+        "prepare",
+        ["shard(1)", None],
+        ["replicate", None],
+    )
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, x)
+
+
 # Patch embedding and attention layout vary independently; two models cover both of each.
 VITS = [("conv", True), ("linear", False)]
 

@@ -32,6 +32,7 @@ class Decision:
     local_output: bool | None = None
     input: str | None = None
     prepared: int | str | None = None  # prepare: the input gathered (index or keyword)
+    positional: int = 1  # prepare: the positional inputs the module takes (one layout each)
     mode: str | None = None  # experts
     shard: tuple[tuple[str, int], ...] = ()  # experts, split_params: (parameter, dim)
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # experts: (parameter, pieces)
@@ -50,8 +51,9 @@ class Decision:
                 extra["input_kwargs"] = {where: "shard(1)"}
                 extra["desired_input_kwargs"] = {where: "replicate"}
             else:
-                extra["inputs"] = [None] * where + ["shard(1)"]
-                extra["desired_inputs"] = [None] * where + ["replicate"]
+                rest = [None] * (self.positional - where - 1)  # the others pass as they are
+                extra["inputs"] = [None] * where + ["shard(1)", *rest]
+                extra["desired_inputs"] = [None] * where + ["replicate", *rest]
             extra["local_input"] = True
         if self.head_dim is not None:
             extra["head_dim"] = self.head_dim

@@ -80,6 +80,7 @@ def _gather_region_inputs(ctx: Context, out: Decided) -> None:
                     join(sorted(relative([*openers, parent]).get(o, o) for o in openers))
                 ),
                 prepared=entry[0],
+                positional=t.layers.positional.get(parent, 1),
             )
             continue
         for o in openers:  # each opener gathers its own input

@@ -164,6 +164,7 @@ def track_frames(st: Trackers, name: str, module: nn.Module) -> None:
     def enter(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         st.reads.enter()
         st.trace.layers.ran.add(name)
+        st.trace.layers.positional.setdefault(name, len(args))
         if name not in st.trace.layers.entries:
             # where its first tensor input came in, and which tensor it was
             found: list[tuple[int | str, torch.Tensor]]

@@ -48,6 +48,9 @@ class LayerFacts:
     """Linear or linear-like module -> (in features, out features, weight stored (in, out))."""
     entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
     """Module -> (positional index or keyword, id) of the first tensor its first call got."""
+    positional: dict[str, int] = field(default_factory=dict)
+    """Module -> how many positional arguments its first call got (a module-input rule
+    lists a layout for each)."""
 
 
 @dataclass
