@@ -335,7 +335,14 @@ def expand_rules(plan: Plan, model: nn.Module) -> dict[str, tpplan.Rule]:
 
 
 def _output(out: object) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out  # type: ignore[attr-defined, return-value]
+    """The tensor a model's output holds: its logits, a diffusers model's sample, or the
+    first entry of a tuple (`return_dict=False`)."""
+    if isinstance(out, tuple):
+        return _output(out[0])
+    for field in ("logits", "sample"):
+        if hasattr(out, field):
+            return getattr(out, field)  # type: ignore[no-any-return]
+    return out  # type: ignore[return-value]
 
 
 def _whole(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -391,11 +391,28 @@ def test_infer_verify_and_stats_of_experts(
 def test_infer_sequence_parallel_refuses_a_model_it_does_not_fit(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """GPT-2 adds whole position embeddings to the token embeddings: said, not emitted."""
-    code, out, err = run(capsys, "infer", "gpt2", "--sequence-parallel", "--set", "n_layer=2")
+    """test_tables' model adds the MLP's sequence-split output to a whole tensor in its own
+    forward, where no region can hold it: said, not emitted."""
+    code, out, err = run(capsys, "infer", "test_tables:_Model", "--sequence-parallel")
     assert code == 2 and out == ""
-    assert "sequence parallel does not fit GPT2LMHeadModel" in err
+    assert "sequence parallel does not fit _Model" in err
     assert "Infer without sequence parallel" in err and "Traceback" not in err
+
+
+def test_infer_sequence_parallel_starts_a_stream_that_begins_whole(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """GPT-2 adds whole position embeddings to the token embeddings, so its stream starts
+    whole: the first block, whose residual add meets the sequence-split stream with it,
+    holds it as a stream region, and the first block's norm runs whole."""
+    from tpplan import Plan
+
+    code, out, _ = run(capsys, "infer", "gpt2", "--sequence-parallel", "--set", "n_layer=2")
+    plan = Plan.from_yaml(out)
+    assert code == 0 and [(r.match, r.stream) for r in plan.regions] == [("transformer.h.0", True)]
+    styles = {r.match: r.style for r in plan.rules}
+    assert styles["transformer.h.1.ln_1"] == "sequence_parallel"
+    assert "transformer.h.0.ln_1" not in styles
 
 
 def test_infer_writes_json_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
 from tpplan.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from tpplan.errors import TpplanError
 from tpplan.plan import Plan
 
 SPECIAL = 3  # the token whose rows the table overwrites
@@ -141,13 +142,19 @@ def test_check_refuses_sum_at_lookup_where_the_lookup_is_its_own() -> None:
     assert problem.fix == "keep it whole (style: replicate)."
 
 
-def test_sequence_parallel_keeps_such_a_table_whole_and_says_why() -> None:
-    """(Given inputs, infer_plan leaves the trial run to the caller's first forward, which for
-    this residual stream fails loudly, as for any table kept whole.)"""
+def test_sequence_parallel_refuses_a_stream_the_model_itself_adds_to_whole() -> None:
+    """The table is kept whole (its rows are summed inside its forward), so the stream
+    starts whole and meets the MLP's reduce-scattered output in the model's own forward
+    (`h + self.mlp(h)`), where no region can hold it: infer_plan says so, also when given
+    inputs, rather than hand back a plan whose first forward fails."""
     model = _Model()
-    plan = tpplan.infer_plan(model, tp_size=2, sequence_parallel=True, example_inputs=_ids())
-    rule = rule_for(plan, model, "embed")
-    assert rule.style == "replicate" and "sequence parallel reduce-scatters" in rule.why
+    with pytest.raises(TpplanError) as caught:
+        tpplan.infer_plan(model, tp_size=2, sequence_parallel=True, example_inputs=_ids())
+    assert str(caught.value) == (
+        "sequence parallel does not fit _Model: its own forward meets the sequence-split "
+        "stream with whole tensors (add), outside any submodule a region could hold. Infer "
+        "without sequence parallel, or write those rules by hand."
+    )
 
 
 @pytest.mark.parametrize(

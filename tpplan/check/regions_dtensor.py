@@ -51,6 +51,8 @@ def check_region_collectives(plan: Plan, model: nn.Module, tp_size: int) -> list
     modules = {}
     label = {}
     for i, region in enumerate(plan.regions):
+        if region.stream:
+            continue  # its submodules gather the stream's shards inside it, by design
         for m in match_names(region.match, names):
             modules[m] = [n for n in split if n.startswith(f"{m}.")]
             label[m] = _label(i, plan)

@@ -88,10 +88,17 @@ class _CannotRun(Exception):
     """No dry run can be set up here; the static checks stand alone."""
 
 
-def run_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
+def run_plan(
+    plan: Plan,
+    model: nn.Module,
+    *,
+    tp_size: int,
+    given: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+) -> list[Problem]:
     """The Problem of a plan that passes the static checks but does not run: applied to a
     meta copy of `model` on `tp_size` fake ranks, a forward and a backward pass fail. Empty
-    when they run, or when no run can be set up (see the module docstring).
+    when they run, or when no run can be set up (see the module docstring). `given`: the
+    (args, kwargs) to run with, as meta tensors, instead of inputs made up here.
 
     The fake ranks are a process group of their own: this works inside a real gloo or NCCL
     job of any world size without a collective. The model itself is never touched.
@@ -105,16 +112,16 @@ def run_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
         # the copy's warnings are about a copy; the real apply gives its own
         warnings.simplefilter("ignore")
         try:
-            inputs = _inputs(model, tp_size)
+            args, inputs = given if given is not None else ((), _inputs(model, tp_size))
             cut = _shortened(plan, model)
             # a forward that counts its blocks by the config (Gemma 3n's per-layer inputs)
             # fails on a shortened stack: a failure there is only believed of the whole model
             failure = None
             for keep in [cut, {}] if cut else [{}]:
-                failure = _run_sharded(plan, model, tp_size, inputs, keep)
+                failure = _run_sharded(plan, model, tp_size, inputs, keep, args=args)
                 if failure is None:
                     return []
-            if failure is None or not _runs_unsharded(model, inputs):
+            if failure is None or not _runs_unsharded(model, inputs, args):
                 return []
         except _CannotRun:
             return []
@@ -218,14 +225,14 @@ def _run_sharded(
     return None
 
 
-def _runs_unsharded(model: nn.Module, inputs: dict[str, Any]) -> bool:
+def _runs_unsharded(model: nn.Module, inputs: dict[str, Any], args: tuple[Any, ...] = ()) -> bool:
     """Whether the model itself runs forward and backward on fake meta tensors; a plan is
     not to blame for a model that cannot (routing that reads the values, say)."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     copy_ = meta_copy(model, fake=fake, trainable=True).eval()
     try:
         with fake:
-            _forward_backward(copy_, fake, inputs, None)
+            _forward_backward(copy_, fake, inputs, None, args)
     except Exception:
         return False
     return True

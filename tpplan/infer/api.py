@@ -26,6 +26,7 @@ from .names import shared_params
 from .regions import decide_region, find_regions
 from .rest import decide_rest
 from .sequence_parallel import apply_sequence_parallel, try_sequence_parallel
+from .stream import fit_sequence_parallel
 from .ties import untie_unalike
 from .uncalled import copy_from_alike, infer_uncalled_parts
 
@@ -96,6 +97,7 @@ def infer_plan(
     )
     plan = try_dtensor_regions(model, plan, asked.tp, example_inputs)
     if sequence_parallel:
+        plan = fit_sequence_parallel(model, plan, example_inputs)
         try_sequence_parallel(model, plan, asked.tp, example_inputs)
     return plan
 

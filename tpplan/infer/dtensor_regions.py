@@ -37,7 +37,7 @@ from ..plan.patterns import collapse
 from ..plan.schema import Plan, RegionRule, Rule
 from ..trace import quiet_fake_tensor_log
 
-__all__ = ["try_dtensor_regions"]
+__all__ = ["example_call", "try_dtensor_regions"]
 
 # how rest.py words a layer whose output could not stay split (split and gathered)
 _GATHERED = "its output cannot stay split ("
@@ -55,7 +55,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     }
     if not gathered:
         return plan
-    args, kwargs = _call(model, example_inputs)
+    args, kwargs = example_call(model, example_inputs)
     roles = _roles(model, gathered, args, kwargs)
     if roles is None:
         return plan
@@ -95,7 +95,8 @@ def _per_module(plan: Plan, names: list[str]) -> dict[str, Rule]:
     return {n: plan.rules[i] for n, i in match_rules(plan, names).owner.items()}
 
 
-def _call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def example_call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The (args, kwargs) the tracer calls the model with, as meta tensors."""
     from torch.utils._pytree import tree_map
 
     from ..trace.run import _example_inputs

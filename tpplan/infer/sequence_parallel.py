@@ -89,10 +89,15 @@ def _gather_region_inputs(ctx: Context, out: Decided) -> None:
 
 
 def _stream_params_on_shards(ctx: Context, out: Decided) -> None:
-    """Modules whose parameters act on the stream (norms) run on sequence shards."""
+    """Modules whose parameters act on the stream (norms) run on sequence shards. Not one
+    whose submodules hold parameters too (an attention kept whole with a bias table of its
+    own): torch's SequenceParallel replicates only a module's own parameters, and the
+    module runs as its rules and the stream make it."""
     t = ctx.trace
     for name, module in ctx.modules.items():
         if name in out.decisions or name in t.layers.linears or isinstance(module, nn.Embedding):
+            continue
+        if any(True for c in module.children() for _ in c.parameters()):
             continue
         own = own_params(module, name)
         if own and name in t.layers.entries and any(p in t.params.outside for p in own):
@@ -119,9 +124,12 @@ def try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs:
     # imported here: the dry run brings in torch.distributed, which nothing else needs
     from ..check.run import run_plan
 
+    given = None
     if example_inputs is not None:
-        return  # the inputs are the caller's: their first forward tells
-    for problem in run_plan(plan, model, tp_size=tp):
+        from .dtensor_regions import example_call
+
+        given = example_call(model, example_inputs)
+    for problem in run_plan(plan, model, tp_size=tp, given=given):
         raise TpplanError(
             f"sequence parallel does not fit {type(model).__name__}: its forward mixes the "
             f"sequence-split stream with whole tensors ({problem.message.rstrip('.')}). "

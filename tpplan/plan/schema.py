@@ -205,6 +205,11 @@ class RegionRule(_Strict):
     """Dotted module-name pattern, as in rules."""
     why: str = Field(min_length=1)
     """The evidence: which layers open and close the split, and what the proof run saw."""
+    stream: bool = False
+    """A module of the sequence-parallel stream rather than a split region: its own code
+    meets the sequence-split stream (a DTensor) with whole tensors, which are lifted the same
+    way. Collectives inside it (its submodules gathering their inputs) are expected, so
+    `check` does not hold it to running without them."""
 
 
 class Plan(_Strict):

@@ -1,0 +1,84 @@
+"""Sequence parallel fitted to where the stream really flows (tpplan/infer/stream.py).
+
+Models whose stream does not start at a vocab-parallel token lookup (a patch embedding,
+whole position embeddings added to the tokens) see it whole in their first block: that
+block's norm runs whole, the module whose code first meets the sequence-split stream with a
+whole tensor holds it as a stream region, and a module kept whole gathers the stream as it
+comes in. Each plan passes `check` and holds forward and backward parity.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import tpplan
+from tpplan.plan import Plan
+
+sys.path.insert(0, str(Path(__file__).parent))
+from blocks import assert_parity
+from test_handwritten import Vit, _build, _images
+
+
+def _styles(plan: Plan) -> dict[str, str]:
+    return {r.match: r.style for r in plan.rules}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_vit_stream_starts_whole_at_its_first_block(tp: int) -> None:
+    """The patch embedding and the class token make the stream whole: block 0's norm runs
+    whole and block 0 lifts its whole input where it meets the first reduce-scattered
+    output; from block 1 on the norms run on sequence shards."""
+    model = _build(Vit, patch_embed="conv", fused=False)
+    x = _images()
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x, sequence_parallel=True)
+    styles = _styles(plan)
+    assert "blocks.0.norm1" not in styles
+    assert styles["blocks.1.norm1"] == "sequence_parallel"
+    assert [r.match for r in plan.regions if r.stream] == ["blocks.0"]
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, x)
+
+
+def test_a_head_kept_whole_gathers_the_stream_as_it_comes_in() -> None:
+    """At tp 4 the head's 10 classes do not divide: kept whole, it gathers its input over
+    the sequence (a prepare rule that keeps its reason), so the model's output is whole."""
+    model = _build(Vit, patch_embed="conv", fused=False, classes=10)
+    x = _images()
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=x, sequence_parallel=True)
+    head = next(r for r in plan.rules if r.match == "head")
+    assert (head.style, head.inputs, head.desired_inputs, head.local_input) == (
+        "prepare",
+        ["shard(1)"],
+        ["replicate"],
+        True,
+    )
+    assert head.why.startswith("kept whole") and "the stream ends in it" in head.why
+    assert_parity(model, plan, 4, x)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt2_position_embeddings_start_the_stream_whole(tp: int) -> None:
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+    model = GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    plan = tpplan.infer_plan(model, tp_size=tp, sequence_parallel=True)
+    assert all(r.stream for r in plan.regions) and plan.regions
+    assert "transformer.h.0.ln_1" not in _styles(plan)
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, {"input_ids": ids})
+
+
+def test_a_stream_region_round_trips_through_the_plan_file() -> None:
+    model = _build(Vit, patch_embed="conv", fused=False)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=_images(), sequence_parallel=True)
+    again = Plan.from_yaml(plan.to_yaml())
+    assert [(r.match, r.stream) for r in again.regions] == [
+        (r.match, r.stream) for r in plan.regions
+    ]
+    assert "stream: true" in plan.to_yaml()

@@ -1,0 +1,370 @@
+"""Sequence parallel fitted to the model's own forward: where the sequence-split stream (a
+DTensor) really flows, and where it meets whole tensors.
+
+Start at `fit_sequence_parallel`, which infer_plan calls once a sequence-parallel plan is
+made. The plan's rules say what turns the stream into a DTensor split over the sequence: a
+vocab-parallel lookup or a rowwise layer reduce-scattering onto sequence shards. The rules
+on the modules between them (norms run on sequence shards, a module gathering its input)
+assume their input is that DTensor. That holds in a model whose stream starts at a token
+lookup; elsewhere (a patch embedding, a Linear over latents, blocks fed by more than one
+stream) the first block sees the stream whole, and a norm told its plain input is a
+sequence shard would compute on the wrong rows. So a forward on fake tensors follows which
+tensors would be DTensors under the plan (`_follow`):
+
+1. a rule that reads its input as the stream keeps it only where the input is the stream;
+   elsewhere the module runs whole, as it would without sequence parallel;
+2. a module whose own code meets the stream with a whole tensor (a residual add of the
+   whole input to the first reduce-scattered output, modulation scales computed from a
+   timestep) becomes a stream region (`RegionRule(stream=True)`): while it runs, whole
+   tensors meeting DTensors are lifted to replicated DTensors (no copy, no collective),
+   as in DTensor regions.
+
+What cannot be fitted this way (the model's own forward mixes the two outside any
+submodule, or hands the stream back as its output) raises, naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..check.rules import match_rules
+from ..check.run import meta_copy
+from ..errors import TpplanError
+from ..plan.patterns import collapse, match_names
+from ..plan.schema import Plan, RegionRule, Rule
+from ..trace import quiet_fake_tensor_log
+from .dtensor_regions import example_call
+
+__all__ = ["fit_sequence_parallel"]
+
+# styles whose module computes on DTensors itself (its parameters are DTensors, its input is
+# made one): what its own code does is torch's, and its output is a DTensor only as the rule
+# says (`_hands_on_stream`)
+_ON_DTENSORS = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel")
+# what sequence_parallel.py appends to a layer's reason when it gathers its own input
+_GATHERS_INPUT = re.compile(
+    r"; sequence parallel: (its input is gathered over the sequence first"
+    r"|all-gathers its input over the sequence[^;]*)"
+)
+_GATHERED_WHY = "; sequence parallel: its input is gathered over the sequence first"
+_STREAM_WHY = (
+    "sequence parallel: its forward meets the sequence-split stream (a DTensor) with whole "
+    "tensors ({}); while it runs, those are lifted to replicated DTensors (no copy, no "
+    "collective) so DTensor computes the op"
+)
+
+
+def fit_sequence_parallel(model: nn.Module, plan: Plan, example_inputs: Any) -> Plan:
+    """`plan` with its sequence-parallel rules kept where the stream flows, and stream
+    regions where the model's code meets it with whole tensors (see the module docstring).
+    `plan` itself where the fake forward cannot run (the dry run then tells)."""
+    names = [n for n, _ in model.named_modules() if n]
+    rules = {n: plan.rules[i] for n, i in match_rules(plan, names).owner.items()}
+    held = {m for r in plan.regions for m in match_names(r.match, names)}
+    args, kwargs = example_call(model, example_inputs)
+    seen = _follow(model, rules, held, args, kwargs)
+    if seen is None:
+        return plan
+    exits = _exits(seen, rules, held)
+    if exits:
+        rules = {**rules, **exits}
+        seen = _follow(model, rules, held, args, kwargs)
+        if seen is None:
+            return plan
+    cls = type(model).__name__
+    if "" in seen.mixes:
+        raise TpplanError(
+            f"sequence parallel does not fit {cls}: its own forward meets the "
+            f"sequence-split stream with whole tensors ({', '.join(sorted(seen.mixes['']))}), "
+            "outside any submodule a region could hold. Infer without sequence parallel, or write "
+            "those rules by hand."
+        )
+    if seen.output:
+        raise TpplanError(
+            f"sequence parallel does not fit {cls}: its output is the sequence-split stream "
+            "itself (no layer gathers it back). Infer without sequence parallel, or write "
+            "those rules by hand."
+        )
+    kept = {n: r for n, r in ((n, _fitted(r, seen.fed.get(n))) for n, r in rules.items()) if r}
+    stream = {m: ops for m, ops in seen.mixes.items() if m not in held}
+    if kept == rules and not stream:
+        return plan
+    return _rebuilt(plan, kept, stream, names)
+
+
+def _exits(seen: _Seen, rules: dict[str, Rule], held: set[str]) -> dict[str, Rule]:
+    """A `prepare` rule for each outermost module the stream enters and does not leave (its
+    output is whole: a classifier head pooling the tokens, an attention kept whole), and for
+    each module kept whole (style replicate) the stream reaches: its input is gathered over
+    the sequence as it comes in, so its own code runs on whole tensors as without sequence
+    parallel (DTensor's partial averages over the sequence, a pooling's, have no backward
+    into a sum)."""
+    found: dict[str, Rule] = {}
+    for name, (args, kwargs) in seen.given.items():
+        kept = rules.get(name)
+        if kept is not None and kept.style != "replicate":
+            continue  # (one kept whole can gather too: prepare splits nothing either)
+        if name in held or not (any(args) or any(kwargs.values())):
+            continue
+        # one kept whole gathers wherever the stream reaches it: it runs as without it
+        if name not in seen.computes or (kept is None and seen.hands_on.get(name, True)):
+            continue
+        if any(name.startswith(f"{f}.") for f in found):
+            continue
+        inputs = ["shard(1)" if a else None for a in args] if any(args) else None
+        taken = {k: "shard(1)" for k, v in kwargs.items() if v} or None
+        found[name] = Rule(
+            match=name,
+            style="prepare",
+            inputs=inputs,
+            desired_inputs=[None if x is None else "replicate" for x in inputs or []] or None,
+            input_kwargs=taken,
+            desired_input_kwargs={k: "replicate" for k in taken or {}} or None,
+            local_input=True,
+            why=(f"{kept.why}; " if kept is not None else "")
+            + (
+                "sequence parallel: the stream ends in it (its output is whole), so its "
+                "input is gathered over the sequence as it comes in and it runs as without "
+                "sequence parallel"
+            ),
+        )
+    return found
+
+
+def _fitted(rule: Rule, fed: bool | None) -> Rule | None:
+    """The rule as the stream reaches its module (`fed`: its input is the stream; None: it
+    did not run): unchanged where that holds or cannot be told; where the input is whole,
+    without what reads it as the stream (None: no rule, the module runs whole)."""
+    if fed and rule.style == "colwise" and rule.input is None:
+        # the stream (a DTensor) reaches it: gathered in its input hook, as a layout
+        return rule.model_copy(update={"input": "shard(1)", "why": rule.why + _GATHERED_WHY})
+    if fed is None or fed:
+        return rule
+    if rule.style == "sequence_parallel":
+        return None
+    if rule.style == "prepare" and (rule.inputs or rule.input_kwargs):
+        return None
+    if rule.style == "colwise" and rule.input == "shard(1)":
+        return rule.model_copy(update={"input": None, "why": _GATHERS_INPUT.sub("", rule.why)})
+    return rule
+
+
+def _rebuilt(
+    plan: Plan, per: dict[str, Rule], stream: dict[str, set[str]], names: list[str]
+) -> Plan:
+    """The plan from per-module rules, collapsed to patterns again in module order, with a
+    stream region for each module in `stream` ({module: the ops that met the stream})."""
+    groups: dict[str, tuple[Rule, list[str]]] = {}
+    for n in names:
+        if n in per:
+            key = per[n].model_copy(update={"match": "_"}).model_dump_json()
+            groups.setdefault(key, (per[n], []))[1].append(n)
+    rules = [
+        r.model_copy(update={"match": p})
+        for r, members in groups.values()
+        for p in collapse(members, names)
+    ]
+    whys: dict[str, list[str]] = {}
+    for m in names:
+        if m in stream:
+            whys.setdefault(_STREAM_WHY.format(", ".join(sorted(stream[m]))), []).append(m)
+    regions = [
+        RegionRule(match=p, why=why, stream=True)
+        for why, ms in whys.items()
+        for p in collapse(ms, names)
+    ]
+    return plan.model_copy(
+        update={"rules": rules, "regions": [*plan.regions, *regions], "tpplan": 8}
+    )
+
+
+# ---- the fake forward -------------------------------------------------------------------------
+@dataclass
+class _Seen:
+    fed: dict[str, bool] = field(default_factory=dict)
+    """Module -> whether the input its rule reads as the stream was the stream (first call;
+    False if any call got it whole)."""
+    mixes: dict[str, set[str]] = field(default_factory=dict)
+    """Module whose own code met the stream with a whole tensor -> the ops that did."""
+    output: bool = False
+    """Whether the model's output is the stream."""
+    given: dict[str, tuple[list[bool], dict[str, bool]]] = field(default_factory=dict)
+    """Module -> which of its positional and keyword inputs were the stream (first call)."""
+    hands_on: dict[str, bool] = field(default_factory=dict)
+    """Module -> whether its output was the stream (first call)."""
+    computes: set[str] = field(default_factory=set)
+    """Modules inside which an op computed a tensor from the stream (not only read its
+    dtype or device, as a rotary table's module does)."""
+
+
+class _Stream(TorchFunctionMode):
+    """Marks which tensors would be DTensors under the plan (`ids`), and notes every op of
+    a module's own code that meets one with a whole tensor of more than one element (DTensor
+    takes a one-element plain tensor as a scalar)."""
+
+    def __init__(self, seen: _Seen) -> None:
+        super().__init__()
+        self.seen = seen
+        self.ids: set[int] = set()
+        self.keep: list[Any] = []  # tensors whose ids are marked: alive, so ids stay unique
+        self.running: list[str] = []  # the modules whose forward is running, innermost last
+        self.quiet = 0  # >0 inside a module whose rule runs its own code on DTensors
+
+    def marked(self, tree: Any) -> tuple[bool, bool]:
+        """(any tensor of `tree` is the stream, any is whole and larger than a scalar)"""
+        leaves, _ = tree_flatten(tree)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        return (
+            any(id(t) in self.ids for t in tensors),
+            any(id(t) not in self.ids and t.numel() > 1 for t in tensors),
+        )
+
+    def mark(self, tree: Any, on: bool = True) -> None:
+        leaves, _ = tree_flatten(tree)
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                if on:
+                    self.ids.add(id(t))
+                    self.keep.append(t)
+                else:
+                    self.ids.discard(id(t))
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        stream, whole = self.marked((args, kwargs))
+        if stream:
+            if any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+                self.seen.computes.update(self.running)
+            if whole and not self.quiet:
+                where = self.running[-1] if self.running else ""
+                op = getattr(func, "__name__", str(func))
+                self.seen.mixes.setdefault(where, set()).add(op)
+            self.mark(out)
+        return out
+
+
+def _follow(
+    model: nn.Module,
+    rules: dict[str, Rule],
+    held: set[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> _Seen | None:
+    """One forward of a fake copy, following the stream as the plan's rules make it (see
+    the module docstring); None when the forward fails on fake tensors."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    copy_ = meta_copy(model, fake=fake).eval()
+    seen = _Seen()
+    mode = _Stream(seen)
+    handles = []
+
+    def enter(name: str) -> Any:
+        rule = rules.get(name)
+        quiet = name in held or (rule is not None and rule.style in _ON_DTENSORS)
+
+        def hook(m: nn.Module, a: Any, kw: Any) -> Any:
+            mode.running.append(name)
+            if name not in seen.given:
+                seen.given[name] = (
+                    [mode.marked(x)[0] for x in a],
+                    {k: mode.marked(v)[0] for k, v in kw.items()},
+                )
+            changed = None
+            if rule is not None:
+                fed = _reads(rule, a, kw)
+                if fed is not None:
+                    got = mode.marked(fed)[0]
+                    seen.fed[name] = seen.fed.get(name, True) and got
+                    if rule.style == "prepare" and got and rule.local_input:
+                        changed = _gathered(rule, a, kw)  # plain whole tensors inside
+            if quiet:
+                mode.quiet += 1
+            return changed
+
+        return hook
+
+    def leave(name: str) -> Any:
+        rule = rules.get(name)
+        quiet = name in held or (rule is not None and rule.style in _ON_DTENSORS)
+
+        def hook(m: nn.Module, a: Any, kw: Any, out: Any) -> None:
+            mode.running.pop()
+            if quiet:
+                mode.quiet -= 1
+            if rule is not None and rule.style in _ON_DTENSORS:
+                mode.mark(out, _hands_on_stream(rule, seen.fed.get(name, False)))
+            seen.hands_on.setdefault(name, mode.marked(out)[0])
+
+        return hook
+
+    for name, module in copy_.named_modules():
+        if name:
+            handles.append(module.register_forward_pre_hook(enter(name), with_kwargs=True))
+            handles.append(
+                module.register_forward_hook(leave(name), with_kwargs=True, always_call=True)
+            )
+    try:
+        with quiet_fake_tensor_log(), fake, mode, torch.no_grad():
+            given = [fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
+            given_kw = {
+                k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for k, v in kwargs.items()
+            }
+            out = copy_(*given, **given_kw)
+            seen.output = mode.marked(out)[0]
+    except Exception:
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _gathered(rule: Rule, args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A prepared module's inputs as its own code gets them: the ones its rule gathers are
+    new plain tensors (the caller's stays the stream), made where the mode does not see."""
+
+    def plain(t: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return t.view_as(t) if isinstance(t, torch.Tensor) else t
+
+    layouts = rule.inputs or []
+    new_args = tuple(
+        plain(a) if i < len(layouts) and layouts[i] == "shard(1)" else a for i, a in enumerate(args)
+    )
+    taken = rule.input_kwargs or {}
+    new_kwargs = {k: plain(v) if taken.get(k) == "shard(1)" else v for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def _reads(rule: Rule, args: Any, kwargs: Any) -> Any:
+    """What of a module's inputs its rule reads as the stream; None when it reads none."""
+    if rule.style == "sequence_parallel":
+        return args[:1] or list(kwargs.values())[:1]
+    if rule.style == "prepare":
+        picked = [
+            a for a, layout in zip(args, rule.inputs or [], strict=False) if layout == "shard(1)"
+        ]
+        picked += [kwargs[k] for k, v in (rule.input_kwargs or {}).items() if v == "shard(1)"]
+        return picked or None
+    if rule.style == "colwise":
+        return args[:1]
+    return None
+
+
+def _hands_on_stream(rule: Rule, fed: bool) -> bool:
+    """Whether the module's output is the stream (a DTensor) under its rule."""
+    if rule.output == "shard(1)" and rule.local_output is False:
+        return True  # reduce-scattered onto sequence shards (or a lookup summed there)
+    if rule.style == "sequence_parallel":
+        return fed
+    return rule.style == "colwise" and rule.local_output is False  # a DTensor region's opener
