@@ -1264,3 +1264,79 @@ def test_a_part_that_did_not_run_takes_the_decisions_of_its_twin_that_did(tp: in
         "extra": torch.randn(2, 3, 32, generator=g),
     }
     assert_block_parity(model, plan, tp, x)
+
+
+class _PiecesThenHeads(nn.Module):
+    """timm's fused attention: one qkv Linear viewed as (B, N, 3, heads, head_dim), the
+    pieces' dim moved first and unbound into q, k, v; heads merged by a stored width."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.attn_dim = num_heads, dim // num_heads, dim
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(out.transpose(1, 2).reshape(b, n, self.attn_dim))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_pieces_viewed_before_the_heads_split_by_heads(tp: int) -> None:
+    """The literal 3 before the heads counts the fused pieces: q|k|v are `parts`, each rank
+    its own heads of each, and the head count and merged width are divided."""
+    model = nn.Sequential(_PiecesThenHeads())  # a plan divides submodules' attributes
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    qkv = rule_for(plan, model, "0.qkv")
+    assert (qkv.style, qkv.parts, qkv.output) == ("colwise", [32, 32, 32], None)
+    assert styles(plan, model)["0.proj"] == ("rowwise", None)
+    assert sorted(plan.attributes[0].divide) == ["attn_dim", "num_heads"]
+    assert_parity(model, plan, tp, x)
+
+
+def test_pieces_and_heads_of_one_count_are_not_guessed() -> None:
+    """Three heads viewed as (3, 3, head_dim): which 3 counts the pieces cannot be told from
+    the sizes, so no attribute is divided; the attention runs as a DTensor region instead,
+    whose layouts carry the pieces through the view (proven, and at parity at tp 3)."""
+    model = nn.Sequential(_PiecesThenHeads(dim=24, num_heads=3))
+    x = torch.randn(2, 6, 24, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, tp_size=3, example_inputs=x)
+    qkv = rule_for(plan, model, "0.qkv")
+    assert (qkv.parts, qkv.local_output) == ([24, 24, 24], False)
+    assert not plan.attributes and [r.match for r in plan.regions] == ["0"]
+    assert_parity(model, plan, 3, x)
+
+
+class _UnflattenHeads(nn.Module):
+    """diffusers' processors: heads carved by `unflatten(-1, (-1, attn.head_dim))`, whose
+    view runs with the -1 resolved to the head count."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (
+            m(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+            for m in (self.to_q, self.to_k, self.to_v)
+        )
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3)
+        return self.to_out(out)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_heads_carved_by_unflatten_with_minus_one_split(tp: int) -> None:
+    model = _UnflattenHeads()
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    for name in ("to_q", "to_k", "to_v"):
+        assert styles(plan, model)[name] == ("colwise", None)
+    assert styles(plan, model)["to_out"] == ("rowwise", None)
+    assert not plan.attributes  # -1 takes each rank's own head count
+    assert_parity(model, plan, tp, x)

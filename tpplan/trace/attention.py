@@ -26,7 +26,15 @@ __all__ = ["AttentionMode"]
 _CHUNKS = (torch.Tensor.chunk, torch.chunk)
 _VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
 _VIEWS_AS = (torch.Tensor.view_as, torch.Tensor.reshape_as)
+_UNFLATTENS = (torch.Tensor.unflatten, torch.unflatten)
 _SHAPES = (torch.Tensor.size, torch.Tensor.shape.__get__)  # type: ignore[attr-defined]
+
+
+def _unflattened(x: torch.Tensor, dim: int, sizes: Any) -> tuple[Any, ...]:
+    """The sizes `x.unflatten(dim, sizes)` is written with, as a whole view's (-1 kept): its
+    view runs with the -1 resolved (diffusers' `unflatten(-1, (-1, attn.head_dim))`)."""
+    d = dim + x.dim() if dim < 0 else dim
+    return (*x.shape[:d], *sizes, *x.shape[d + 1 :])
 
 
 class AttentionMode(TorchFunctionMode):
@@ -54,6 +62,8 @@ class AttentionMode(TorchFunctionMode):
             if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
                 sizes = sizes[0]
             return self._asked(tuple(sizes), func, args, kwargs)
+        if func in _UNFLATTENS:
+            return self._asked(_unflattened(*args, **kwargs), func, args, kwargs)
         if func in _CHUNKS:
             self.st.reads.chunking += 1
             try:

@@ -30,6 +30,7 @@ from .split import (
     Split,
     SplitEnds,
     after_reduce,
+    carved,
     check_broadcast,
     check_padding,
     every_step,
@@ -76,11 +77,45 @@ def follow(st: Trackers, op: Op) -> Followed:
 @rule(*RESHAPES)
 def _reshaped(st: Trackers, op: Op) -> Followed:
     x = op.args[0]
-    before = st.splits.only_split(x)
+    before = _as_pieces(st, op, st.splits.only_split(x))
     s = reshape(before, tuple(x.shape), tuple(op.out.shape))
     sizes = op.named.get("size", op.named.get("shape"))
-    st.reads.check_count(sizes, s, before, x, op.out.shape)
+    st.reads.check_count(
+        sizes, s, before, x, op.out.shape, width=x.shape[before.dim] // before.outer
+    )
     return [(op.out, s)]
+
+
+def _as_pieces(st: Trackers, op: Op, s: Split) -> Split:
+    """A fused layer's whole output viewed with a fixed count of pieces before the rest
+    (timm's `reshape(B, N, 3, self.num_heads, self.head_dim)`, then `unbind` of q, k, v): its
+    features are that many pieces (`parts` in the plan, each rank its slice of every
+    piece), so the split moves to the dims carved out of one piece and the pieces' dim
+    stays whole. A count equal to an attribute read just before is the heads' (a layout per
+    head), unless the next dim holds the same count: then which is which cannot be told."""
+    regions = st.trace.regions
+    if len(s.sources) != 1 or s.outer != 1 or s.inner != 1:
+        return s
+    (src,) = s.sources
+    features = s.n
+    if regions.openers.get(src) != features:
+        return s  # not the layer's output as it came: already cut, viewed or merged
+    out = list(op.out.shape)
+    pieces = carved(out, reshape(s, tuple(op.args[0].shape), tuple(out)).dim, features)
+    if len(pieces) < 3 or pieces[0] < 2 or features % pieces[0]:
+        return s
+    count = pieces[0]
+    if count in {v for _, _, v in st.reads.fresh}:
+        if pieces[1] == count:
+            raise SplitEnds(
+                f"it views the fused features as {pieces}: whether {count} counts the fused "
+                "pieces or the heads cannot be told apart"
+            )
+        return s
+    parts = (features // count,) * count
+    if regions.parts.setdefault(src, parts) != parts:
+        raise SplitEnds("the fused features are cut two different ways")
+    return Split(s.dim, count, features // count, 1, s.sources)
 
 
 @rule("transpose", "t", "permute")

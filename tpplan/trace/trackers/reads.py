@@ -74,7 +74,15 @@ class AttributeReads:
         return {v for frame in self.frames for _, _, v in frame}
 
     # ---- judging the sizes ops are given ----------------------------------------------------
-    def check_count(self, sizes: Any, s: Split, before: Split, x: Any, out_shape: Any) -> None:
+    def check_count(
+        self,
+        sizes: Any,
+        s: Split,
+        before: Split,
+        x: Any,
+        out_shape: Any,
+        width: int | None = None,
+    ) -> None:
         """A view of split features must size the split dim so that each rank's shard gets
         its share, and the dims beside it so that they do not change.
 
@@ -88,14 +96,21 @@ class AttributeReads:
         - A view that keeps the split dim as it was (`x.reshape(*x.shape[:-1], -1, 2)` on
           heads) only needs its count at the split dim, when -1 is elsewhere, to be an
           attribute: read off the tensor it would be the shard's own, but from elsewhere not.
+
+        `width`: the size of the features one split digit spans (one fused piece's, where
+        the view carves the pieces apart); the input dim's size when not given.
         """
         if not isinstance(sizes, (list, tuple)):
             return  # squeeze, unsqueeze, flatten: dims, not sizes
+        asked = self.asked[-1] if self.asked else ()
+        if len(asked) == len(sizes) and -1 in asked and -1 not in sizes:
+            sizes = list(asked)  # an unflatten's -1, which its view runs resolved
         k = s.dim
         if list(sizes) == list(x.shape):
             return  # the same shape again: on a shard, the shard's own
         read = self.values_read()
-        width = x.shape[before.dim]
+        if width is None:
+            width = x.shape[before.dim]
         kept = before.n == s.n and before.inner == s.inner and width == sizes[k]
         pieces = carved(list(out_shape), k, width)
         if kept:
