@@ -222,3 +222,56 @@ def test_check_passes_an_inferred_region_and_refuses_one_that_gathers() -> None:
     gathers = plan.model_copy(update={"rules": rules})
     (problem,) = tpplan.check_plan(gathers, model, tp_size=2)
     assert problem.module is not None and problem.module.startswith("transformer.h.0.attn")
+
+
+class _JointAttention(nn.Module):
+    """As diffusers' SD3 processors do: the head size from the keys' width over the head
+    count (which no plan attribute can make right on a shard), the output Linear inside a
+    ModuleList with a dropout, and the raw attention output handed back as well."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = x.shape[0]
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        hd = k.shape[-1] // self.heads
+        q, k, v = (t.view(b, -1, self.heads, hd).transpose(1, 2) for t in (q, k, v))
+        raw = (
+            F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, hd * self.heads)
+        )
+        return self.to_out[1](self.to_out[0](raw)), raw
+
+
+class _ModulatedBlock(nn.Module):
+    """The attention's input scaled by a modulation a sibling Linear computes from a
+    conditioning vector (kept whole, so split and gathered); the raw output dropped."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
+        self.attn = _JointAttention(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.mod(x.mean(1)).unsqueeze(1).chunk(2, dim=-1)
+        out, _ = self.attn(x * (1 + scale) + shift)
+        return x + out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_modulated_attention_with_a_nested_closer_becomes_a_region(tp: int) -> None:
+    """A modulation made outside the attention opens or closes nothing in it, the closer
+    inside a ModuleList belongs to the attention, and an output the caller drops is not a
+    leak: the attention is a region, at parity."""
+    model = _ModulatedBlock()
+    x = _randn(2, 6, 32)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    assert [r.match for r in plan.regions] == ["attn"]
+    assert "from to_k, to_q, to_v to to_out.0" in plan.regions[0].why
+    styles = {r.match: (r.style, r.local_output) for r in plan.rules}
+    assert styles["attn.to_out.0"] == ("rowwise", None)
+    assert all(styles[f"attn.{n}"] == ("colwise", False) for n in ("to_q", "to_k", "to_v"))
+    assert_parity(model, plan, tp, x)

@@ -56,10 +56,12 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     if not gathered:
         return plan
     args, kwargs = example_call(model, example_inputs)
-    roles = _roles(model, gathered, args, kwargs)
+    modules = dict(model.named_modules())
+    holder = {n: _holder(n, modules) for n in gathered}
+    roles = _roles(model, holder, args, kwargs)
     if roles is None:
         return plan
-    candidates = _candidates(gathered, roles)
+    candidates = _candidates(holder, roles)
     if not candidates:
         return plan
     proven: dict[str, dict[str, Rule]] = {}
@@ -67,7 +69,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         trial = {m: c for m, c in candidates.items() if m not in proven}
         made: dict[str, dict[str, Rule]] = {}
         for m, (opens, closes) in trial.items():
-            rewritten = _rewrite(model, rules, opens, closes, pieces, tp)
+            rewritten = _rewrite(model, rules, m, opens, closes, pieces, tp)
             if rewritten is not None:
                 made[m] = rewritten
         if not made:
@@ -113,6 +115,15 @@ class _Taint(TorchFunctionMode):
         super().__init__()
         self.of: dict[int, frozenset[str]] = {}
         self.keep: list[Any] = []  # tensors whose ids are keys: alive, so ids stay unique
+        self.leaked: dict[int, tuple[str, frozenset[str]]] = {}  # id -> (holder, sources)
+        self.used: dict[str, frozenset[str]] = {}  # holder -> what of it was used outside
+
+    def note_use(self, tree: Any) -> None:
+        """A tensor a holder handed out with split features in it, used after all."""
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor) and id(t) in self.leaked:
+                holder, found = self.leaked[id(t)]
+                self.used[holder] = self.used.get(holder, frozenset()) | found
 
     def sources(self, tree: Any) -> frozenset[str]:
         leaves, _ = tree_flatten(tree)
@@ -131,6 +142,7 @@ class _Taint(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        self.note_use((args, kwargs))
         out = func(*args, **kwargs)
         found = self.sources((args, kwargs))
         if found:
@@ -138,21 +150,33 @@ class _Taint(TorchFunctionMode):
         return out
 
 
+def _holder(name: str, modules: dict[str, nn.Module]) -> str:
+    """The module a layer is a region member of: its parent, or the first ancestor that is
+    not a container (diffusers' `attn.to_out.0` belongs to `attn`)."""
+    parent = name.rpartition(".")[0]
+    while parent and isinstance(modules[parent], (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        parent = parent.rpartition(".")[0]
+    return parent
+
+
 def _roles(
-    model: nn.Module, gathered: set[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: nn.Module, holder: dict[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, tuple[str, frozenset[str]]] | None:
     """{gathered layer: ("open", {}) or ("close", the openers it read)}, and for each
-    module holding them ("holds", the gathered layers whose outputs reach its output)."""
+    module holding them ("leaks", the gathered layers whose outputs reach its output). A
+    layer reads only what gathered layers of its own holder made: a modulation computed
+    elsewhere (a timestep's scale on the attention's input) opens or closes nothing here."""
+    gathered = set(holder)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     copy_ = meta_copy(model, fake=fake).eval()
     modules = dict(copy_.named_modules())
     taint = _Taint()
     roles: dict[str, tuple[str, frozenset[str]]] = {}
-    holders = {n.rpartition(".")[0] for n in gathered}
+    holders = set(holder.values())
 
     def pre(name: str) -> Any:
         def hook(m: nn.Module, a: Any, kw: Any) -> None:
-            read = taint.sources((a, kw))
+            read = frozenset(s for s in taint.sources((a, kw)) if holder[s] == holder[name])
             role = ("close", read) if read else ("open", frozenset())
             if roles.setdefault(name, role)[0] != role[0]:
                 roles[name] = ("mixed", frozenset())
@@ -168,9 +192,13 @@ def _roles(
 
     def leaving(name: str) -> Any:
         def hook(m: nn.Module, a: Any, out: Any) -> None:
-            found = taint.sources(out)
-            if found:
-                roles[f"{name}>"] = ("leaks", found)
+            # what leaves it split is a leak only if something uses it (SD3's last block
+            # hands back its context's attention output, which its caller drops)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    found = frozenset(s for s in taint.sources(t) if holder[s] == name)
+                    if found:
+                        taint.leaked[id(t)] = (name, found)
 
         return hook
 
@@ -187,27 +215,29 @@ def _roles(
                 k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v
                 for k, v in kwargs.items()
             }
-            copy_(*given, **given_kw)
+            taint.note_use(copy_(*given, **given_kw))  # the model's output is a use
     except Exception:
         return None
     finally:
         for handle in handles:
             handle.remove()
+    for h, found in taint.used.items():
+        roles[f"{h}>"] = ("leaks", found)
     return roles
 
 
 def _candidates(
-    gathered: set[str], roles: dict[str, tuple[str, frozenset[str]]]
+    holder: dict[str, str], roles: dict[str, tuple[str, frozenset[str]]]
 ) -> dict[str, tuple[list[str], list[str]]]:
     """{module: (openers, closers)} where every gathered layer the module holds took one
     role, each closer read only this module's openers, every opener was read by a closer,
     and nothing the openers made leaves the module unclosed."""
     by_holder: dict[str, list[str]] = {}
-    for n in sorted(gathered):
-        by_holder.setdefault(n.rpartition(".")[0], []).append(n)
+    for n in sorted(holder):
+        by_holder.setdefault(holder[n], []).append(n)
     out = {}
-    for holder, layers in by_holder.items():
-        if not holder or f"{holder}>" in roles:
+    for held, layers in by_holder.items():
+        if not held or f"{held}>" in roles:
             continue
         if any(roles.get(n, ("", frozenset()))[0] not in ("open", "close") for n in layers):
             continue
@@ -215,7 +245,7 @@ def _candidates(
         closes = [n for n in layers if roles[n][0] == "close"]
         read = frozenset().union(*(roles[c][1] for c in closes)) if closes else frozenset()
         if opens and closes and read == set(opens):
-            out[holder] = (opens, closes)
+            out[held] = (opens, closes)
     return out
 
 
@@ -223,6 +253,7 @@ def _candidates(
 def _rewrite(
     model: nn.Module,
     rules: dict[str, Rule],
+    holder: str,
     opens: list[str],
     closes: list[str],
     pieces: int,
@@ -231,8 +262,8 @@ def _rewrite(
     """The region's rules: openers colwise handing DTensors on (cut into `pieces` equal
     fused pieces when more than 1), closers rowwise; None when the pieces do not fit."""
     out = {}
-    by = ", ".join(n.rpartition(".")[2] for n in opens)
-    to = ", ".join(n.rpartition(".")[2] for n in closes)
+    by = ", ".join(n[len(holder) + 1 :] for n in opens)
+    to = ", ".join(n[len(holder) + 1 :] for n in closes)
     for o in opens:
         given = rules[o].parts
         features = sum(given) if given else _out_features(model, o)
@@ -305,8 +336,8 @@ def _with(
         opens = [n for n, r in made.items() if r.style == "colwise"]
         closes = [n for n, r in made.items() if r.style == "rowwise"]
         why = (
-            f"runs on DTensors from {', '.join(o.rpartition('.')[2] for o in opens)} to "
-            f"{', '.join(c.rpartition('.')[2] for c in closes)}: its code sizes the split "
+            f"runs on DTensors from {', '.join(o[len(m) + 1 :] for o in opens)} to "
+            f"{', '.join(c[len(m) + 1 :] for c in closes)}: its code sizes the split "
             "features by what no attribute a plan may divide holds, so it sees global shapes "
             "and DTensor carries the split; proven on fake ranks with no collective inside "
             "it but the closers' sums"
