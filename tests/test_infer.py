@@ -582,9 +582,24 @@ def test_llama_405b_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
     assert rule_for(plan, model, "model.layers.125.self_attn.k_proj").head_dim == 128
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + y
+
+
 def test_untraceable_model_says_what_to_pass() -> None:
     with pytest.raises(tpplan.TpplanError, match="example_inputs"):
-        tpplan.infer_plan(Mlp())
+        tpplan.infer_plan(_TwoInputs())
+
+
+def test_inputs_of_a_one_input_module_are_made_up_from_its_first_layer() -> None:
+    """An MLP's forward(x): features of its first Linear's width, with no inputs given."""
+    plan = tpplan.infer_plan(Mlp(), tp_size=2)
+    assert rule_for(plan, Mlp(), "fc1").style == "colwise"
 
 
 def test_mixture_of_experts_traces_and_keeps_the_numbers() -> None:
@@ -1340,3 +1355,17 @@ def test_heads_carved_by_unflatten_with_minus_one_split(tp: int) -> None:
     assert styles(plan, model)["to_out"] == ("rowwise", None)
     assert not plan.attributes  # -1 takes each rank's own head count
     assert_parity(model, plan, tp, x)
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_images_for_a_first_convolution_are_made_up_at_a_size_the_model_takes(size: int) -> None:
+    """A ViT's forward(images) with position embeddings for one image size: images of the
+    patch embedding's channels, at the first side its forward runs on (tried on fake
+    tensors), so infer and apply need no inputs."""
+    from test_handwritten import Vit, _build
+
+    model = _build(Vit, image=size, patch_embed="conv", fused=False)
+    made = tpplan._runtime.inputs.example_inputs(model)
+    assert list(made) == ["images"] and made["images"].shape == (2, 3, size, size)
+    plan = tpplan.infer_plan(model, tp_size=2)
+    assert rule_for(plan, model, "blocks.0.mlp.0").style == "colwise"

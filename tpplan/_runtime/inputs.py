@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import TpplanError
+from .fake import quiet_fake_tensor_log
 
 __all__ = ["InputsError", "example_inputs", "features_input", "part_inputs"]
 
@@ -112,6 +113,9 @@ def example_inputs(
         out["pixel_values"] = torch.randn(batch, chans, size, size, generator=g).to(device)
     if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
         out["decoder_input_ids"] = tokens(max(2, seq // 2))
+    if not out and config is None:
+        # a hand-written module of one input: what its first layer with weights takes
+        out = _first_layer_input(model, params, batch=batch, seq=seq, generator=g)
     if not out:
         names = ", ".join(params) or "no arguments"
         raise InputsError(
@@ -119,6 +123,61 @@ def example_inputs(
             "pass example_inputs (a tensor, a tuple of them, or a dict of keyword inputs)."
         )
     return out
+
+
+# image sides tried for a first convolution, most common first; the first the forward runs
+# on is taken (models that size position tables for one side accept only that one)
+_SIDES = (224, 32, 16, 64, 256, 128, 384, 512)
+
+
+def _first_layer_input(
+    model: nn.Module,
+    params: Any,
+    *,
+    batch: int,
+    seq: int,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """For a forward of one required argument and no config: the input its first layer with
+    weights takes (a Linear: features of its width; a 2-D convolution: images of its
+    channels; a 1-D one: signals of its channels), each guess kept only if the forward runs
+    on it, on fake tensors; {} when none does."""
+    needed = [
+        name
+        for name, p in params.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    first = next(
+        (m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))), None
+    )
+    if len(needed) != 1 or first is None:
+        return {}
+    weight = first.weight
+    if isinstance(first, nn.Linear):
+        shapes = [(batch, seq, first.in_features), (batch, first.in_features)]
+    elif isinstance(first, nn.Conv2d):
+        shapes = [(batch, first.in_channels, side, side) for side in _SIDES]
+    else:
+        shapes = [(batch, first.in_channels, n) for n in (seq, 64, 256)]
+    for shape in shapes:
+        x = torch.randn(shape, generator=generator).to(weight.device, weight.dtype)
+        if _runs_on_fake(model, x):
+            return {needed[0]: x}
+    return {}
+
+
+def _runs_on_fake(model: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the forward runs on `x`, computed on fake tensors (shapes only, the model's
+    own weights untouched)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with quiet_fake_tensor_log(), torch.no_grad(), fake:
+            model(fake.from_tensor(x))
+    except Exception:
+        return False
+    return True
 
 
 def features_input(model: nn.Module, *, batch: int = 2, seq: int = 16) -> torch.Tensor | None:

@@ -8,15 +8,14 @@ answers "no", quietly (`quiet_fake_tensor_log`).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._runtime.fake import quiet_fake_tensor_log
 
 __all__ = ["linear_like", "plain_forward", "quiet_fake_tensor_log"]
 
@@ -57,19 +56,6 @@ class _OpLog(TorchDispatchMode):
         elif name not in _LINEAR_OPS:
             self.others.add(name)
         return out
-
-
-@contextmanager
-def quiet_fake_tensor_log() -> Iterator[None]:
-    """A probe that fails is an answer, not an error: fake tensors log failing kernels with
-    their traceback, which would read as a crash to the user."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def plain_forward(module: nn.Module, base: type[nn.Module]) -> bool:
