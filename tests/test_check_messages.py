@@ -119,8 +119,8 @@ class _Untraceable(nn.Module):
         self.up = nn.Linear(16, 24)
         self.down = nn.Linear(24, 16)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.relu(self.up(x)))
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x))) * scale  # two inputs: none can be made up
 
 
 def _meta(cls: type[nn.Module], **kwargs: object) -> nn.Module:
