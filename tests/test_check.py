@@ -191,8 +191,12 @@ def test_a_region_that_spans_sibling_modules_is_closed() -> None:
 def test_an_untraceable_model_gets_the_structural_check() -> None:
     from models import HeadNormBlock
 
+    class TwoInputs(HeadNormBlock):  # two inputs: none can be made up, so no trace
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * scale
+
     plan = Plan.from_yaml("tpplan: 1\nrules:\n  - {match: fc1, style: colwise, why: opens}\n")
-    p = _only(check_plan(plan, HeadNormBlock(), tp_size=2), "unclosed_region")
+    p = _only(check_plan(plan, TwoInputs(), tp_size=2), "unclosed_region")
     assert "no rowwise module under the model (top level)" in p.message
 
 
@@ -283,13 +287,21 @@ class _WrappedMlp(nn.Module):
         self.up = _Wrapped(8, 16)
         self.down = _Wrapped(16, 8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # no inputs tpplan can make up
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x)))
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _WrappedMlp()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) * scale  # two inputs: none can be made up, so no trace
+
+
 def test_the_structural_check_looks_past_wrappers() -> None:
-    model = nn.Sequential()
-    model.add_module("mlp", _WrappedMlp())
+    model = _TwoInputs()
     plan = Plan.from_yaml(
         "tpplan: 1\nrules:\n"
         "  - {match: mlp.up.linear, style: colwise, why: opens}\n"
