@@ -731,3 +731,37 @@ def test_experts_expert_on_a_model_with_experts_says_nothing_of_the_kind(
 ) -> None:
     code, _, err = run(capsys, "infer", "qwen3_moe", "--experts", "expert", "--tp", "2", *MOE)
     assert code == 0 and "no effect" not in err
+
+
+def test_infer_traces_on_the_inputs_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """A forward of two inputs tpplan cannot make up: `--input` gives them, by position, and
+    the plan records the command that gives it again."""
+    from tpplan import Plan
+
+    code, out, _ = run(capsys, "infer", "test_check:_TwoInputs", "--input", "2x4x8", "--input", "1")
+    plan = Plan.from_yaml(out)
+    assert code == 0 and [(r.match, r.style) for r in plan.rules] == [
+        ("mlp.up.linear", "colwise"),
+        ("mlp.down.linear", "rowwise"),
+    ]
+    assert plan.model is not None and plan.model.command is not None
+    assert plan.model.command.endswith("--input 2x4x8 --input 1")
+
+
+@pytest.mark.parametrize(
+    ("specs", "said"),
+    [
+        (
+            ["2xq"],
+            "--input 2xq: not a shape and dtype tpplan reads. Fix: write the sizes joined by x",
+        ),
+        (["ids=2x8:int64"], "--input ids=2x8:int64: integer inputs need the bound their values"),
+        (["x=2x8", "1"], "--input: some inputs are named and some are not. Fix: give them all"),
+    ],
+)
+def test_infer_names_an_input_it_cannot_read(
+    capsys: pytest.CaptureFixture[str], specs: list[str], said: str
+) -> None:
+    args = [w for spec in specs for w in ("--input", spec)]
+    code, out, err = run(capsys, "infer", "test_check:_TwoInputs", *args)
+    assert code == 2 and out == "" and said in err and "Traceback" not in err
