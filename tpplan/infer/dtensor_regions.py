@@ -37,7 +37,7 @@ from ..plan.patterns import collapse
 from ..plan.schema import Plan, RegionRule, Rule
 from ..trace import quiet_fake_tensor_log
 
-__all__ = ["example_call", "try_dtensor_regions"]
+__all__ = ["collapsed", "example_call", "per_module", "try_dtensor_regions"]
 
 # how rest.py words a layer whose output could not stay split (split and gathered)
 _GATHERED = "its output cannot stay split ("
@@ -47,7 +47,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     """`plan` with every region it can prove turned into a DTensor region (see the module
     docstring); `plan` itself when there is none."""
     names = [n for n, _ in model.named_modules() if n]
-    rules = _per_module(plan, names)
+    rules = per_module(plan, names)
     gathered = {
         n
         for n, r in rules.items()
@@ -92,9 +92,24 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     return _with(plan, rules, proven, names)
 
 
-def _per_module(plan: Plan, names: list[str]) -> dict[str, Rule]:
+def per_module(plan: Plan, names: list[str]) -> dict[str, Rule]:
     """{module: the rule that styles it} (the first that matches, as apply does)."""
     return {n: plan.rules[i] for n, i in match_rules(plan, names).owner.items()}
+
+
+def collapsed(per: dict[str, Rule], names: list[str]) -> list[Rule]:
+    """Rules from per-module ones: modules with equal rules under compact patterns, in
+    module order (`names`)."""
+    groups: dict[str, tuple[Rule, list[str]]] = {}
+    for n in names:
+        if n in per:
+            key = per[n].model_copy(update={"match": "_"}).model_dump_json()
+            groups.setdefault(key, (per[n], []))[1].append(n)
+    return [
+        r.model_copy(update={"match": p})
+        for r, members in groups.values()
+        for p in collapse(members, names)
+    ]
 
 
 def example_call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -321,16 +336,7 @@ def _with(
     per = dict(rules)
     for new in regions.values():
         per.update(new)
-    groups: dict[str, tuple[Rule, list[str]]] = {}
-    for n in names:
-        if n in per:
-            key = per[n].model_copy(update={"match": "_"}).model_dump_json()
-            groups.setdefault(key, (per[n], []))[1].append(n)
-    new_rules = [
-        r.model_copy(update={"match": p})
-        for r, members in groups.values()
-        for p in collapse(members, names)
-    ]
+    new_rules = collapsed(per, names)
     kinds: dict[str, list[str]] = {}
     for m, made in regions.items():
         opens = [n for n, r in made.items() if r.style == "colwise"]

@@ -35,13 +35,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..check.rules import match_rules
 from ..check.run import meta_copy
 from ..errors import TpplanError
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan, RegionRule, Rule
 from ..trace import quiet_fake_tensor_log
-from .dtensor_regions import example_call
+from .dtensor_regions import collapsed, example_call, per_module
 
 __all__ = ["fit_sequence_parallel"]
 
@@ -67,7 +66,7 @@ def fit_sequence_parallel(model: nn.Module, plan: Plan, example_inputs: Any) -> 
     regions where the model's code meets it with whole tensors (see the module docstring).
     `plan` itself where the fake forward cannot run (the dry run then tells)."""
     names = [n for n, _ in model.named_modules() if n]
-    rules = {n: plan.rules[i] for n, i in match_rules(plan, names).owner.items()}
+    rules = per_module(plan, names)
     held = {m for r in plan.regions for m in match_names(r.match, names)}
     args, kwargs = example_call(model, example_inputs)
     seen = _follow(model, rules, held, args, kwargs)
@@ -162,16 +161,7 @@ def _rebuilt(
 ) -> Plan:
     """The plan from per-module rules, collapsed to patterns again in module order, with a
     stream region for each module in `stream` ({module: the ops that met the stream})."""
-    groups: dict[str, tuple[Rule, list[str]]] = {}
-    for n in names:
-        if n in per:
-            key = per[n].model_copy(update={"match": "_"}).model_dump_json()
-            groups.setdefault(key, (per[n], []))[1].append(n)
-    rules = [
-        r.model_copy(update={"match": p})
-        for r, members in groups.values()
-        for p in collapse(members, names)
-    ]
+    rules = collapsed(per, names)
     whys: dict[str, list[str]] = {}
     for m in names:
         if m in stream:
