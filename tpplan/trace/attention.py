@@ -63,7 +63,11 @@ class AttentionMode(TorchFunctionMode):
                 sizes = sizes[0]
             return self._asked(tuple(sizes), func, args, kwargs)
         if func in _UNFLATTENS:
-            return self._asked(_unflattened(*args, **kwargs), func, args, kwargs)
+            self.st.reads.unflattening += 1
+            try:
+                return self._asked(_unflattened(*args, **kwargs), func, args, kwargs)
+            finally:
+                self.st.reads.unflattening -= 1
         if func in _CHUNKS:
             self.st.reads.chunking += 1
             try:

@@ -40,6 +40,7 @@ class AttributeReads:
         # The sizes of the running view or reshape as the model wrote them: a reshape reaches
         # dispatch as a copy and `_unsafe_view` with -1 already resolved.
         self.asked: list[tuple[Any, ...]] = []
+        self.unflattening = 0  # >0 while an unflatten runs (its view's -1 is resolved)
         self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
 
     # ---- logging ----------------------------------------------------------------------------
@@ -103,7 +104,7 @@ class AttributeReads:
         if not isinstance(sizes, (list, tuple)):
             return  # squeeze, unsqueeze, flatten: dims, not sizes
         asked = self.asked[-1] if self.asked else ()
-        if len(asked) == len(sizes) and -1 in asked and -1 not in sizes:
+        if self.unflattening and len(asked) == len(sizes) and -1 in asked:
             sizes = list(asked)  # an unflatten's -1, which its view runs resolved
         k = s.dim
         if list(sizes) == list(x.shape):
