@@ -1,5 +1,5 @@
-"""Developer sessions. `nox` alone runs the default ones, tests, lint and typecheck: what CI
-and the README run. `nox -s unit` is the tier that answers in under a minute.
+"""Developer sessions. `nox` alone runs the default ones, tests, zoo, lint and typecheck: what
+CI and the README run. `nox -s unit` is the tier that answers in under a minute.
 
 torch is pinned first in every session that installs it: 2.13.0 is the CPU build the
 project is tested against, and unpinned pip would fetch a multi-GB CUDA build instead.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.sessions = ["tests", "zoo", "lint", "typecheck"]
 nox.options.reuse_venv = "yes"
 
 TORCH = "torch==2.13.0"
@@ -20,11 +20,44 @@ def _install(session: nox.Session, *extras: str) -> None:
     session.install("-e", f".[{','.join(extras)}]" if extras else ".")
 
 
+def _without_zoo(posargs: list[str]) -> list[str]:
+    """pytest's arguments with the zoo tests deselected: each `-m EXPR` given becomes
+    `-m "(EXPR) and not zoo"` (pytest keeps the last -m, so each is rewritten), and without
+    one, `-m "not zoo"` comes first."""
+    out: list[str] = []
+    args = iter(posargs)
+    found = False
+    for arg in args:
+        if arg == "-m" or (arg.startswith("-m") and not arg.startswith("--")):
+            expr = arg[2:].removeprefix("=") or next(args, "")
+            out += ["-m", f"({expr}) and not zoo"]
+            found = True
+        else:
+            out.append(arg)
+    return out if found else ["-m", "not zoo", *out]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole suite, slow multi-process tests included (pass `-- -m 'not slow'` to skip them)."""
+    """The whole suite, slow multi-process tests included (pass `-- -m 'not slow'` to skip
+    them), but not the zoo: its packages are the `zoo` session's to install."""
     _install(session, "test")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *_without_zoo(session.posargs))
+
+
+@nox.session
+def zoo(session: nox.Session) -> None:
+    """The model zoo (`pytest -m zoo`, tests/test_zoo.py): plans inferred for torchtitan,
+    timm, diffusers and nanoGPT models, which need the `zoo` extra installed here. About
+    5 minutes on 2 cores from a fresh environment, installs included (about 1 of it)."""
+    _install(session, "test", "zoo")
+    # timm requires torchvision, and pip takes PyPI's: a CUDA build that cannot load beside
+    # CPU torch ("operator torchvision::nms does not exist"). Left installed, it breaks
+    # transformers too (which imports torchvision whenever it is installed), and with it the
+    # collection of the other test files. timm needs it only for data transforms:
+    # tests/model_zoo/torchvision_stub.py stands in for it.
+    session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", "torchvision")
+    session.run("pytest", "-m", "zoo", *session.posargs)
 
 
 @nox.session(default=False)

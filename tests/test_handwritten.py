@@ -2,9 +2,10 @@
 
 Three families, each in its own idiom rather than Hugging Face's:
 
-- `NanoGpt` (nanoGPT): one fused c_attn Linear cut by `.split(self.n_embd, dim=2)`, heads
-  viewed as `view(B, T, self.n_head, C // self.n_head)`, a GELU MLP, a learned position
-  embedding, and the token embedding tied to lm_head;
+- `NanoGpt` (nanoGPT, in model_zoo/nanogpt.py, which the zoo shares): one fused c_attn
+  Linear cut by `.split(self.n_embd, dim=2)`, heads viewed as
+  `view(B, T, self.n_head, C // self.n_head)`, a GELU MLP, a learned position embedding, and
+  the token embedding tied to lm_head;
 - `TitanLlama` (torchtitan / Meta's reference Llama): wq/wk/wv/wo and w1/w2/w3, a hand-written
   RMSNorm, rotary embeddings in complex arithmetic, in real arithmetic on interleaved pairs, or
   on halves (rotate_half), grouped-query attention, and views by the stored counts
@@ -19,12 +20,11 @@ simulated ranks at tp 2 (and 4 where the sizes allow), and assert what is sharde
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 from blocks import assert_parity, expand_rules
+from model_zoo.nanogpt import NanoGpt
 from torch import nn
 
 import tpplan
@@ -60,77 +60,6 @@ def _build(cls: type[nn.Module], seed: int = 0, **kwargs: object) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return cls(**kwargs).eval()
-
-
-# ---- nanoGPT --------------------------------------------------------------------------------
-class _GptAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
-        self.n_head = n_head
-        self.n_embd = n_embd
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
-
-
-class _GptMlp(nn.Module):
-    def __init__(self, n_embd: int) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * n_embd, n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class _GptBlock(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = _GptAttention(n_embd, n_head)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = _GptMlp(n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class NanoGpt(nn.Module):
-    def __init__(self, n_layer: int = 2, n_head: int = 4, n_embd: int = 32, block_size: int = 16):
-        super().__init__()
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(VOCAB, n_embd),
-                wpe=nn.Embedding(block_size, n_embd),
-                drop=nn.Dropout(0.0),
-                h=nn.ModuleList([_GptBlock(n_embd, n_head) for _ in range(n_layer)]),
-                ln_f=nn.LayerNorm(n_embd),
-            )
-        )
-        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # nanoGPT's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        _, t = idx.size()
-        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
 
 
 # ---- torchtitan-style Llama -----------------------------------------------------------------
@@ -430,15 +359,17 @@ VITS = [("conv", True), ("linear", False)]
 )
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vit(patch_embed: str, fused: bool, tp: int) -> None:
-    """dim 32, 4 heads of 8, MLP 128: tp 2 and 4 divide them. timm's fused qkv, cut by
-    reshape(B, N, 3, heads, hd) and unbind, is held to parity only."""
+    """dim 32, 4 heads of 8, MLP 128: tp 2 and 4 divide them. timm's fused qkv, viewed as
+    reshape(B, N, 3, heads, hd) and unbound, splits as 3 pieces of its heads."""
     model = _build(Vit, patch_embed=patch_embed, fused=fused)
     plan = _infer_and_check(model, _images(), tp)
     sharded = _sharded(plan, model)
     for i in range(2):
         assert sharded[f"blocks.{i}.mlp.0"] == ("colwise", None)
         assert sharded[f"blocks.{i}.mlp.2"] == ("rowwise", None)
-        if not fused:  # separate q/k/v viewed with -1 heads: a head-parallel region
+        if fused:  # the literal 3 counts the pieces: each rank its heads of q, k and v
+            assert sharded[f"blocks.{i}.attn.qkv"] == ("colwise", None)
+        else:  # separate q/k/v viewed with -1 heads: a head-parallel region
             for p in ("q", "k", "v"):
                 assert sharded[f"blocks.{i}.attn.{p}"] == ("colwise", None)
-            assert sharded[f"blocks.{i}.attn.proj"] == ("rowwise", None)
+        assert sharded[f"blocks.{i}.attn.proj"] == ("rowwise", None)

@@ -97,6 +97,7 @@ BENCHMARKS_README = (ROOT / "benchmarks" / "README.md").read_text()
         ("infer_time", ["--no-plot"]),
         ("memory_tp", ["--no-plot"]),
         ("moe_bar", []),
+        ("zoo", []),
     ],
 )
 def test_a_benchmark_table_is_the_saved_results(script: str, argv: list[str]) -> None:

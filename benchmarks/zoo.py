@@ -1,0 +1,376 @@
+"""The model zoo's report card: what `infer_plan` makes of models from packages tpplan never
+saw (torchtitan 0.2.2's Llama 3, Qwen3 and DeepSeek-V3, timm 1.0.31's ViT and Swin, diffusers
+0.42.1's Flux and SD3 transformers, nanoGPT's model.py).
+
+Run: `python benchmarks/zoo.py` (2 to 3 minutes on a 2-core CPU; needs the `zoo` extra:
+`pip install -e '.[zoo]'`; `--only timm.vit,nanogpt` for a subset, `--render` to re-print
+the last results from benchmarks/results/zoo.json without running anything).
+
+The models are tests/model_zoo's: each built tiny from its own package's classes, random
+weights, no download (tests/test_zoo.py holds the same models to parity). For each, at tp 2
+and 4, with and without sequence parallel, `infer_plan(model, tp_size=N, example_inputs=x,
+sequence_parallel=sp)` is applied to a copy on N simulated ranks (real numbers, one process)
+and measured:
+
+- parameters per rank: bytes the most loaded rank holds over the model's (0.5 at tp 2 when
+  everything splits evenly);
+- parity: the forward output's max abs difference from the unsharded model's, and "ok" when
+  the forward and every parameter's gradient are within 1e-4 (tests/blocks.py's
+  `assert_parity`; fp32, two blocks per stack);
+- blocks (without sequence parallel): the attention and MLP blocks are listed per model by
+  module path in tests/model_zoo/models.py (`Entry.blocks`, read off each package's source,
+  never off tpplan's plan: the oracle). A block is split the Megatron way when its forward,
+  counted by torch's CommDebugMode, runs no all-gather and at least one of its Linear
+  weights is sharded. "forward collectives per block" lists what one block of each kind
+  runs at tp 2.
+
+Targets, printed PASS or FAIL below the table (reported, not asserted): (a) at least 90% of
+all zoo blocks split the Megatron way, and all of torchtitan's, timm ViT's and Flux's; (b)
+every model (all transformers) holds at most 0.55 of its parameters per rank at tp 2; (c)
+parity in every run.
+
+Each model runs in a subprocess of its own (this file with `--worker`), so a crash or a hang
+costs one row. Start reading at `main`; one model's runs are `_run_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common
+
+HERE = Path(__file__).resolve().parent
+# the zoo's models and the parity check are the tests' own (tests/model_zoo, tests/blocks.py),
+# which import no pytest: the benchmark puts tests/ on the path to share them
+TESTS = HERE.parent / "tests"
+MARK = "ZOO_RESULT "
+TPS = (2, 4)
+RUNS = [(tp, sp) for tp in TPS for sp in (False, True)]
+MEGATRON_SHARE = 0.9
+PARAMS_TARGET = 0.55
+# models whose every block must be split the Megatron way (target a)
+ALL_MEGATRON = [
+    "torchtitan.llama3",
+    "torchtitan.qwen3",
+    "torchtitan.deepseek_v3",
+    "timm.vit",
+    "diffusers.flux",
+]
+PACKAGES = ["torch", "timm", "diffusers", "torchtitan"]
+
+
+def _key(tp: int, sp: bool) -> str:
+    return f"tp {tp}" + (" + SP" if sp else "")
+
+
+# ---- one model, in a worker process ---------------------------------------------------------
+def _reason(stage: str, e: BaseException) -> str:
+    first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{stage}: {type(e).__name__}: {first}"[:300]
+
+
+def _run_one(name: str, tp: int, sp: bool) -> dict[str, Any]:
+    """Infer, measure and hold to parity one plan of one model."""
+    from blocks import assert_parity
+    from model_zoo import ZOO, build, measure
+
+    import tpplan
+
+    model, x = build(name)
+    run: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x, sequence_parallel=sp)
+    except Exception as e:
+        return {"ok": False, "reason": _reason("infer_plan", e)}
+    run["infer_s"] = round(time.perf_counter() - t0, 2)
+    try:
+        got = measure(model, plan, tp, x, ZOO[name].blocks)
+    except Exception as e:
+        return {**run, "ok": False, "reason": _reason("sharded forward", e)}
+    run.update(
+        param_fraction=got.param_fraction,
+        forward_error=got.forward_error,
+        # [path, kind] pairs in module order: a list keeps its order through the JSON
+        blocks=[[b, kind] for b, kind in got.blocks.items()],
+        collectives=got.collectives,
+        megatron=[b for b in got.blocks if got.megatron(b)],
+    )
+    try:
+        assert_parity(model, plan, tp, x)
+    except Exception as e:
+        return {**run, "ok": False, "reason": _reason("parity", e)}
+    return {**run, "ok": True}
+
+
+def _source_hash() -> str:
+    """A hash of tpplan's sources as this worker imported them: others may edit tpplan while
+    a run goes on, and rows made from different sources should say so."""
+    import hashlib
+
+    import tpplan
+
+    digest = hashlib.sha1()
+    for path in sorted(Path(tpplan.__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
+def _run_model(name: str) -> dict[str, Any]:
+    from model_zoo import ZOO, build
+
+    model, _ = build(name)
+    row: dict[str, Any] = {
+        "model": name,
+        "package": ZOO[name].package,
+        "class": type(model).__name__,
+        "params": sum(p.numel() for p in model.parameters()),
+        "source": _source_hash(),
+        "runs": {},
+    }
+    for tp, sp in RUNS:
+        try:
+            row["runs"][_key(tp, sp)] = _run_one(name, tp, sp)
+        except Exception as e:  # a failure outside the stages above: the build, say
+            row["runs"][_key(tp, sp)] = {"ok": False, "reason": _reason("run", e)}
+    return row
+
+
+def _worker(name: str) -> None:
+    sys.path.insert(0, str(TESTS))
+    try:
+        result = _run_model(name)
+    except Exception as e:
+        traceback.print_exc()
+        result = {"model": name, "error": _reason("build", e)}
+    print(MARK + json.dumps(result), flush=True)
+
+
+# ---- the driver -----------------------------------------------------------------------------
+def _spawn(name: str, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name]
+    # two workers share two cores: one thread each, or they fight over both
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"model": name, "error": f"no result within {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK) :])
+    tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or [""]
+    return {"model": name, "error": f"exit {proc.returncode}: {tail[0][:300]}"}
+
+
+def _versions() -> dict[str, str]:
+    return {
+        "tpplan": _common.revision(),
+        **{p: metadata.version(p) for p in PACKAGES},
+        "python": platform.python_version(),
+        "cpus": str(os.cpu_count()),
+    }
+
+
+# ---- the table ------------------------------------------------------------------------------
+_SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def _kinds(counts: dict[str, int]) -> str:
+    return " + ".join(f"{n} {_SHORT.get(k, k)}" for k, n in sorted(counts.items())) or "none"
+
+
+def _per_block(run: dict[str, Any]) -> str:
+    """What one block of each kind runs in forward ("attention: 1 all_reduce"); kinds whose
+    blocks differ list each variant."""
+    seen: dict[str, list[str]] = {}
+    for block, kind in run["blocks"]:
+        cell = _kinds(run["collectives"][block])
+        if cell not in seen.setdefault(kind, []):
+            seen[kind].append(cell)
+    return "; ".join(f"{kind}: {' or '.join(cells)}" for kind, cells in seen.items())
+
+
+def _megatron(run: dict[str, Any]) -> tuple[int, int]:
+    return len(run["megatron"]), len(run["blocks"])
+
+
+def _parity(run: dict[str, Any]) -> str:
+    err = run.get("forward_error")
+    text = "" if err is None else f"{err:.1e} "
+    return text + ("ok" if run["ok"] else "FAIL")
+
+
+def _frac(run: dict[str, Any]) -> str:
+    return f"{run['param_fraction']:.3f}" if "param_fraction" in run else "-"
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    runs = r["runs"]
+    plain = [runs[_key(tp, False)] for tp in TPS]
+    blocks = [f"{k} of {n}" for k, n in (_megatron(run) for run in plain if "blocks" in run)]
+    return [
+        f"{r['model']}",
+        f"{r['class']} ({r['package']})",
+        f"{r['params'] / 1e3:.0f} K",
+        *(_frac(run) for run in plain),
+        *(_parity(runs[_key(tp, sp)]) for tp, sp in RUNS),
+        _per_block(plain[0]) if "blocks" in plain[0] else "-",
+        *(blocks + ["-"] * (len(TPS) - len(blocks))),
+    ]
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[str]:
+    """(a), (b) and (c), one PASS or FAIL line each."""
+
+    def line(ok: bool, text: str) -> str:
+        return f"- {'PASS' if ok else 'FAIL'} {text}"
+
+    out = []
+    for tp in TPS:
+        plain = {r["model"]: r["runs"][_key(tp, False)] for r in rows}
+        counts = {m: _megatron(run) for m, run in plain.items() if "blocks" in run}
+        k = sum(c[0] for c in counts.values())
+        n = sum(len(r["blocks"]) for r in plain.values() if "blocks" in r) or 1
+        missing = [m for m in plain if m not in counts]
+        out.append(
+            line(
+                k / n >= MEGATRON_SHARE and not missing,
+                f"(a) tp {tp}: {k} of {n} zoo blocks split the Megatron way ({k / n:.0%}; "
+                f"target {MEGATRON_SHARE:.0%})"
+                + (f"; not measured: {', '.join(missing)}" if missing else ""),
+            )
+        )
+        short = [
+            f"{m} {counts[m][0]} of {counts[m][1]}" if m in counts else f"{m} not measured"
+            for m in ALL_MEGATRON
+            if m not in counts or counts[m][0] < counts[m][1]
+        ]
+        out.append(
+            line(
+                not short,
+                f"(a) tp {tp}: every block of {', '.join(ALL_MEGATRON)}"
+                + (f"; short: {', '.join(short)}" if short else ""),
+            )
+        )
+    over = [
+        f"{r['model']} {_frac(r['runs'][_key(2, False)])}"
+        for r in rows
+        if r["runs"][_key(2, False)].get("param_fraction", 1.0) > PARAMS_TARGET
+    ]
+    out.append(
+        line(
+            not over,
+            f"(b) every model holds at most {PARAMS_TARGET} of its parameters per rank at tp 2"
+            + (f"; above: {', '.join(over)}" if over else ""),
+        )
+    )
+    failed = [
+        f"{r['model']} {key}" for r in rows for key, run in r["runs"].items() if not run["ok"]
+    ]
+    total = sum(len(r["runs"]) for r in rows)
+    out.append(
+        line(
+            not failed,
+            f"(c) parity in every run: {total - len(failed)} of {total} ok"
+            + (f"; failing: {', '.join(failed)}" if failed else ""),
+        )
+    )
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    rows = [r for r in results["rows"] if "error" not in r]
+    headers = [
+        "model",
+        "class (package)",
+        "params",
+        *(f"params per rank, tp {tp}" for tp in TPS),
+        *(f"parity, {_key(tp, sp)}" for tp, sp in RUNS),
+        "forward collectives per block, tp 2",
+        *(f"Megatron blocks, tp {tp}" for tp in TPS),
+    ]
+    lines = [
+        "Simulated ranks, fp32, a batch of 2 (tests/model_zoo's inputs); parity = forward max "
+        f"abs error, ok when it and every gradient are within 1e-4. tpplan {meta['tpplan']}; "
+        + ", ".join(f"{p} {meta[p]}" for p in PACKAGES)
+        + f", Python {meta['python']}, {meta['cpus']} CPUs.",
+        "",
+        _common.markdown(headers, [_row(r) for r in rows]),
+        "",
+    ]
+    sources = sorted({r.get("source", "?") for r in rows})
+    if len(sources) > 1:
+        lines += [
+            f"Rows come from {len(sources)} states of tpplan's sources (edited during the run): "
+            + ", ".join(f"{h} ({', '.join(r['model'] for r in rows if r.get('source') == h)})"
+                        for h in sources),
+            "",
+        ]  # fmt: skip
+    lines += [
+        "Targets:",
+        "",
+        *_targets(rows),
+    ]
+    failures = [
+        f"- {r['model']}, {key}: {run['reason']}"
+        for r in rows
+        for key, run in r["runs"].items()
+        if not run["ok"]
+    ] + [f"- {r['model']}: {r['error']}" for r in results["rows"] if "error" in r]
+    if failures:
+        lines += ["", "Failures (the stage, then the first line of the error):", "", *failures]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated zoo names (e.g. timm.vit,nanogpt)")
+    parser.add_argument("--jobs", type=int, default=2, help="workers at a time (default 2)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
+    parser.add_argument("--render", action="store_true", help="re-print the saved results")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.worker)
+        return
+    if args.render:
+        print(render(_common.load("zoo")))
+        return
+
+    sys.path.insert(0, str(TESTS))
+    from model_zoo import ZOO
+
+    names = args.only.split(",") if args.only else list(ZOO)
+    t0 = time.perf_counter()
+    done: dict[str, dict[str, Any]] = {}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for r in pool.map(lambda n: _spawn(n, args.timeout), names):
+            done[r["model"]] = r
+            print(f"[{time.perf_counter() - t0:5.0f}s] {r['model']}", file=sys.stderr, flush=True)
+    # a subset run updates its rows only; rows stay in the zoo's order
+    saved = _common.RESULTS / "zoo.json"
+    old = (
+        {r["model"]: r for r in _common.load("zoo")["rows"]} if args.only and saved.exists() else {}
+    )
+    rows = {**old, **done}
+    results = {"meta": _versions(), "rows": [rows[n] for n in ZOO if n in rows]}
+    _common.save("zoo", results)
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""What a plan does to a zoo model, measured on simulated ranks with real numbers: the
+parameters each rank holds, the forward output against the unsharded model's, and the
+collectives each attention and MLP block runs in its forward.
+
+A block is split the Megatron way when its forward runs no all-gather (the split it opens
+is closed by a reduction, never by gathering the activations back) and at least one of its
+Linear weights is sharded (a block kept whole also gathers nothing). Judged without sequence
+parallel, where the only all-gathers are the ones a plan chose.
+
+Start at `measure`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import tpplan
+from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan.plan import Plan
+
+from .models import Inputs
+
+__all__ = ["Measured", "block_names", "measure", "output_tensor"]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One plan applied at one tp size."""
+
+    blocks: dict[str, str]
+    """{module path: kind} of the model's attention and MLP blocks (`block_names`)."""
+    param_fraction: float
+    """Parameter bytes the most loaded rank holds, over the unsharded model's."""
+    forward_error: float
+    """Max abs difference of the output from the unsharded model's, over the ranks."""
+    collectives: dict[str, dict[str, int]]
+    """{block: {kind: count}} of each block's forward ("all_reduce", "all_gather_into_tensor")."""
+    sharded: frozenset[str]
+    """The blocks with at least one sharded Linear weight."""
+
+    def megatron(self, block: str) -> bool:
+        """Whether `block` is split the Megatron way (see the module docstring)."""
+        gathers = any(kind.startswith("all_gather") for kind in self.collectives[block])
+        return block in self.sharded and not gathers
+
+
+def block_names(model: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
+    """{module path: its kind} of every module a pattern matches in full."""
+    out = {}
+    for name, _ in model.named_modules():
+        for kind, pattern in patterns.items():
+            if re.fullmatch(pattern, name):
+                out[name] = kind
+    return out
+
+
+def output_tensor(out: object) -> torch.Tensor:
+    """The tensor a model's output holds: the first of a tuple (diffusers' `return_dict=False`)."""
+    return output_tensor(out[0]) if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+def _run(model: nn.Module, x: Inputs) -> torch.Tensor:
+    return output_tensor(model(**x) if isinstance(x, dict) else model(x))
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    # _StridedShard (a fused layer cut in parts) is a Shard too
+    return isinstance(w, DTensor) and any(isinstance(p, Shard) for p in w.placements)
+
+
+def _bytes_per_rank(model: nn.Module) -> int:
+    """Parameter bytes the most loaded simulated rank holds (tied parameters once)."""
+    total = 0
+    for p in model.parameters():
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        total += max(v.numel() for v in rank_values(local)) * p.element_size()
+    return total
+
+
+def measure(model: nn.Module, plan: Plan, tp: int, x: Inputs, blocks: dict[str, str]) -> Measured:
+    """Apply `plan` to a copy of `model` on `tp` simulated ranks and run one forward on `x`,
+    counting each block's collectives (`blocks`: {kind: module path regex})."""
+    names = block_names(model, blocks)
+    with torch.no_grad():
+        want = _run(copy.deepcopy(model), x)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        fraction = _bytes_per_rank(sharded) / whole
+        # gradients on, as in training: the forward a plan is judged by is that one
+        with CommDebugMode() as comms:
+            got = rank_values(_run(sharded, x))
+        split = frozenset(
+            name
+            for name in names
+            if any(
+                isinstance(m, nn.Linear) and _is_sharded(m)
+                for m in sharded.get_submodule(name).modules()
+            )
+        )
+    # CommDebugMode names a module by its path under the root class's name and counts a
+    # collective in every module around it; a block that did not run is missing
+    root = type(model).__name__
+    counts = {
+        fqn.removeprefix(f"{root}."): per.get("forward", {})
+        for fqn, per in comms.comm_module_counts.items()
+    }
+    collectives = {
+        name: {str(op).rpartition(".")[2]: n for op, n in counts.get(name, {}).items()}
+        for name in names
+    }
+    error = max((v.detach() - want).abs().max().item() for v in got)
+    return Measured(names, fraction, error, collectives, split)

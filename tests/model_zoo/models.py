@@ -1,0 +1,225 @@
+"""The zoo's models: each built tiny from its own package's classes, with random weights and
+no download, and the inputs its forward takes.
+
+`ZOO` maps a name ("torchtitan.llama3") to an `Entry`: how to build the model and its
+inputs, and which of its modules are attention and MLP blocks. `build(name)` makes one.
+
+The sizes are the published models' shapes shrunk until a forward and backward on simulated
+ranks take about a second, keeping what a tp split depends on: every head count and every
+MLP width divisible by 4, so tp 2 and tp 4 both split them, and at least two blocks per
+stack where the package allows it (tpplan traces the first blocks of a long stack and
+repeats their rules; two blocks check the repeat). Head counts differ from the
+published ones where those divide by no tp size (ViT-Tiny's 3).
+
+The packages are imported inside the builders, so this module imports without them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .nanogpt import NanoGpt
+from .torchvision_stub import use_if_broken
+
+__all__ = ["ZOO", "Entry", "Inputs", "build"]
+
+Inputs = torch.Tensor | dict[str, Any]
+"""What the model's forward takes: one positional tensor, or keyword inputs."""
+
+BATCH = 2
+
+
+def _generator() -> torch.Generator:
+    """Inputs come from a generator of their own: building one moves no global RNG."""
+    return torch.Generator().manual_seed(1)
+
+
+# ---- torchtitan 0.2.2 ---------------------------------------------------------------------
+_TITAN = {
+    # name: (model class, its args dataclass), both in torchtitan.models.<name>.model
+    "llama3": ("Transformer", "TransformerModelArgs"),
+    "qwen3": ("Qwen3Model", "Qwen3ModelArgs"),
+    "deepseek_v3": ("DeepSeekV3Model", "DeepSeekV3ModelArgs"),
+}
+
+
+def _titan(name: str, **args: Any) -> tuple[nn.Module, Inputs]:
+    """A torchtitan model from its own args dataclass, initialized by its own
+    `init_weights` (what torchtitan's trainer calls after building on the meta device)."""
+    model_cls, args_cls = _TITAN[name]
+    model_args = getattr(importlib.import_module(f"torchtitan.models.{name}.model.args"), args_cls)
+    cls = getattr(importlib.import_module(f"torchtitan.models.{name}.model.model"), model_cls)
+    model = cls(model_args(**args))
+    with torch.no_grad():
+        model.init_weights()
+    tokens = torch.randint(0, args["vocab_size"], (BATCH, 16), generator=_generator())
+    return model, tokens
+
+
+def _llama3() -> tuple[nn.Module, Inputs]:
+    """Grouped-query attention (8 query heads of 8, 4 key/value heads), SwiGLU MLP (its
+    hidden size rounds up to torchtitan's multiple_of, 256), complex-number rotary."""
+    return _titan(
+        "llama3", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq_len=64
+    )
+
+
+def _qwen3() -> tuple[nn.Module, Inputs]:
+    """Heads wider than dim / n_heads (8 of 16 on a 64-wide model), RMSNorm on q and k per
+    head, and the token embedding tied to the output head."""
+    return _titan(
+        "qwen3", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16, hidden_dim=96,
+        qk_norm=True, vocab_size=128, max_seq_len=64, enable_weight_tying=True,
+    )  # fmt: skip
+
+
+def _deepseek_v3() -> tuple[nn.Module, Inputs]:
+    """Multi-head latent attention (keys and values through a rank-16 bottleneck, a rotary
+    part and a plain part per head) with every layer dense: torchtitan's mixture-of-experts
+    layer counts tokens per expert with torch.histc on integer tensors, which has no CPU
+    kernel, so a MoE layer cannot run forward here (n_dense_layers = n_layers)."""
+    return _titan(
+        "deepseek_v3", dim=64, n_layers=2, n_dense_layers=2, n_heads=4, inter_dim=128,
+        vocab_size=128, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_seq_len=64,
+    )  # fmt: skip
+
+
+# ---- timm 1.0.31 --------------------------------------------------------------------------
+def _timm(name: str, **args: Any) -> tuple[nn.Module, Inputs]:
+    use_if_broken()  # timm imports torchvision: see torchvision_stub.py
+    import timm
+
+    model = timm.create_model(name, pretrained=False, img_size=32, num_classes=10, **args)
+    images = torch.randn(BATCH, 3, 32, 32, generator=_generator())
+    return model, images
+
+
+def _vit() -> tuple[nn.Module, Inputs]:
+    """vit_tiny_patch16_224 at its own width (192), 2 blocks of 4 heads of 48 (ViT-Tiny's 3
+    heads divide by no tp size) on 16 patches of 8x8 and a class token; timm's fused qkv
+    Linear cut by reshape and unbind. Narrower, the patch embedding (kept whole) would weigh
+    more against the blocks than in any published ViT."""
+    return _timm("vit_tiny_patch16_224", patch_size=8, depth=2, num_heads=4)
+
+
+def _swin() -> tuple[nn.Module, Inputs]:
+    """swin_tiny_patch4_window7_224, two stages of two blocks (4 then 8 heads of 8), windows
+    of 4x4 patches, shifted in every second block, a patch merge between the stages.
+    drop_path_rate 0: Swin's default drops residual paths at random, so two forwards differ."""
+    return _timm(
+        "swin_tiny_patch4_window7_224", window_size=4, embed_dim=32, depths=(2, 2),
+        num_heads=(4, 8), drop_path_rate=0.0,
+    )  # fmt: skip
+
+
+# ---- diffusers 0.42.1 ---------------------------------------------------------------------
+def _flux() -> tuple[nn.Module, Inputs]:
+    """FluxTransformer2DModel: one double-stream block (image and text tokens, each with its
+    own projections, in one joint attention) and one single-stream block (attention and MLP
+    side by side, one proj_out over both), 4 heads of 16, rotary positions from token ids."""
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32,
+        guidance_embeds=False, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    g = _generator()
+    inputs: dict[str, Any] = {
+        "hidden_states": torch.randn(BATCH, 16, 16, generator=g),  # 16 image tokens (packed)
+        "encoder_hidden_states": torch.randn(BATCH, 8, 32, generator=g),  # 8 text tokens
+        "pooled_projections": torch.randn(BATCH, 32, generator=g),
+        "timestep": torch.tensor([0.5, 0.7]),
+        "img_ids": torch.zeros(16, 3),
+        "txt_ids": torch.zeros(8, 3),
+        "return_dict": False,
+    }
+    return model, inputs
+
+
+def _sd3() -> tuple[nn.Module, Inputs]:
+    """SD3Transformer2DModel: two joint blocks (the last one updates image tokens only), 4
+    heads of 16, 2x2 patches of an 8x8 latent with cropped learned positions."""
+    from diffusers import SD3Transformer2DModel
+
+    model = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
+        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16,
+    )  # fmt: skip
+    g = _generator()
+    inputs: dict[str, Any] = {
+        "hidden_states": torch.randn(BATCH, 4, 8, 8, generator=g),  # (B, C, H, W) latent
+        "encoder_hidden_states": torch.randn(BATCH, 8, 32, generator=g),
+        "pooled_projections": torch.randn(BATCH, 32, generator=g),
+        "timestep": torch.tensor([10, 20]),
+        "return_dict": False,
+    }
+    return model, inputs
+
+
+# ---- nanoGPT --------------------------------------------------------------------------------
+def _nanogpt() -> tuple[nn.Module, Inputs]:
+    """nanoGPT has no pip package: model_zoo/nanogpt.py is upstream's model.py by hand. Two
+    blocks of 4 heads of 8 on a 32-wide model."""
+    model = NanoGpt(n_layer=2, n_head=4, n_embd=32, block_size=16)
+    return model, torch.randint(0, 64, (BATCH, 8), generator=_generator())
+
+
+# ---- the table ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    """One model of the zoo."""
+
+    package: str
+    """Where its code comes from, with the version pinned by the `zoo` extra."""
+    make: Callable[[], tuple[nn.Module, Inputs]]
+    """Builds the model (random weights) and its example inputs."""
+    blocks: dict[str, str] = field(default_factory=dict)
+    """Its attention and MLP blocks: {kind: regex that module paths match in full}, read off
+    the package's own source, never off tpplan's output (this is the oracle a plan is
+    measured against). A kind where attention and MLP share a layer (Flux's single-stream
+    block, one proj_out over both) names that whole block."""
+
+
+_TITAN_BLOCKS = {
+    "attention": r"layers\.\d+\.attention",
+    "feed_forward": r"layers\.\d+\.feed_forward",
+}
+_JOINT_BLOCKS = {
+    "attn": r"transformer_blocks\.\d+\.attn",
+    "ff": r"transformer_blocks\.\d+\.ff",
+    "ff_context": r"transformer_blocks\.\d+\.ff_context",
+}
+
+ZOO: dict[str, Entry] = {
+    "torchtitan.llama3": Entry("torchtitan 0.2.2", _llama3, _TITAN_BLOCKS),
+    "torchtitan.qwen3": Entry("torchtitan 0.2.2", _qwen3, _TITAN_BLOCKS),
+    "torchtitan.deepseek_v3": Entry("torchtitan 0.2.2", _deepseek_v3, _TITAN_BLOCKS),
+    "timm.vit": Entry("timm 1.0.31", _vit, {"attn": r"blocks\.\d+\.attn", "mlp": r"blocks\.\d+\.mlp"}),
+    "timm.swin": Entry("timm 1.0.31", _swin, {
+        "attn": r"layers\.\d+\.blocks\.\d+\.attn", "mlp": r"layers\.\d+\.blocks\.\d+\.mlp",
+    }),
+    "diffusers.flux": Entry("diffusers 0.42.1", _flux, {
+        **_JOINT_BLOCKS, "single": r"single_transformer_blocks\.\d+",
+    }),
+    "diffusers.sd3": Entry("diffusers 0.42.1", _sd3, _JOINT_BLOCKS),
+    "nanogpt": Entry("nanoGPT model.py, by hand", _nanogpt, {
+        "attn": r"transformer\.h\.\d+\.attn", "mlp": r"transformer\.h\.\d+\.mlp",
+    }),
+}  # fmt: skip
+
+
+def build(name: str) -> tuple[nn.Module, Inputs]:
+    """The zoo model `name` and its inputs, the same on every call (seeded, the global RNG
+    left as it was)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return ZOO[name].make()
