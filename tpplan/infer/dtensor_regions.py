@@ -37,7 +37,7 @@ from ..plan.patterns import collapse
 from ..plan.schema import Plan, RegionRule, Rule
 from ..trace import quiet_fake_tensor_log
 
-__all__ = ["collapsed", "example_call", "per_module", "try_dtensor_regions"]
+__all__ = ["call_fake", "collapsed", "example_call", "per_module", "try_dtensor_regions"]
 
 # how rest.py words a layer whose output could not stay split (split and gathered)
 _GATHERED = "its output cannot stay split ("
@@ -95,6 +95,17 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
 def per_module(plan: Plan, names: list[str]) -> dict[str, Rule]:
     """{module: the rule that styles it} (the first that matches, as apply does)."""
     return {n: plan.rules[i] for n, i in match_rules(plan, names).owner.items()}
+
+
+def call_fake(
+    model: nn.Module, fake: FakeTensorMode, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """`model(*args, **kwargs)` with the tensors among them made fake tensors of `fake`."""
+
+    def made(t: Any) -> Any:
+        return fake.from_tensor(t) if isinstance(t, torch.Tensor) else t
+
+    return model(*[made(a) for a in args], **{k: made(v) for k, v in kwargs.items()})
 
 
 def collapsed(per: dict[str, Rule], names: list[str]) -> list[Rule]:
@@ -225,12 +236,7 @@ def _roles(
         handles.append(modules[h].register_forward_hook(leaving(h)))
     try:
         with quiet_fake_tensor_log(), fake, taint, torch.no_grad():
-            given = [fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
-            given_kw = {
-                k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v
-                for k, v in kwargs.items()
-            }
-            taint.note_use(copy_(*given, **given_kw))  # the model's output is a use
+            taint.note_use(call_fake(copy_, fake, args, kwargs))  # the output is a use
     except Exception:
         return None
     finally:

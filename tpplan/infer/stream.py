@@ -40,7 +40,7 @@ from ..errors import TpplanError
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan, RegionRule, Rule
 from ..trace import quiet_fake_tensor_log
-from .dtensor_regions import collapsed, example_call, per_module
+from .dtensor_regions import call_fake, collapsed, example_call, per_module
 
 __all__ = ["fit_sequence_parallel"]
 
@@ -53,6 +53,8 @@ _GATHERS_INPUT = re.compile(
     r"; sequence parallel: (its input is gathered over the sequence first"
     r"|all-gathers its input over the sequence[^;]*)"
 )
+# what sequence_parallel.py appends to a layer's reason when it reduce-scatters its output
+_SCATTERED = "; sequence parallel: reduce-scattered onto sequence shards, left a DTensor"
 _GATHERED_WHY = "; sequence parallel: its input is gathered over the sequence first"
 _STREAM_WHY = (
     "sequence parallel: its forward meets the sequence-split stream (a DTensor) with whole "
@@ -70,6 +72,11 @@ def fit_sequence_parallel(model: nn.Module, plan: Plan, example_inputs: Any) -> 
     held = {m for r in plan.regions for m in match_names(r.match, names)}
     args, kwargs = example_call(model, example_inputs)
     seen = _follow(model, rules, held, args, kwargs)
+    if seen is not None and "" in seen.mixes and (whole := _whole_lookups(rules)):
+        # nanoGPT adds position embeddings to the looked-up rows in its own forward: the
+        # lookup sums its rows whole, and the stream starts at the first block instead
+        rules = {**rules, **whole}
+        seen = _follow(model, rules, held, args, kwargs)
     if seen is None:
         return plan
     exits = _exits(seen, rules, held)
@@ -97,6 +104,24 @@ def fit_sequence_parallel(model: nn.Module, plan: Plan, example_inputs: Any) -> 
     if kept == rules and not stream:
         return plan
     return _rebuilt(plan, kept, stream, names)
+
+
+def _whole_lookups(rules: dict[str, Rule]) -> dict[str, Rule]:
+    """Each vocab-parallel lookup that reduce-scatters its rows onto sequence shards, made
+    to sum them whole instead (one all-reduce, as without sequence parallel)."""
+    return {
+        n: r.model_copy(
+            update={
+                "output": None,
+                "local_output": None,
+                "why": r.why.replace(_SCATTERED, "")
+                + "; sequence parallel starts after it, since the model's own forward adds "
+                "whole tensors to its rows",
+            }
+        )
+        for n, r in rules.items()
+        if r.style == "vocab_parallel" and r.output == "shard(1)"
+    }
 
 
 def _exits(seen: _Seen, rules: dict[str, Rule], held: set[str]) -> dict[str, Rule]:
@@ -304,13 +329,7 @@ def _follow(
             )
     try:
         with quiet_fake_tensor_log(), fake, mode, torch.no_grad():
-            given = [fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
-            given_kw = {
-                k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v
-                for k, v in kwargs.items()
-            }
-            out = copy_(*given, **given_kw)
-            seen.output = mode.marked(out)[0]
+            seen.output = mode.marked(call_fake(copy_, fake, args, kwargs))[0]
     except Exception:
         return None
     finally:
