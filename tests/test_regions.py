@@ -275,3 +275,17 @@ def test_a_modulated_attention_with_a_nested_closer_becomes_a_region(tp: int) ->
     assert styles["attn.to_out.0"] == ("rowwise", None)
     assert all(styles[f"attn.{n}"] == ("colwise", False) for n in ("to_q", "to_k", "to_v"))
     assert_parity(model, plan, tp, x)
+
+
+def test_a_kv_cache_started_empty_takes_the_region_s_dtensors() -> None:
+    """transformers' DynamicCache starts each layer's keys as `torch.tensor([])` and joins
+    the first keys to it with `cat`: in a region those keys are DTensors split by heads, and
+    the empty placeholder is left out of the join, as torch itself would skip it."""
+    with simulated_ranks(2) as mesh:
+        keys = distribute_tensor(_randn(2, 4, 3, 8), mesh, [Shard(1)])
+        holder = nn.Module()
+        hold_dtensors(holder)
+        holder.forward = lambda k: torch.cat([torch.tensor([]), k], dim=-2)  # type: ignore[method-assign]
+        joined = holder(keys)
+        assert isinstance(joined, type(keys)) and joined.placements == (Shard(1),)
+        assert torch.equal(joined.full_tensor(), keys.full_tensor())

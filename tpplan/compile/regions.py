@@ -44,6 +44,8 @@ class _ReplicatePlain(TorchFunctionMode):
             found = _heads_attention(*args, **kwargs)
             if found is not None:
                 return found
+        if func in _CATS and args and isinstance(args[0], (list, tuple)):
+            args = (_without_empty(args[0]), *args[1:])
         leaves, _ = tree_flatten((args, kwargs))
         first = next((t for t in leaves if isinstance(t, DTensor)), None)
         if first is not None and any(_plain(t) for t in leaves):
@@ -57,6 +59,19 @@ class _ReplicatePlain(TorchFunctionMode):
 
             args, kwargs = tree_map(lift, (args, kwargs))
         return func(*args, **kwargs)
+
+
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+def _without_empty(tensors: Any) -> Any:
+    """A concatenation's tensors without the empty plain ones a DTensor meets (a KV cache's
+    first `cat` onto `torch.tensor([])`): torch skips them, but lifted to a replicated
+    DTensor such a 1-D placeholder cannot be laid out like the heads it is joined to."""
+    if not any(isinstance(t, DTensor) for t in tensors):
+        return tensors
+    kept = [t for t in tensors if isinstance(t, DTensor) or t.numel() > 0]
+    return type(tensors)(kept) if kept else tensors
 
 
 def _heads_attention(
