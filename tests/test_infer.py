@@ -374,13 +374,15 @@ def test_deepseek_latent_attention_stays_whole_for_its_gradients() -> None:
 
 def test_a_gate_computed_from_the_weights_keeps_the_split_from_training_wrong() -> None:
     """An MLP whose split features are scaled by a per-token gate computed from the whole
-    input: forward would be right split, but the gate's gradient would be each rank's
-    partial sum. Its layers are gathered instead, and every gradient matches."""
+    input: on local shards the gate's gradient would be each rank's partial sum, so the
+    split cannot run on local tensors (said in the trace); it runs as a DTensor region,
+    where DTensor sums that gradient, and every gradient matches."""
     model = GatedBlock()
     x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(0))
     plan = tpplan.infer_plan(model, example_inputs=x)
-    assert styles(plan, model)["blk.up"] == ("colwise", "replicate")
-    assert "its gradient would be each rank's partial sum" in rule_for(plan, model, "blk.up").why
+    assert [r.match for r in plan.regions] == ["blk"]
+    assert rule_for(plan, model, "blk.up").local_output is False
+    assert styles(plan, model)["blk.down"] == ("rowwise", None)
     assert_parity(model, plan, 2, x)
 
 
@@ -713,10 +715,11 @@ def test_codegen_keeps_the_numbers(tp: int) -> None:
     assert_parity(model, plan, tp, _tokens())
 
 
-def test_a_merge_whose_width_cannot_be_traced_to_one_attribute_is_gathered() -> None:
+def test_a_merge_whose_width_cannot_be_traced_to_one_attribute_runs_on_dtensors() -> None:
     """XGLM merges batch and heads with `bsz * self.num_heads`, computed before two other
-    ops: no attribute read right before the view holds the merged size, so the split ends
-    there (colwise, gathered) instead of failing at apply or guessing which to divide."""
+    ops: no attribute read right before the view holds the merged size, so the split cannot
+    run on local tensors (instead of failing at apply or guessing which to divide); the
+    attention runs as a DTensor region, whose global shapes need no attribute divided."""
     import transformers
 
     cfg = transformers.XGLMConfig(
@@ -727,8 +730,9 @@ def test_a_merge_whose_width_cannot_be_traced_to_one_attribute_is_gathered() -> 
     model = transformers.XGLMForCausalLM(cfg).eval()
     plan = tpplan.infer_plan(model, tp_size=2)
     q = rule_for(plan, model, "model.layers.0.self_attn.q_proj")
-    assert (q.style, q.output) == ("colwise", "replicate")
-    assert "merges the split dim into one of fixed size 8" in q.why
+    assert (q.style, q.output, q.local_output) == ("colwise", None, False)
+    assert [r.match for r in plan.regions] == ["model.layers.*.self_attn"]
+    assert not plan.attributes
     assert_parity(model, plan, 2, _tokens())
 
 
@@ -1369,3 +1373,44 @@ def test_images_for_a_first_convolution_are_made_up_at_a_size_the_model_takes(si
     assert list(made) == ["images"] and made["images"].shape == (2, 3, size, size)
     plan = tpplan.infer_plan(model, tp_size=2)
     assert rule_for(plan, model, "blocks.0.mlp.0").style == "colwise"
+
+
+class _WindowAttention(nn.Module):
+    """Swin's: fused qkv viewed as (B, N, 3, heads, -1), and a relative position bias looked
+    up by rows in a (positions, heads) table, one column per head, added to the logits."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 4, tokens: int = 6) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.relative_position_bias_table = nn.Parameter(torch.randn(2 * tokens - 1, num_heads))
+        pos = torch.arange(tokens)
+        self.register_buffer("index", (pos[:, None] - pos[None, :] + tokens - 1).flatten())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        bias = self.relative_position_bias_table[self.index].view(n, n, -1).permute(2, 0, 1)
+        attn = (q @ k.transpose(-2, -1) + bias.unsqueeze(0)).softmax(-1)
+        return x + self.proj((attn @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_bias_table_of_one_column_per_head_is_split_with_the_heads(tp: int) -> None:
+    """The table's rows are looked up, its columns meet the split heads one for one: each
+    rank holds its own heads' columns (split_params on dim 1), the head size written -1 is
+    each rank's own, and the attention splits the Megatron way, forward and gradients at
+    parity."""
+    model = nn.Sequential(_WindowAttention())
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    table = rule_for(plan, model, "0")
+    assert (table.style, table.shard) == ("split_params", {"relative_position_bias_table": 1})
+    assert "one column per head" in table.why
+    assert (rule_for(plan, model, "0.qkv").parts, styles(plan, model)["0.proj"]) == (
+        [32, 32, 32],
+        ("rowwise", None),
+    )
+    assert_parity(model, plan, tp, x)

@@ -271,13 +271,20 @@ def _style_param_holders(
         by = join_names([short[o] for o in openers])
         if any(p in ctx.trace.params.split_vectors for p in own):
             names = [p.rpartition(".")[2] for p in own]
+            tables = any(ctx.trace.params.vector_dims.get(p, 0) for p in own)
+            entry, kind = (
+                ("column", "a relative position bias looked up by rows")
+                if tables
+                else ("entry", "a per-head sink")
+            )
             out.decisions[h] = Decision(
                 "split_params",
-                f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one entry per "
+                f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one {entry} per "
                 f"head (per element of the dim split by {by}) and meets them element by "
-                "element (a per-head sink); split alike, each rank holds its own heads' "
-                "entries",
-                shard=tuple((n, 0) for n in names),
+                f"element ({kind}); split alike, each rank holds its own heads' {entry}s",
+                shard=tuple(
+                    (p.rpartition(".")[2], ctx.trace.params.vector_dims.get(p, 0)) for p in own
+                ),
             )
             continue
         out.decisions[h] = Decision(

@@ -102,6 +102,10 @@ class ParamFacts:
     """Vector met element by element with split tensors, one entry per element of the split
     dim (a per-head attention sink) -> the openers of those splits: it can be split alike,
     each rank holding its own entries."""
+    vector_dims: dict[str, int] = field(default_factory=dict)
+    """Split vector -> the dim of the parameter holding its entries (0 for a vector; 1 for
+    a table of one column per head that the forward looks rows up in, Swin's relative
+    position bias)."""
 
 
 @dataclass

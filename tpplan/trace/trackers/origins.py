@@ -15,7 +15,7 @@ import torch
 
 from ..ops import METADATA, PASS_THROUGH, RESHAPES, Op
 from ..record import LayerFacts, ParamFacts
-from ..split import Split, norm_dim, permutation
+from ..split import Split, SplitEnds, norm_dim, permutation, reshape
 
 __all__ = ["Origins", "Vectors"]
 
@@ -89,6 +89,12 @@ class Origins:
                 return
             if self.is_input(ins[0]):
                 self.inputs[id(outs[0])] = outs[0]
+        looked_up = op.name == "index" and used and self.param_of(ins[0]) and len(outs) == 1
+        if looked_up and all(not t.is_floating_point() for t in ins[1:]):
+            # rows of one parameter looked up by integer indices (a relative position bias
+            # table): still that parameter where they meet other tensors
+            self.alias(outs[0], used[0])
+            return
         if len(set(used)) == 1 and len(used) == len(ins) and len(outs) == 1 and not sources:
             # computed from one parameter alone (`1 + weight`, `softplus(alpha)`): still that
             # parameter where it meets other tensors, so its gradient is judged there
@@ -103,6 +109,17 @@ class Origins:
                 self.facts.outside.add(p)
 
 
+def _kept_whole(vd: int, before: Any, after: Any) -> int | None:
+    """The dim of `after` that a reshape moves dim `vd` of `before` to whole, if it does."""
+    n = before[vd]
+    try:
+        moved = reshape(Split(vd, 1, n, 1, frozenset()), tuple(before), tuple(after))
+    except SplitEnds:
+        return None
+    whole = moved.outer == 1 and moved.inner == 1 and moved.n == n
+    return moved.dim if whole and after[moved.dim] == n else None
+
+
 class Vectors:
     """Views of vectors (`sinks.view(1, -1, 1)`): id -> (view, parameter, the dim of the view
     holding the parameter's entries)."""
@@ -112,6 +129,7 @@ class Vectors:
         self.layers = layers
         self.origins = origins
         self.views: dict[int, tuple[torch.Tensor, str, int]] = {}
+        self.dims: dict[str, int] = {}  # parameter -> its dim holding the entries
 
     def view_of(self, t: Any) -> tuple[str, int] | None:
         """(vector, the dim of `t` holding its entries) when `t` is one, a view of one, or
@@ -131,6 +149,9 @@ class Vectors:
         ins, outs, name = op.ins, op.outs, op.name
         if len(outs) != 1 or not ins:
             return
+        if name == "index":
+            self._looked_up(op)
+            return
         found = self.view_of(ins[0])
         if found is None:
             return
@@ -144,15 +165,30 @@ class Vectors:
         elif name in ("t", "transpose", "permute"):
             new = permutation(name, op.named, t.dim()).index(vd)
         elif name in RESHAPES:
-            # only a view that keeps the entries in one dim, all others of size 1
+            # a view that keeps the entries in one dim: all others of size 1, or (rows of a
+            # table looked up) the entries' dim carried whole to a dim of its own
             big = [d for d, n in enumerate(out.shape) if n != 1]
-            new = big[0] if len(big) == 1 else None
+            new = big[0] if len(big) == 1 else _kept_whole(vd, t.shape, out.shape)
         elif out.shape == t.shape and (
             name in PASS_THROUGH or (len(ins) == 1 and torch.Tag.pointwise in op.func.tags)
         ):
             new = vd  # a copy, a cast, or `1 + sinks`
         if new is not None and 0 <= new < out.dim() and out.shape[new] == t.shape[vd]:
             self.views[id(out)] = (out, pname, new)
+
+    def _looked_up(self, op: Op) -> None:
+        """Rows of a 2-D parameter looked up by one index tensor (`table[index]`): the
+        columns, one per head in a relative position bias table, are the entries, in the
+        output's last dim."""
+        t, out = op.ins[0], op.outs[0]
+        name = self.origins.param_of(t)
+        indices = op.named.get("indices")
+        if name is None or t.dim() != 2 or name in self.origins.expert_params:
+            return
+        if not isinstance(indices, (list, tuple)) or len(indices) != 1 or indices[0] is None:
+            return
+        self.views[id(out)] = (out, name, out.dim() - 1)
+        self.dims[name] = 1
 
     def split_alike(self, t: torch.Tensor, s: Split, nd: int) -> bool:
         """A vector (or a view of one) with one entry per element of the split dim, met
@@ -167,6 +203,7 @@ class Vectors:
         if pname.rpartition(".")[0] in self.layers.linears:
             return False  # a Linear's own bias used elsewhere: not the Linear's rule to make
         self.facts.split_vectors.setdefault(pname, set()).update(s.sources)
+        self.facts.vector_dims[pname] = self.dims.get(pname, 0)
         return True
 
     def note_whole(self, t: torch.Tensor) -> None:

@@ -124,7 +124,12 @@ class AttributeReads:
                 # that attribute would resize whatever else the forward computes from it
                 return
         elif len(pieces) > 1:  # the split dim is cut into (count, ..., size) dims
-            self._check_beside(pieces[1:], sizes[k], width, read)
+            # written -1 (`reshape(B, N, 3, self.num_heads, -1)`): the shard's own size once
+            # the count before it is divided, as the count's own check requires
+            written = self.asked[-1] if self.asked else ()
+            last = k + len(pieces) - 1
+            free = len(written) == len(sizes) and written[last] == -1
+            self._check_beside(pieces[1:-1] if free else pieces[1:], sizes[k], width, read)
         else:
             self._check_merge(sizes, s)
             return
@@ -133,6 +138,8 @@ class AttributeReads:
     def _check_beside(self, beside: list[int], count: int, width: int, read: set[int]) -> None:
         """The sizes a view gives the dims it carves beside the split dim out of the split
         features must be attributes read in forward (or 2 to 4 times one)."""
+        if not beside:
+            return
         *middle, last = beside
         # `3 * self.head_size` (q|k|v interleaved per head, GPT-NeoX) is as fixed as the
         # attribute, unless the split tensor's width was just read (it may come from that)
