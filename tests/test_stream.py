@@ -102,3 +102,81 @@ def test_nanogpt_adds_positions_to_the_lookup_in_its_own_forward(tp: int) -> Non
     assert plan.regions and all(r.stream for r in plan.regions)
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
+
+
+class _Windowed(torch.nn.Module):
+    """Swin's way: the tokens cut into windows (`view(B * windows, window, C)`) before a
+    Megatron attention, whose dim 1 is then a window's tokens, not the sequence."""
+
+    def __init__(self, dim: int = 32, window: int = 4) -> None:
+        super().__init__()
+        from test_infer import _PiecesThenHeads
+
+        self.window = window
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.attn = _PiecesThenHeads(dim)
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        windows = self.norm1(x).reshape(b * (n // self.window), self.window, c)
+        x = x + self.attn(windows).reshape(b, n, c)
+        return x + self.fc2(torch.relu(self.fc1(self.norm2(x))))
+
+
+class _WindowedStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.Sequential(_Windowed(), _Windowed())
+        self.out = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
+def test_a_windowed_attention_under_sequence_parallel_holds_parity() -> None:
+    """Its output reduce-scattered over a window's tokens (dim 1 after the windows' view),
+    then viewed back: DTensor carries the layout through, and the plan runs at parity.
+    (Where such a layout makes the trial run fail, as Swin's shifted windows do, the layers
+    there sum whole instead: the zoo's Swin covers that.)"""
+    model = _WindowedStack()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x, sequence_parallel=True)
+    assert tpplan.check_plan(plan, model, tp_size=2) == []
+    assert_parity(model, plan, 2, x)
+
+
+def test_where_the_trial_run_fails_the_layers_around_it_sum_whole() -> None:
+    """The innermost module at or around the failure that holds reduce-scattering layers:
+    they sum whole instead, the rule gathering that module's input goes, and the layers
+    elsewhere keep their reduce-scatter."""
+    from tpplan import Rule
+    from tpplan.infer.stream import _SCATTERED, _summed_whole
+
+    rules = {
+        "b.attn": Rule(
+            match="b.attn",
+            style="prepare",
+            inputs=["shard(1)"],
+            desired_inputs=["replicate"],
+            local_input=True,
+            why="gathers",
+        ),
+        "b.attn.proj": Rule(
+            match="b.attn.proj",
+            style="rowwise",
+            output="shard(1)",
+            local_output=False,
+            why="contracts" + _SCATTERED,
+        ),
+        "b.mlp.fc2": Rule(
+            match="b.mlp.fc2", style="rowwise", output="shard(1)", local_output=False, why="x"
+        ),
+    }
+    out = _summed_whole(rules, "b.attn.qkv")
+    assert set(out) == {"b.attn", "b.attn.proj"} and out["b.attn"] is None
+    proj = out["b.attn.proj"]
+    assert proj is not None and (proj.output, proj.local_output) == (None, None)
+    assert proj.why.startswith("contracts; sequence parallel stops around it")
+    assert _summed_whole(rules, None) == {}

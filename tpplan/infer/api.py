@@ -98,7 +98,7 @@ def infer_plan(
     plan = try_dtensor_regions(model, plan, asked.tp, example_inputs)
     if sequence_parallel:
         plan = fit_sequence_parallel(model, plan, example_inputs)
-        try_sequence_parallel(model, plan, asked.tp, example_inputs)
+        plan = try_sequence_parallel(model, plan, asked.tp, example_inputs)
     return plan
 
 

@@ -15,7 +15,6 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import TpplanError
 from ..plan.schema import Plan
 from .context import Context, Decided
 from .decision import Decision
@@ -117,21 +116,23 @@ def _common_parent(names: list[str]) -> str:
     return ".".join(parts[0][:k])
 
 
-def try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs: Any) -> None:
-    """Run the plan once as check_plan does (a meta copy over fake ranks): a stream the model
-    mixes with plain tensors (positions added to it, a gathered layer's output) fails here,
-    with a message, rather than in the user's first forward."""
+def try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs: Any) -> Plan:
+    """Run the plan as check_plan does (a meta copy over fake ranks) until it runs, summing
+    whole where the sequence-split layout does not fit a module's code
+    (`stream.settle_sequence_parallel`); a stream the model mixes with plain tensors where
+    nothing can hold it fails here, with a message, rather than in the user's first
+    forward."""
     # imported here: the dry run brings in torch.distributed, which nothing else needs
     from ..check.run import run_plan
+    from .stream import settle_sequence_parallel
 
     given = None
     if example_inputs is not None:
         from .dtensor_regions import example_call
 
         given = example_call(model, example_inputs)
-    for problem in run_plan(plan, model, tp_size=tp, given=given):
-        raise TpplanError(
-            f"sequence parallel does not fit {type(model).__name__}: its forward mixes the "
-            f"sequence-split stream with whole tensors ({problem.message.rstrip('.')}). "
-            "Infer without sequence parallel, or write those rules by hand."
-        )
+
+    def first_problem(p: Plan) -> Any:
+        return next(iter(run_plan(p, model, tp_size=tp, given=given)), None)
+
+    return settle_sequence_parallel(model, plan, tp, example_inputs, first_problem)

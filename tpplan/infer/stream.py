@@ -42,7 +42,7 @@ from ..plan.schema import Plan, RegionRule, Rule
 from ..trace import quiet_fake_tensor_log
 from .dtensor_regions import call_fake, collapsed, example_call, per_module
 
-__all__ = ["fit_sequence_parallel"]
+__all__ = ["fit_sequence_parallel", "settle_sequence_parallel"]
 
 # styles whose module computes on DTensors itself (its parameters are DTensors, its input is
 # made one): what its own code does is torch's, and its output is a DTensor only as the rule
@@ -104,6 +104,73 @@ def fit_sequence_parallel(model: nn.Module, plan: Plan, example_inputs: Any) -> 
     if kept == rules and not stream:
         return plan
     return _rebuilt(plan, kept, stream, names)
+
+
+def settle_sequence_parallel(
+    model: nn.Module, plan: Plan, tp: int, example_inputs: Any, run: Any
+) -> Plan:
+    """`plan` once a run on fake ranks (`run(plan)`: the first problem, or None) passes:
+    where it fails inside a module whose split layers reduce-scatter onto the sequence
+    (Swin's windowed attention, whose dim 1 is a window's tokens, not the sequence), those
+    layers sum whole instead (one all-reduce, as without sequence parallel) and the stream
+    is fitted again around them. Raises, naming the failure, where that does not help."""
+    names = [n for n, _ in model.named_modules() if n]
+    for _ in range(len(names)):
+        problem = run(plan)
+        if problem is None:
+            return plan
+        whole = _summed_whole(per_module(plan, names), problem.module)
+        if not whole:
+            break
+        merged = {**per_module(plan, names), **whole}
+        per = {n: r for n, r in merged.items() if r is not None}
+        plan = fit_sequence_parallel(model, _rebuilt(plan, per, {}, names), example_inputs)
+    else:
+        problem = run(plan)
+    raise TpplanError(
+        f"sequence parallel does not fit {type(model).__name__}: its forward mixes the "
+        f"sequence-split stream with whole tensors ({problem.message.rstrip('.')}). "
+        "Infer without sequence parallel, or write those rules by hand."
+    )
+
+
+def _summed_whole(rules: dict[str, Rule], failed: str | None) -> dict[str, Rule | None]:
+    """For the innermost module at or around `failed` holding layers that reduce-scatter
+    onto the sequence: those layers summing whole instead, and the rule gathering that
+    module's input dropped (None), so the stream is fitted again around it."""
+    if failed is None:
+        return {}
+    scope: str | None = failed
+    while scope is not None:
+        closers = {
+            n: r
+            for n, r in rules.items()
+            if (n == scope or n.startswith(f"{scope}.") or not scope)
+            and r.style == "rowwise"
+            and r.output == "shard(1)"
+        }
+        if closers:
+            break
+        scope = scope.rpartition(".")[0] if scope else None
+    if scope is None:
+        return {}
+    out: dict[str, Rule | None] = {
+        n: r.model_copy(
+            update={
+                "output": None,
+                "local_output": None,
+                "why": r.why.replace(_SCATTERED, "")
+                + "; sequence parallel stops around it (its output is summed whole, as "
+                "without it): the sequence-split layout does not fit the module's own code",
+            }
+        )
+        for n, r in closers.items()
+    }
+    for n, r in rules.items():
+        inside = n == scope or n.startswith(f"{scope}.")
+        if inside and r.style == "prepare" and (r.inputs or r.input_kwargs):
+            out[n] = None
+    return out
 
 
 def _whole_lookups(rules: dict[str, Rule]) -> dict[str, Rule]:
