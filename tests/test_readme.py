@@ -97,6 +97,7 @@ BENCHMARKS_README = (ROOT / "benchmarks" / "README.md").read_text()
         ("infer_time", ["--no-plot"]),
         ("memory_tp", ["--no-plot"]),
         ("moe_bar", []),
+        ("region_cost", []),
         ("zoo", []),
     ],
 )
