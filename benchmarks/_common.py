@@ -229,3 +229,23 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     mid = len(s) // 2
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def report_rounds(result: dict[str, Any], passes: Any, methods: Any, mark: str) -> None:
+    """End a timed torchrun worker: each round's time becomes the slower rank's, rank 0
+    prints `result` after `mark` for the driver to read, and the process exits (torch 2.13
+    on gloo aborts now and then in interpreter teardown)."""
+    import torch
+    import torch.distributed as dist
+
+    for phase in passes:
+        for name in methods:
+            t = torch.tensor(result["times"][phase][name], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            result["times"][phase][name] = t.tolist()
+    if dist.get_rank() == 0:
+        print(mark + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)

@@ -78,7 +78,6 @@ def worker(folder: Path, batch: int, seq: int, warmup: int, iters: int) -> None:
 
     hf_logging.set_verbosity_error()
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     load = lambda **kw: AutoModelForCausalLM.from_pretrained(  # noqa: E731
         folder, dtype=torch.float32, **kw
@@ -126,18 +125,7 @@ def worker(folder: Path, batch: int, seq: int, warmup: int, iters: int) -> None:
                 seconds = one(name, phase)
                 if i >= warmup:
                     result["times"][phase][name].append(seconds)
-    # the slower rank decides each round
-    for phase in PASSES:
-        for name in METHODS:
-            t = torch.tensor(result["times"][phase][name], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            result["times"][phase][name] = t.tolist()
-    if rank == 0:
-        print(MARK + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13 on gloo aborts now and then in interpreter teardown
+    _common.report_rounds(result, PASSES, METHODS, MARK)
 
 
 # --- driver ---------------------------------------------------------------------------------

@@ -81,7 +81,6 @@ def worker(batch: int, seq: int, warmup: int, iters: int) -> None:
     import tpplan
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     ids = torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=torch.Generator())
     plan = tpplan.infer_plan(build(), tp_size=TP, example_inputs=ids)
@@ -120,17 +119,7 @@ def worker(batch: int, seq: int, warmup: int, iters: int) -> None:
                 seconds = one(name, phase)
                 if i >= warmup:
                     result["times"][phase][name].append(seconds)
-    for phase in PASSES:  # the slower rank decides each round
-        for name in METHODS:
-            t = torch.tensor(result["times"][phase][name], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            result["times"][phase][name] = t.tolist()
-    if rank == 0:
-        print(MARK + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13 on gloo aborts now and then in interpreter teardown
+    _common.report_rounds(result, PASSES, METHODS, MARK)
 
 
 # --- driver ---------------------------------------------------------------------------------
