@@ -17,10 +17,16 @@ tensors would be DTensors under the plan (`_follow`):
    whole input to the first reduce-scattered output, modulation scales computed from a
    timestep) becomes a stream region (`RegionRule(stream=True)`): while it runs, whole
    tensors meeting DTensors are lifted to replicated DTensors (no copy, no collective),
-   as in DTensor regions.
+   as in DTensor regions;
+3. a module the stream enters and does not leave (a classifier head), or one kept whole,
+   gathers it as it comes in (`_exits`); a lookup whose rows the model's own forward adds
+   to sums them whole, so the stream starts at the first block (`_whole_lookups`).
 
-What cannot be fitted this way (the model's own forward mixes the two outside any
-submodule, or hands the stream back as its output) raises, naming it.
+`settle_sequence_parallel` then runs the plan on fake ranks: where that fails inside a
+module whose layers reduce-scatter (a window's tokens in dim 1, not the sequence), they
+sum whole and the stream is fitted again. What cannot be fitted (the model's own forward
+mixes the two outside any submodule, or hands the stream back as its output) raises,
+naming it.
 """
 
 from __future__ import annotations
@@ -155,14 +161,10 @@ def _summed_whole(rules: dict[str, Rule], failed: str | None) -> dict[str, Rule 
     if scope is None:
         return {}
     out: dict[str, Rule | None] = {
-        n: r.model_copy(
-            update={
-                "output": None,
-                "local_output": None,
-                "why": r.why.replace(_SCATTERED, "")
-                + "; sequence parallel stops around it (its output is summed whole, as "
-                "without it): the sequence-split layout does not fit the module's own code",
-            }
+        n: _summed(
+            r,
+            "sequence parallel stops around it (its output is summed whole, as without it): "
+            "the sequence-split layout does not fit the module's own code",
         )
         for n, r in closers.items()
     }
@@ -177,18 +179,26 @@ def _whole_lookups(rules: dict[str, Rule]) -> dict[str, Rule]:
     """Each vocab-parallel lookup that reduce-scatters its rows onto sequence shards, made
     to sum them whole instead (one all-reduce, as without sequence parallel)."""
     return {
-        n: r.model_copy(
-            update={
-                "output": None,
-                "local_output": None,
-                "why": r.why.replace(_SCATTERED, "")
-                + "; sequence parallel starts after it, since the model's own forward adds "
-                "whole tensors to its rows",
-            }
+        n: _summed(
+            r,
+            "sequence parallel starts after it, since the model's own forward adds whole "
+            "tensors to its rows",
         )
         for n, r in rules.items()
         if r.style == "vocab_parallel" and r.output == "shard(1)"
     }
+
+
+def _summed(rule: Rule, why: str) -> Rule:
+    """`rule` summing its output whole (one all-reduce) instead of reduce-scattering it onto
+    sequence shards, with `why` said."""
+    return rule.model_copy(
+        update={
+            "output": None,
+            "local_output": None,
+            "why": f"{rule.why.replace(_SCATTERED, '')}; {why}",
+        }
+    )
 
 
 def _exits(seen: _Seen, rules: dict[str, Rule], held: set[str]) -> dict[str, Rule]:
