@@ -231,6 +231,21 @@ def median(xs: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
+def time_rounds(
+    one: Any, result: dict[str, Any], passes: Any, methods: Any, warmup: int, iters: int
+) -> None:
+    """`one(method, phase)` -> seconds, for each phase round after round, the methods in an
+    order that rotates each round (so none always runs right after another); the rounds
+    after `warmup` go into result["times"][phase][method]."""
+    for phase in passes:
+        for i in range(warmup + iters):
+            k = i % len(methods)
+            for name in methods[k:] + methods[:k]:
+                seconds = one(name, phase)
+                if i >= warmup:
+                    result["times"][phase][name].append(seconds)
+
+
 def report_rounds(result: dict[str, Any], passes: Any, methods: Any, mark: str) -> None:
     """End a timed torchrun worker: each round's time becomes the slower rank's, rank 0
     prints `result` after `mark` for the driver to read, and the process exits (torch 2.13

@@ -117,14 +117,7 @@ def worker(folder: Path, batch: int, seq: int, warmup: int, iters: int) -> None:
             model.zero_grad(set_to_none=True)
         return seconds
 
-    for phase in PASSES:
-        for i in range(warmup + iters):
-            # rotate the order each round, so no method always runs right after another
-            order = METHODS[i % 3 :] + METHODS[: i % 3]
-            for name in order:
-                seconds = one(name, phase)
-                if i >= warmup:
-                    result["times"][phase][name].append(seconds)
+    _common.time_rounds(one, result, PASSES, METHODS, warmup, iters)
     _common.report_rounds(result, PASSES, METHODS, MARK)
 
 

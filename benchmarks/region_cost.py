@@ -112,13 +112,7 @@ def worker(batch: int, seq: int, warmup: int, iters: int) -> None:
             model.zero_grad(set_to_none=True)
         return seconds
 
-    for phase in PASSES:
-        for i in range(warmup + iters):
-            order = METHODS[i % 3 :] + METHODS[: i % 3]  # no plan always runs after another
-            for name in order:
-                seconds = one(name, phase)
-                if i >= warmup:
-                    result["times"][phase][name].append(seconds)
+    _common.time_rounds(one, result, PASSES, METHODS, warmup, iters)
     _common.report_rounds(result, PASSES, METHODS, MARK)
 
 
