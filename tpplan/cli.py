@@ -235,62 +235,16 @@ def _infer_command(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
-def _inputs(specs: list[str]) -> Any:
-    """The example inputs `--input` gives: None for none, a tuple by position, or a dict by
-    name. Values are drawn from a fixed seed, so a plan traced on them is reproducible."""
-    import torch
-
-    if not specs:
-        return None
-    g = torch.Generator().manual_seed(0)
-    named: dict[str, Any] = {}
-    positional = []
-    for spec in specs:
-        name, _, rest = spec.rpartition("=")
-        shape_text, _, kind = rest.partition(":")
-        dtype_text, _, high_text = kind.partition(":")
-        dtype = getattr(torch, dtype_text or "float32", None)
-        try:
-            shape = [int(d) for d in shape_text.split("x")]
-            high = int(high_text) if high_text else None
-        except ValueError:
-            shape, high = [], None
-        if not shape or min(shape) < 1 or not isinstance(dtype, torch.dtype):
-            raise TpplanError(
-                f"--input {spec}: not a shape and dtype tpplan reads. Fix: write the sizes "
-                "joined by x, then optionally :DTYPE (a torch dtype) and, for integers, "
-                ":HIGH, e.g. --input 2x3x224x224 or --input idx=2x16:int64:50257."
-            )
-        if dtype.is_floating_point:
-            value = torch.randn(shape, generator=g).to(dtype)
-        elif high is None:
-            raise TpplanError(
-                f"--input {spec}: integer inputs need the bound their values stay below. "
-                f"Fix: add it, e.g. --input {spec.split(':')[0]}:{dtype_text}:50257."
-            )
-        else:
-            value = torch.randint(0, high, shape, generator=g, dtype=dtype)
-        if name:
-            named[name] = value
-        else:
-            positional.append(value)
-    if named and positional:
-        raise TpplanError(
-            "--input: some inputs are named and some are not. Fix: give them all by position "
-            "(in the forward's order) or all by name (NAME=SHAPE)."
-        )
-    return named or tuple(positional)
-
-
 def _cmd_infer(args: argparse.Namespace) -> int:
     from torch.utils._pytree import tree_map
 
+    from ._runtime.inputs import inputs_from_specs
     from .infer import infer_plan
     from .plan.shipped import shipped_for_class, shipped_plans
 
     if args.output:
         _check_output(Path(args.output))  # before the model is built and traced
-    given = _inputs(args.inputs)  # before the model is built: a bad spec fails fast
+    given = inputs_from_specs(args.inputs)  # before the model is built: fails fast
     model = _build(args)
     where = next((p.device for p in model.parameters()), None)
     if given is not None and where is not None:  # a model built on the meta device
