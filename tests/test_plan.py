@@ -126,8 +126,8 @@ def test_unknown_top_level_field_is_named() -> None:
 
 
 def test_wrong_schema_version_says_what_to_do() -> None:
-    msg = _error("tpplan: 9\nrules: []\n")
-    assert "schema version 9" in msg and "reads versions 1, 2, 3" in msg
+    msg = _error("tpplan: 99\nrules: []\n")
+    assert "schema version 99" in msg and "reads versions 1, 2, 3" in msg
     assert "pip install -U tpplan" in msg
 
 
@@ -225,7 +225,8 @@ def test_version_2_fields_in_a_version_1_file_say_to_bump_it() -> None:
     [
         ("{match: qkv, style: colwise, parts: [8], why: x}", "at least 2 items"),
         ("{match: qkv, style: colwise, parts: [8, 0], why: x}", "greater than 0"),
-        ("{match: o, style: rowwise, parts: [8, 8], why: x}", "style 'rowwise' takes no parts"),
+        ("{match: o, style: rowwise, parts: [8, 16], why: x}", "rowwise' takes parts of one size"),
+        ("{match: o, style: sequence_parallel, parts: [8, 8], why: x}", "takes no parts"),
     ],
 )
 def test_bad_parts_are_refused(rule: str, message: str) -> None:

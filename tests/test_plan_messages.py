@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9"
 
 
 def _error(text: str) -> str:
@@ -148,8 +148,14 @@ def test_a_bad_layout(text: str, message: str) -> None:
         ),
         _case(
             "style: rowwise, parts: [8, 8]",
-            "line 3: rules[0]: style 'rowwise' takes no parts; its optional fields are: "
-            "head_dim, input, local_output, output, transposed.",
+            "line 1: plan: rules[0].parts (style rowwise) need schema version 9; change the "
+            "first line to 'tpplan: 9'.",
+            version=8,
+        ),
+        _case(
+            "style: rowwise, sum_at: lookup",
+            "line 3: rules[0]: style 'rowwise' takes no sum_at; its optional fields are: "
+            "head_dim, input, local_output, output, parts, transposed.",
         ),
         _case(
             "style: vocab_parallel, head_dim: 8",
@@ -321,8 +327,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 9\nrules: []\n",
-            f"schema version 9 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 10\nrules: []\n",
+            f"schema version 10 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -340,7 +346,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 8' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 9' (the schema version) is missing.",
             id="missing",
         ),
         _case(

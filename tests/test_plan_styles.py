@@ -188,6 +188,7 @@ ADDED = [
     ({"rules": [("experts", {"added_whole"})]}, 5),
     ({"rules": [("vocab_parallel", {"sum_at"})]}, 6),
     ({"rules": [("vocab_parallel", {"written"})]}, 7),
+    ({"rules": [("rowwise", {"parts"})]}, 9),
 ]
 
 

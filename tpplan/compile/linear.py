@@ -9,8 +9,9 @@ Start at `Colwise`:
   rank gathers the output and picks its own slices;
 - weights stored (in, out) (`transposed`, GPT-2's Conv1D): the other dim of the weight is
   split.
-`Rowwise` splits (in, out) weights too, and hands back an output the model may change in
-place. rules.py uses torch's own styles where these are not needed.
+`Rowwise` splits (in, out) weights too, takes equal `parts` (its input is several tensors
+joined, each split on its own: rank r contracts its slice of every piece), and hands back an
+output the model may change in place. rules.py uses torch's own styles where these are not needed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import TpplanError
 from .params import split_param
@@ -138,7 +140,12 @@ class Rowwise(RowwiseParallel):
     is recorded the output is handed back as its own tensor (one copy, beside the all-reduce
     that made it). An nn.Embedding is left to torch's RowwiseParallel.
 
+    With equal `parts` the input features are pieces laid end to end (attention heads and
+    MLP features joined by `cat`), each split on its own: the weight is a `_StridedShard`
+    and a local input is read as rank r's slice of every piece, in order.
+
     Keyword Args:
+        parts: sizes of the input pieces, all equal.
         transposed: the weight is stored (in_features, out_features); its dim 0 is split.
         input_layouts, output_layouts, use_local_output: as torch's RowwiseParallel.
 
@@ -146,12 +153,20 @@ class Rowwise(RowwiseParallel):
         >>> parallelize_module(mlp, mesh, {"c_proj": Rowwise(transposed=True)})
     """
 
-    def __init__(self, *, transposed: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *, parts: list[int] | None = None, transposed: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        if parts and not equal_parts(parts):
+            raise TpplanError(
+                f"a rowwise layer takes input pieces of one size only, not {list(parts)}."
+            )
+        self.parts = tuple(parts) if parts else None
         self.transposed = transposed
 
     def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        split_param(module, "weight", mesh, 0 if self.transposed else 1, None, self.src_data_rank)
+        dim = 0 if self.transposed else 1
+        split_param(module, "weight", mesh, dim, self.parts, self.src_data_rank)
         bias = getattr(module, "bias", None)
         if isinstance(bias, nn.Parameter):
             replicated = distribute_tensor(
@@ -164,17 +179,34 @@ class Rowwise(RowwiseParallel):
         out = RowwiseParallel._prepare_output_fn(layouts, local, mod, out, mesh)
         return out.clone() if local and torch.is_grad_enabled() else out
 
+    @staticmethod
+    def _pieces_input(parts: int, mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+        """The input as rank r's slice of each of `parts` pieces (the weight's layout): a
+        local tensor is labelled so, a DTensor laid out otherwise is redistributed."""
+        x = inputs[0]
+        pieces = [_StridedShard(x.dim() - 1, split_factor=parts)]
+        if isinstance(x, DTensor):
+            x = x if x.placements == tuple(pieces) else x.redistribute(placements=pieces)
+        else:
+            x = DTensor.from_local(x, mesh, pieces, run_check=False)
+        return (x, *inputs[1:])
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding):
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
+        prepare = (
+            partial(self._pieces_input, len(self.parts))
+            if self.parts
+            else partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        )
         return distribute_module(
             module,
             device_mesh,
             self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            prepare,
             partial(self._own_output, self.output_layouts, self.use_local_output),
         )
 
     def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, transposed={self.transposed})"
+        return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"

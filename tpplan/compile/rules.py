@@ -118,7 +118,7 @@ def _split_style(rule: Rule) -> ParallelStyle:
     if rule.style == "colwise" and (rule.parts or rule.transposed or rule.output):
         return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
     if rule.style == "rowwise":
-        return Rowwise(transposed=bool(rule.transposed), **kw)
+        return Rowwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
     if rule.sum_at == "lookup":
         return SumAtLookup()
     if rule.written is not None:

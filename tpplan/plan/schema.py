@@ -98,7 +98,10 @@ class Rule(_Strict):
     """colwise: the output features are several tensors laid end to end (fused q|k|v, or
     gate|up), of these sizes in order. Each part is split across the ranks on its own, and a
     rank holds its slice of every part, in order, so it gets its own q, k and v heads (or its
-    gate slice and the matching up slice) rather than a contiguous slice that mixes them."""
+    gate slice and the matching up slice) rather than a contiguous slice that mixes them.
+    rowwise: the input features are such pieces, all of one size (attention heads and MLP
+    features joined by `cat` before one projection, Flux's single-stream `proj_out`), and
+    each rank contracts its slice of every piece."""
     transposed: bool | None = None
     """The weight is stored (in_features, out_features), as in GPT-2's Conv1D, so colwise
     splits its dim 1 and rowwise its dim 0."""
@@ -215,7 +218,7 @@ class RegionRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8] = 8  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9] = 9  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None
@@ -227,7 +230,8 @@ class Plan(_Strict):
     attributes: list[AttributeRule] = Field(default_factory=list)
     """Attribute fixes applied after sharding."""
     regions: list[RegionRule] = Field(default_factory=list)
-    """Modules whose forward runs on DTensor activations (schema 8)."""
+    """Modules whose forward runs on DTensor activations (schema 8; rowwise `parts`,
+    schema 9)."""
 
     @model_validator(mode="after")
     def _fields_fit_version(self) -> Plan:

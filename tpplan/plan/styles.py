@@ -32,7 +32,7 @@ STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 # Which optional fields each style accepts; anything else on a rule of that style is an error.
 STYLE_FIELDS: dict[str, frozenset[str]] = {
     "colwise": frozenset({"input", "output", "local_output", "head_dim", "parts", "transposed"}),
-    "rowwise": frozenset({"input", "output", "local_output", "head_dim", "transposed"}),
+    "rowwise": frozenset({"input", "output", "local_output", "head_dim", "parts", "transposed"}),
     "vocab_parallel": frozenset({"input", "output", "local_output", "sum_at", "written"}),
     "sequence_parallel": frozenset({"input", "local_output"}),
     "prepare": frozenset(
@@ -87,6 +87,16 @@ def _check_colwise(fields: Fields) -> None:
     if "partial" in (fields.get("input"), fields.get("output")):
         raise ValueError(
             "style 'colwise' cannot take or give layout 'partial'; use replicate or shard(DIM)."
+        )
+
+
+def _check_rowwise(fields: Fields) -> None:
+    parts = fields.get("parts")
+    if parts and len(set(parts)) != 1:
+        raise ValueError(
+            f"style 'rowwise' takes parts of one size only (each rank contracts its slice of "
+            f"every piece, a layout only equal pieces have); {list(parts)} are not. Give the "
+            "pieces as equal ones (64 and 256 are 5 pieces of 64), or drop parts."
         )
 
 
@@ -188,6 +198,7 @@ def _check_split_params(fields: Fields) -> None:
 # What each style needs beyond taking only its own fields (styles not named need nothing).
 _STYLE_CHECKS: dict[str, Callable[[Fields], None]] = {
     "colwise": _check_colwise,
+    "rowwise": _check_rowwise,
     "sequence_parallel": _check_sequence_parallel,
     "vocab_parallel": _check_vocab_parallel,
     "prepare": _check_prepare,

@@ -20,9 +20,9 @@ __all__ = [
 
 # A new version is added here, to READABLE_VERSIONS and to Plan.tpplan's Literal (schema.py),
 # with its schema hash in plans/schema_versions.json (tests/test_plan.py checks it).
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {
     2: ("parts", "transposed"),
@@ -34,6 +34,8 @@ _ADDED_FIELDS = {
 _ADDED_STYLES = {3: ("experts",), 4: ("split_params",)}
 _ADDED_MODEL_FIELDS = {4: ("command",)}
 _ADDED_TOP_LEVEL = {8: ("regions",)}
+# fields a style took later than the field itself: (style, field)
+_ADDED_STYLE_FIELDS = {9: (("rowwise", "parts"),)}
 
 
 def version_problem(data: dict[str, Any]) -> str | None:
@@ -64,7 +66,13 @@ def check_fields_fit_version(
     """Raise ValueError naming every field and style newer than `version`, with the newest
     version they need: `rules` is each rule's (style, fields given); `regions`, whether the
     plan has DTensor regions."""
-    added = {*_ADDED_FIELDS, *_ADDED_STYLES, *_ADDED_MODEL_FIELDS, *_ADDED_TOP_LEVEL}
+    added = {
+        *_ADDED_FIELDS,
+        *_ADDED_STYLES,
+        *_ADDED_MODEL_FIELDS,
+        *_ADDED_TOP_LEVEL,
+        *_ADDED_STYLE_FIELDS,
+    }
     for needed in sorted(added, reverse=True):
         if version >= needed:
             break
@@ -75,6 +83,12 @@ def check_fields_fit_version(
             for i, (_, fields) in enumerate(rules)
             for f in _ADDED_FIELDS.get(needed, ())
             if f in fields
+        ]
+        newer += [
+            f"rules[{i}].{f} (style {style})"
+            for i, (style, fields) in enumerate(rules)
+            for st, f in _ADDED_STYLE_FIELDS.get(needed, ())
+            if style == st and f in fields
         ]
         newer += [
             f"rules[{i}].style {style}"
