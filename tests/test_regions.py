@@ -289,3 +289,175 @@ def test_a_kv_cache_started_empty_takes_the_region_s_dtensors() -> None:
         joined = holder(keys)
         assert isinstance(joined, type(keys)) and joined.placements == (Shard(1),)
         assert torch.equal(joined.full_tensor(), keys.full_tensor())
+
+
+# ---- pieces joined by cat, and layers kept whole ---------------------------------------------
+def test_a_cat_of_pieces_split_alike_is_each_rank_s_slice_of_every_piece() -> None:
+    """Heads (one piece of 8) and MLP features (4 pieces of 8, each rank its slice of
+    each) joined along the split dim: rank r's local join is its slice of every piece, a
+    `_StridedShard` of 5, with no collective, forward and backward; pieces of different
+    sizes are left to DTensor (which gathers them)."""
+    a, b = _randn(2, 3, 8, seed=1), _randn(2, 3, 32, seed=2)
+    g = _randn(2, 3, 40, seed=3)
+    with simulated_ranks(2) as mesh:
+        ad = distribute_tensor(a, mesh, [Shard(2)]).requires_grad_()
+        bd = split_parts(b, mesh, 2, [8] * 4, None).requires_grad_()
+        holder = nn.Module()
+        hold_dtensors(holder)
+        holder.forward = lambda x, y: torch.cat([x, y * 2], dim=-1)  # type: ignore[method-assign]
+        gd = split_parts(g, mesh, 2, [8] * 5, None)
+        with CommDebugMode() as comms:
+            joined = holder(ad, bd)
+            assert joined.placements == (_StridedShard(2, split_factor=5),)
+            (joined * gd).sum().backward()
+        assert comms.get_total_counts() == 0
+        whole = rank_values(joined.full_tensor())[0]
+        grads = [rank_values(t.grad.full_tensor())[0] for t in (ad, bd)]
+        odd = holder(ad, distribute_tensor(_randn(2, 3, 12), mesh, [Shard(2)]))
+        assert odd.placements == (Replicate(),)  # DTensor's own gather: 8 and 12 differ
+    _close(whole, torch.cat([a, b * 2], dim=-1))
+    _close(grads[0], g[..., :8])
+    _close(grads[1], 2 * g[..., 8:])
+
+
+class _SingleStream(nn.Module):
+    """Flux's single-stream block as diffusers writes it: attention (heads sized from the
+    keys' width) and an MLP side by side on one normed input, joined by `cat` before one
+    projection over both; the attention's module has no output layer of its own."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, hidden: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = _HeadsOnly(dim, heads)
+        self.proj_mlp = nn.Linear(dim, hidden)
+        self.proj_out = nn.Linear(dim + hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        both = torch.cat([self.attn(h), F.gelu(self.proj_mlp(h))], dim=2)
+        return x + self.proj_out(both)
+
+
+class _SingleStreams(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_SingleStream(), _SingleStream()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _HeadsOnly(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        hd = k.shape[-1] // self.heads
+        q, k, v = (t.view(b, -1, self.heads, hd).transpose(1, 2) for t in (q, k, v))
+        return (
+            F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, hd * self.heads)
+        )
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_attention_and_mlp_joined_before_one_projection_become_one_region(tp: int) -> None:
+    """The block is the region: the attention's heads (32 features) and the MLP (64, as 2
+    pieces of 32) stay DTensors, the join is each rank's slice of 3 pieces, and proj_out
+    contracts them rowwise with those `parts`: one all-reduce in forward, at parity."""
+    model = _SingleStreams()
+    x = _randn(2, 6, 32)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    assert [r.match for r in plan.regions] == ["blocks.*"]
+    rules = {r.match: r for r in plan.rules}
+    assert (rules["blocks.*.proj_mlp"].style, rules["blocks.*.proj_mlp"].parts) == (
+        "colwise",
+        [32, 32],
+    )
+    out = rules["blocks.*.proj_out"]
+    assert (out.style, out.parts) == ("rowwise", [32, 32, 32])
+    assert "joined as 3 pieces of 32" in out.why
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert Plan.from_yaml(plan.to_yaml()) == plan
+    assert_parity(model, plan, tp, x)
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        with CommDebugMode() as comms:
+            sharded(x)
+        weight = sharded.blocks[0].proj_out.weight.full_tensor()
+    assert {str(op): n for op, n in comms.get_comm_counts().items()} == {
+        "c10d_functional.all_reduce": 2
+    }
+    assert torch.equal(rank_values(weight)[0], model.blocks[0].proj_out.weight)
+
+
+class _LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention as torchtitan writes it: keys and values from
+    a latent projection (normed) shared by every head, and a rotary key part every head
+    shares, expanded to the heads; head counts read off the module, sizes computed."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, rank: int = 8, rope: int = 4) -> None:
+        super().__init__()
+        self.heads, self.rank, self.rope, self.nope = heads, rank, rope, 8
+        self.wq = nn.Linear(dim, heads * (self.nope + rope))
+        self.wkv_a = nn.Linear(dim, rank + rope)
+        self.kv_norm = nn.RMSNorm(rank)
+        self.wkv_b = nn.Linear(rank, heads * (self.nope + 8))
+        self.wo = nn.Linear(heads * 8, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.nope + self.rope)
+        kv, k_pe = self.wkv_a(x).split([self.rank, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv)).view(b, s, -1, self.nope + 8)
+        k_nope, v = kv.split([self.nope, 8], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.heads, -1)], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        )
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class _LatentStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_LatentAttention(), _LatentAttention()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_latent_attention_keeps_its_shared_projection_whole(tp: int) -> None:
+    """wkv_a's output reaches wkv_b through a norm over all its features, and its rotary
+    part reaches every head: it stays whole (with its reason), wkv_b and wq open the
+    split, wo closes it. Forward: one all-reduce; the backward gathers the rotary part's
+    gradient from the heads; numbers at parity."""
+    model = _LatentStack()
+    x = _randn(2, 6, 32)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    rules = {r.match.removeprefix("layers.*."): r for r in plan.rules}
+    assert rules["wkv_a"].style == "replicate" and "wkv_b, which opens" in rules["wkv_a"].why
+    assert {n: rules[n].style for n in ("wq", "wkv_b", "wo")} == {
+        "wq": "colwise", "wkv_b": "colwise", "wo": "rowwise",
+    }  # fmt: skip
+    assert [r.match for r in plan.regions] == ["layers.*"]
+    assert "gather of the gradient of what wkv_a" in plan.regions[0].why
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, x)
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        with CommDebugMode() as comms:
+            sharded(x)
+    assert {str(op): n for op, n in comms.get_comm_counts().items()} == {
+        "c10d_functional.all_reduce": 2
+    }

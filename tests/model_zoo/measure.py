@@ -85,9 +85,17 @@ def _bytes_per_rank(model: nn.Module) -> int:
     return total
 
 
-def measure(model: nn.Module, plan: Plan, tp: int, x: Inputs, blocks: dict[str, str]) -> Measured:
+def measure(
+    model: nn.Module,
+    plan: Plan,
+    tp: int,
+    x: Inputs,
+    blocks: dict[str, str],
+    apart: str | None = None,
+) -> Measured:
     """Apply `plan` to a copy of `model` on `tp` simulated ranks and run one forward on `x`,
-    counting each block's collectives (`blocks`: {kind: module path regex})."""
+    counting each block's collectives (`blocks`: {kind: module path regex}) but those of
+    the modules inside it that `apart` matches (`Entry.apart`)."""
     names = block_names(model, blocks)
     with torch.no_grad():
         want = _run(copy.deepcopy(model), x)
@@ -114,9 +122,14 @@ def measure(model: nn.Module, plan: Plan, tp: int, x: Inputs, blocks: dict[str, 
         fqn.removeprefix(f"{root}."): per.get("forward", {})
         for fqn, per in comms.comm_module_counts.items()
     }
-    collectives = {
-        name: {str(op).rpartition(".")[2]: n for op, n in counts.get(name, {}).items()}
-        for name in names
-    }
+    others = [n for n, _ in model.named_modules() if apart and re.fullmatch(apart, n)]
+    collectives = {}
+    for name in names:
+        kinds: dict[str, int] = {}
+        for op, n in counts.get(name, {}).items():
+            less = sum(counts.get(o, {}).get(op, 0) for o in others if o.startswith(f"{name}."))
+            if n - less:
+                kinds[str(op).rpartition(".")[2]] = n - less
+        collectives[name] = kinds
     error = max((v.detach() - want).abs().max().item() for v in got)
     return Measured(names, fraction, error, collectives, split)

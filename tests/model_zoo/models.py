@@ -187,6 +187,10 @@ class Entry:
     the package's own source, never off tpplan's output (this is the oracle a plan is
     measured against). A kind where attention and MLP share a layer (Flux's single-stream
     block, one proj_out over both) names that whole block."""
+    apart: str | None = None
+    """Modules inside such a whole block that are neither its attention nor its MLP, whose
+    collectives are not the block's (Flux's single-stream `norm`: the timestep modulation,
+    which in the double-stream blocks sits outside the attention and MLP measured)."""
 
 
 _TITAN_BLOCKS = {
@@ -209,7 +213,7 @@ ZOO: dict[str, Entry] = {
     }),
     "diffusers.flux": Entry("diffusers 0.42.1", _flux, {
         **_JOINT_BLOCKS, "single": r"single_transformer_blocks\.\d+",
-    }),
+    }, apart=r"single_transformer_blocks\.\d+\.norm"),
     "diffusers.sd3": Entry("diffusers 0.42.1", _sd3, _JOINT_BLOCKS),
     "nanogpt": Entry("nanoGPT model.py, by hand", _nanogpt, {
         "attn": r"transformer\.h\.\d+\.attn", "mlp": r"transformer\.h\.\d+\.mlp",

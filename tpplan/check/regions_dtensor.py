@@ -1,6 +1,8 @@
 """The plan's DTensor regions (`Plan.regions`): each pattern matches modules, and, once the
-plan runs, no collective runs inside a region outside its split layers' own calls (else the
-region runs, at parity, but gathers: weights shrink, work does not).
+plan runs, no collective runs inside a region's forward outside its split layers' own calls
+(else the region runs, at parity, but gathers: weights shrink, work does not). A backward
+may gather the gradient of a whole tensor every split head shares (DeepSeek's rotary key),
+as `stats` shows; that is not split work done again.
 
 Start at `check_regions` (static) and `check_region_collectives` (after the dry run).
 """
@@ -39,7 +41,8 @@ def check_regions(plan: Plan, names: list[str]) -> list[Problem]:
 
 
 def check_region_collectives(plan: Plan, model: nn.Module, tp_size: int) -> list[Problem]:
-    """Each region module that ran collectives outside its split layers in the dry run."""
+    """Each region module whose forward ran collectives outside its split layers in the
+    dry run."""
     if not plan.regions:
         return []
     from .run import collectives_inside, region_inputs
@@ -69,11 +72,12 @@ def check_region_collectives(plan: Plan, model: nn.Module, tp_size: int) -> list
             "dtensor_region",
             label[m],
             m,
-            f"{n} collective(s) ran inside the region outside its split layers' own calls: "
+            f"{n.forward} collective(s) ran inside the region's forward outside its split "
+            "layers' own calls: "
             "it runs, but gathers its split activations, so its work is not split.",
             "delete the region (its layers then split and gather, as `tpplan infer` "
             "writes where no region is proven), or rerun `tpplan infer`.",
         )
         for m, n in found.items()
-        if n > 0
+        if n.forward > 0
     ]

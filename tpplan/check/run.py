@@ -22,7 +22,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from ..trace import quiet_fake_tensor_log, repeated_blocks
 from .blame import Failure, MetaKernels, Watch, failure_problem
 from .shared import rules_by_module
 
-__all__ = ["collectives_inside", "meta_copy", "region_inputs", "run_plan"]
+__all__ = ["Inside", "collectives_inside", "meta_copy", "region_inputs", "run_plan"]
 
 
 def meta_copy(
@@ -261,6 +261,14 @@ def _forward_backward(
         loss.float().sum().backward()
 
 
+class Inside(NamedTuple):
+    """The collectives a module ran outside its split layers' own calls."""
+
+    forward: int
+    backward: dict[str, int]
+    """{collective: count} of the backward (an all-gather of a gradient, say)."""
+
+
 def collectives_inside(
     plan: Plan,
     model: nn.Module,
@@ -269,15 +277,15 @@ def collectives_inside(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     modules: dict[str, list[str]],
-) -> dict[str, int] | None:
+) -> dict[str, Inside] | None:
     """The proof of DTensor regions: the plan applied to a meta copy on `tp_size` fake
     ranks, one forward and backward counted by torch's CommDebugMode. For each of
     `modules` ({module: the split layers inside it}): the collectives its forward and
-    backward ran outside those layers' own calls (0: the split ran through it untouched),
-    keyed by module name. A module in a block of a shortened stack that did not run gets
-    the count of the block it repeats (`_shortened` runs the first blocks for the rest);
-    a module that did not run otherwise is left out. `args` and `kwargs` are meta tensors,
-    as `region_inputs` makes them. None when the run fails."""
+    backward ran outside those layers' own calls (none: the split ran through it
+    untouched), keyed by module name. A module in a block of a shortened stack that did
+    not run gets the counts of the block it repeats (`_shortened` runs the first blocks
+    for the rest); a module that did not run otherwise is left out. `args` and `kwargs`
+    are meta tensors, as `region_inputs` makes them. None when the run fails."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     with outside_simulation(), quiet_fake_tensor_log(), warnings.catch_warnings():
@@ -290,17 +298,31 @@ def collectives_inside(
                 return None
         except _CannotRun:
             return None
-    counts = {
-        fqn.partition(".")[2] if "." in fqn else "": sum(
-            n for phase in per.values() for n in phase.values()
-        )
-        for fqn, per in counting.comm_module_counts.items()
-    }
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    for fqn, per in counting.comm_module_counts.items():
+        name = fqn.partition(".")[2] if "." in fqn else ""
+        counts[name] = {
+            phase: {getattr(op, "__name__", str(op)).split(".")[0]: n for op, n in ops.items()}
+            for phase, ops in per.items()
+        }
     ran_as = _ran_as(model, cut)
+
+    def phase(module: str, which: str) -> dict[str, int]:
+        return counts.get(ran_as(module), {}).get(which, {})
+
     out = {}
     for module, inside in modules.items():
-        if ran_as(module) in counts:
-            out[module] = counts[ran_as(module)] - sum(counts.get(ran_as(m), 0) for m in inside)
+        if ran_as(module) not in counts:
+            continue
+        kinds: dict[str, dict[str, int]] = {}
+        for which in ("forward", "backward"):
+            kinds[which] = dict(phase(module, which))
+            for m in inside:
+                for op, n in phase(m, which).items():
+                    kinds[which][op] = kinds[which].get(op, 0) - n
+        out[module] = Inside(
+            sum(kinds["forward"].values()), {op: n for op, n in kinds["backward"].items() if n}
+        )
     return out
 
 

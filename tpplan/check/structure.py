@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import Problem
-from ..plan.patterns import wildcard
+from ..plan.patterns import match_names, wildcard
 from ..plan.schema import Plan
 from .shared import Match, rule_label
 
@@ -22,10 +22,19 @@ def check_by_structure(
     """Without a trace: the closing layer must sit under the same parent module as the
     opening one (q_proj and o_proj under one attention module). A parent that holds the
     layer and nothing else (`q_proj.linear` inside a `q_proj` wrapper) is no parent of
-    its own: the one above it is."""
+    its own: the one above it is. Inside a DTensor region (`Plan.regions`) the region is
+    the parent: its layers open and close the split wherever they sit in it (Flux's
+    single-stream attention, closed by its block's proj_out)."""
     owned = {n: {id(p) for p in m.parameters()} for n, m in model.named_modules()}
+    names = [n for n in owned if n]
+    regions = sorted(
+        {m for r in plan.regions for m in match_names(r.match, names)}, key=len, reverse=True
+    )
 
     def parent(name: str) -> str:
+        region = next((r for r in regions if name.startswith(f"{r}.")), None)
+        if region is not None:
+            return region
         up = name.rpartition(".")[0]
         while up and owned.get(up) == owned.get(name):
             name, up = up, up.rpartition(".")[0]

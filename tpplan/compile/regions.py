@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -46,6 +47,9 @@ class _ReplicatePlain(TorchFunctionMode):
                 return found
         if func in _CATS and args and isinstance(args[0], (list, tuple)):
             args = (_without_empty(args[0]), *args[1:])
+            found = _pieces_joined(*args, **kwargs)
+            if found is not None:
+                return found
         leaves, _ = tree_flatten((args, kwargs))
         first = next((t for t in leaves if isinstance(t, DTensor)), None)
         if first is not None and any(_plain(t) for t in leaves):
@@ -72,6 +76,48 @@ def _without_empty(tensors: Any) -> Any:
         return tensors
     kept = [t for t in tensors if isinstance(t, DTensor) or t.numel() > 0]
     return type(tensors)(kept) if kept else tensors
+
+
+def _pieces_joined(tensors: Any, dim: int = 0, **kw: Any) -> Any:
+    """A `cat` along the dim its DTensors are all split on, each in pieces of one size (a
+    Shard is one piece, a `_StridedShard` its split factor): rank r holds its slice of each
+    piece, so joining the local tensors in order is rank r's slice of every piece of the
+    joined tensor, a `_StridedShard` of all the pieces. DTensor itself would gather them
+    (Flux's single-stream block joins its attention and MLP features before one proj_out).
+    None where that does not hold."""
+    if kw.get("out") is not None or not tensors:
+        return None
+    if not all(isinstance(t, DTensor) and len(t.placements) == 1 for t in tensors):
+        return None
+    first = tensors[0]
+    d = dim % first.ndim
+    tp = first.device_mesh.size()
+    count, sizes = 0, set()
+    for t in tensors:
+        p = t.placements[0]
+        if t.device_mesh != first.device_mesh or not isinstance(p, (Shard, _StridedShard)):
+            return None
+        if p.dim % t.ndim != d:
+            return None
+        k = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+        if t.shape[d] % (k * tp):
+            return None
+        count += k
+        sizes.add(t.shape[d] // k)
+    if len(sizes) != 1:
+        return None
+    local = torch.cat([t.to_local() for t in tensors], dim=d)
+    shape = list(first.shape)
+    shape[d] = int(sum(t.shape[d] for t in tensors))
+    placement = _StridedShard(d, split_factor=count) if count > 1 else Shard(d)
+    return DTensor.from_local(
+        local,
+        first.device_mesh,
+        [placement],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous(tuple(shape)),
+    )
 
 
 def _heads_attention(

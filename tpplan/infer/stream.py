@@ -45,6 +45,7 @@ from ..check.run import meta_copy
 from ..errors import TpplanError
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan, RegionRule, Rule
+from ..plan.versions import SCHEMA_VERSION
 from ..trace import quiet_fake_tensor_log
 from .dtensor_regions import call_fake, collapsed, example_call, per_module
 
@@ -274,7 +275,7 @@ def _rebuilt(
         for p in collapse(ms, names)
     ]
     return plan.model_copy(
-        update={"rules": rules, "regions": [*plan.regions, *regions], "tpplan": 8}
+        update={"rules": rules, "regions": [*plan.regions, *regions], "tpplan": SCHEMA_VERSION}
     )
 
 

@@ -1,0 +1,277 @@
+"""Which of a module's split-and-gathered layers open a DTensor region and which close it,
+read off one forward on fake tensors (step 1 of dtensor_regions.py).
+
+Start at `cuts`: `_reads` follows which gathered layers' outputs reach which layers'
+inputs, `_candidates` turns that into the ways to cut each module (`Cut`): openers,
+closers, and layers kept whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..check.run import meta_copy
+from ..trace import quiet_fake_tensor_log
+
+__all__ = ["Cut", "call_fake", "cuts"]
+
+
+def cuts(
+    model: nn.Module, gathered: set[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, list[Cut]] | None:
+    """{module: the ways to make it a region, first first} for the modules holding
+    `gathered` layers; None when the fake forward fails."""
+    modules = dict(model.named_modules())
+    holder = {n: _holder(n, modules) for n in gathered}
+    found = _reads(model, holder, args, kwargs)
+    if found is None:
+        return None
+    return _candidates(holder, *found)
+
+
+def call_fake(
+    model: nn.Module, fake: FakeTensorMode, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """`model(*args, **kwargs)` with the tensors among them made fake tensors of `fake`."""
+
+    def made(t: Any) -> Any:
+        return fake.from_tensor(t) if isinstance(t, torch.Tensor) else t
+
+    return model(*[made(a) for a in args], **{k: made(v) for k, v in kwargs.items()})
+
+
+# ---- reads --------------------------------------------------------------------------------
+class _Taint(TorchFunctionMode):
+    """Which gathered layers' outputs each tensor was computed from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.of: dict[int, frozenset[str]] = {}
+        self.keep: list[Any] = []  # tensors whose ids are keys: alive, so ids stay unique
+        self.leaked: dict[int, tuple[str, frozenset[str]]] = {}  # id -> (holder, sources)
+        self.used: dict[str, frozenset[str]] = {}  # holder -> what of it was used outside
+
+    def note_use(self, tree: Any) -> None:
+        """A tensor a holder handed out with split features in it, used after all."""
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor) and id(t) in self.leaked:
+                holder, found = self.leaked[id(t)]
+                self.used[holder] = self.used.get(holder, frozenset()) | found
+
+    def sources(self, tree: Any) -> frozenset[str]:
+        leaves, _ = tree_flatten(tree)
+        found: frozenset[str] = frozenset()
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                found |= self.of.get(id(t), frozenset())
+        return found
+
+    def mark(self, tree: Any, sources: frozenset[str]) -> None:
+        leaves, _ = tree_flatten(tree)
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                self.of[id(t)] = sources
+                self.keep.append(t)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.note_use((args, kwargs))
+        out = func(*args, **kwargs)
+        found = self.sources((args, kwargs))
+        if found:
+            self.mark(out, found | self.sources(out))
+        return out
+
+
+def _holder(name: str, modules: dict[str, nn.Module]) -> str:
+    """The module a layer is a region member of: its parent, or the first ancestor that is
+    not a container (diffusers' `attn.to_out.0` belongs to `attn`)."""
+    parent = name.rpartition(".")[0]
+    while parent and isinstance(modules[parent], (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        parent = parent.rpartition(".")[0]
+    return parent
+
+
+def _reads(
+    model: nn.Module, holder: dict[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[tuple[str, frozenset[str]]], dict[str, frozenset[str]]] | None:
+    """The calls of the gathered layers, in order, each with the gathered layers whose
+    outputs reached its inputs; and {holder: the layers in it (or in holders inside it)
+    whose outputs reach what it hands back and its caller uses}. None when the fake
+    forward fails."""
+    gathered = set(holder)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    copy_ = meta_copy(model, fake=fake).eval()
+    modules = dict(copy_.named_modules())
+    taint = _Taint()
+    calls: list[tuple[str, frozenset[str]]] = []
+
+    def pre(name: str) -> Any:
+        def hook(m: nn.Module, a: Any, kw: Any) -> None:
+            calls.append((name, taint.sources((a, kw))))
+
+        return hook
+
+    def post(name: str) -> Any:
+        def hook(m: nn.Module, a: Any, kw: Any, out: Any) -> None:
+            taint.mark(out, frozenset({name}))
+
+        return hook
+
+    def leaving(name: str) -> Any:
+        def hook(m: nn.Module, a: Any, out: Any) -> None:
+            # what leaves it split is a leak only if something uses it (SD3's last block
+            # hands back its context's attention output, which its caller drops)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    found = frozenset(s for s in taint.sources(t) if _inside(holder[s], name))
+                    if found:
+                        taint.leaked[id(t)] = (name, found)
+
+        return hook
+
+    handles = []
+    for n in gathered:
+        handles.append(modules[n].register_forward_pre_hook(pre(n), with_kwargs=True))
+        handles.append(modules[n].register_forward_hook(post(n), with_kwargs=True))
+    for h in set(holder.values()):
+        handles.append(modules[h].register_forward_hook(leaving(h)))
+    try:
+        with quiet_fake_tensor_log(), fake, taint, torch.no_grad():
+            taint.note_use(call_fake(copy_, fake, args, kwargs))  # the output is a use
+    except Exception:
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, taint.used
+
+
+class Cut(NamedTuple):
+    """One way to make a module a region: its layers that open the split (colwise), close
+    it (rowwise), and stay whole."""
+
+    opens: list[str]
+    closes: list[str]
+    kept: list[str]
+    middle: list[str]
+    """The openers that read what the kept layers made."""
+
+
+def _candidates(
+    holder: dict[str, str],
+    calls: list[tuple[str, frozenset[str]]],
+    leaks: dict[str, frozenset[str]],
+) -> dict[str, list[Cut]]:
+    """{module: the ways to try, first first} for each module holding gathered layers.
+
+    A layer reads only what gathered layers of its own holder made: a modulation computed
+    elsewhere (a timestep's scale on the attention's input) opens or closes nothing here.
+    First, as the calls came: a layer that read no opener's output opens, one that did
+    closes, each closer read only this module's openers, every opener was read by a
+    closer, and nothing an opener made leaves the module unclosed. Second, where a closer's
+    output is itself read by a closer (DeepSeek's `wkv_a` -> norm -> `wkv_b` -> attention ->
+    `wo`): the openers such a middle layer read stay whole, shared by every head, and the
+    middle layer opens instead. A module inside another whose outputs only the outer one's
+    closers read (Flux's single-stream attention, whose heads its block's `proj_out`
+    contracts with the MLP's features) is part of the outer one's region (`_joined`)."""
+    holder = _joined(holder, calls, leaks)
+    roles, reads = _roles(holder, calls)
+    by_holder: dict[str, list[str]] = {}
+    for n in sorted(holder):
+        by_holder.setdefault(holder[n], []).append(n)
+    out: dict[str, list[Cut]] = {}
+    for held, layers in by_holder.items():
+        if not held or any(roles.get(n) not in ("open", "close") for n in layers):
+            continue
+        opens = [n for n in layers if roles[n] == "open"]
+        closes = [n for n in layers if roles[n] == "close"]
+        cuts = [Cut(opens, closes, [], [])]
+        middle = [c for c in closes if any(c in reads[d] for d in closes)]
+        if middle:
+            kept = sorted(frozenset().union(*(reads[m] for m in middle)))
+            cuts.append(
+                Cut(
+                    sorted((set(opens) - set(kept)) | set(middle)),
+                    [c for c in closes if c not in middle],
+                    kept,
+                    middle,
+                )
+            )
+        out[held] = [c for c in cuts if _closed(c, reads, roles, leaks.get(held, frozenset()))]
+    return {m: cuts for m, cuts in out.items() if cuts}
+
+
+def _inside(module: str, outer: str) -> bool:
+    return module == outer or module.startswith(f"{outer}.")
+
+
+def _roles(
+    holder: dict[str, str], calls: list[tuple[str, frozenset[str]]]
+) -> tuple[dict[str, str], dict[str, frozenset[str]]]:
+    """{layer: "open", "close" or "mixed" (both, in different calls)} as the calls came,
+    and {layer: the layers of its own holder it read}."""
+    roles: dict[str, str] = {}
+    reads: dict[str, frozenset[str]] = {}
+    opened: set[str] = set()
+    for n, found in calls:
+        read = frozenset(s for s in found if holder[s] == holder[n])
+        role = "close" if read & opened else "open"
+        if role == "open":
+            opened.add(n)
+        if roles.setdefault(n, role) != role:
+            roles[n] = "mixed"
+        reads[n] = reads.get(n, frozenset()) | read
+    return roles, reads
+
+
+def _joined(
+    holder: dict[str, str],
+    calls: list[tuple[str, frozenset[str]]],
+    leaks: dict[str, frozenset[str]],
+) -> dict[str, str]:
+    """`holder` with each module whose openers' outputs leave it for the closers of the
+    module around it (and for nothing else there) made part of that one: its layers all
+    open there, and those closers are read by no closer, as a region's last layers are."""
+    out = dict(holder)
+    holders = set(holder.values())
+    for h in sorted(holders, key=len, reverse=True):
+        if not leaks.get(h):
+            continue
+        outer = max((p for p in holders if p != h and _inside(h, p)), key=len, default=None)
+        if outer is None:
+            continue
+        mine = {n for n in out if out[n] == h}
+        readers = {n for n, found in calls if found & mine and out[n] != h}
+        trial = {n: outer if out[n] == h else out[n] for n in out}
+        roles, reads = _roles(trial, calls)
+        closes = {n for n in trial if trial[n] == outer and roles.get(n) == "close"}
+        if (
+            readers
+            and all(trial[n] == outer for n in readers)
+            and all(roles.get(n) == "open" for n in mine)
+            and readers <= closes
+            and not any(r in reads[c] for r in readers for c in closes)
+        ):
+            out = trial
+    return out
+
+
+def _closed(
+    cut: Cut, reads: dict[str, frozenset[str]], roles: dict[str, str], leaks: frozenset[str]
+) -> bool:
+    """Every closer reads only openers (and layers kept whole), every opener is read by a
+    closer, kept layers are openers as called, and no opener's output leaves unclosed."""
+    if not cut.opens or not cut.closes or leaks & set(cut.opens):
+        return False
+    if any(roles[k] != "open" for k in cut.kept):
+        return False
+    counted = set(cut.opens) | {n for n, r in roles.items() if r == "open"}
+    read = frozenset().union(*((reads[c] - set(cut.kept)) & counted for c in cut.closes))
+    return read == set(cut.opens)
