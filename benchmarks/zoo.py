@@ -98,7 +98,7 @@ def _run_one(name: str, tp: int, sp: bool) -> dict[str, Any]:
         return {"ok": False, "reason": _reason("infer_plan", e)}
     run["infer_s"] = round(time.perf_counter() - t0, 2)
     try:
-        got = measure(model, plan, tp, x, ZOO[name].blocks)
+        got = measure(model, plan, tp, x, ZOO[name].blocks, ZOO[name].apart)
     except Exception as e:
         return {**run, "ok": False, "reason": _reason("sharded forward", e)}
     run.update(
