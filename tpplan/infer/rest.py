@@ -24,7 +24,10 @@ def decide_rest(ctx: Context, out: Decided) -> None:
             continue
         if name in ctx.tied and name not in t.layers.called:
             continue  # holds a tied weight it never uses: no rule; apply re-ties it
-        if name not in t.layers.called:
+        whole = next((w for m, w in t.layers.whole.items() if name.startswith(f"{m}.")), None)
+        if whole is not None:
+            why = f"kept whole: {whole}"
+        elif name not in t.layers.called:
             why = NOT_CALLED
         else:
             why = out.kept.get(

@@ -44,6 +44,9 @@ class LayerFacts:
     """Linear and Embedding modules (and linear-like ones) that ran."""
     ran: set[str] = field(default_factory=set)
     """Every module whose forward ran (the model itself is "")."""
+    whole: dict[str, str] = field(default_factory=dict)
+    """Module run whole on real tensors (its forward does not run on fake ones; whole.py)
+    -> why its layers stay whole."""
     linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     """Linear or linear-like module -> (in features, out features, weight stored (in, out))."""
     entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)

@@ -35,12 +35,20 @@ from .probe import linear_like, plain_forward
 from .record import Trace
 from .tracer import Tracer
 from .trackers import Trackers
+from .whole import alike, failing_module, run_whole, watch_failures
 
 __all__ = ["TraceError", "idle_roots", "trace_model"]
 
 
 class TraceError(TpplanError, RuntimeError):
     """The model could not be run on fake tensors to trace it."""
+
+    module: str | None = None
+    """The innermost module whose forward raised, where one did (not the model's own)."""
+
+
+# modules run whole on real tensors, at most, before a trace gives up (whole.py)
+_MOST_WHOLE = 16
 
 
 def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool = True) -> Trace:
@@ -54,57 +62,70 @@ def trace_model(model: nn.Module, *, example_inputs: Any = None, shorten: bool =
         return _trace(model, example_inputs, shorten)
 
 
-def _trace(model: nn.Module, example_inputs: Any, shorten: bool) -> Trace:
+def _trace(
+    model: nn.Module, example_inputs: Any, shorten: bool, whole: dict[str, str] | None = None
+) -> Trace:
+    whole = whole or {}
     try:
-        return _trace_once(model, example_inputs, shorten, real=False)
-    except TraceError as e:
-        if shorten and repeated_blocks(model):
-            # a forward that indexes its blocks by the config's layer count (Gemma 3n's
-            # per-layer inputs) fails on a shortened copy: trace every block instead
-            try:
-                return _trace(model, example_inputs, shorten=False)
-            except TraceError:
-                pass
-        # Routing that depends on the values (`nonzero`, `.item()`) cannot run on fake
-        # tensors; a model whose weights are in memory is traced on them instead (the
-        # tracer watches the same ops; the weights are shared, not copied).
-        data_dependent = isinstance(
-            e.__cause__, (DataDependentOutputException, DynamicOutputShapeException)
-        )
-        on_meta = any(p.device.type == "meta" for p in model.parameters())
-        if not data_dependent or on_meta:
-            if data_dependent:
-                raise TraceError(
-                    f"{e} Its forward depends on the values (routing by `nonzero` or `.item()`), "
-                    "which a model on the meta device cannot provide: infer the plan from a "
-                    "small copy of the model built on the CPU (a config with fewer layers and "
-                    "narrower widths), and use that plan for the big one."
-                ) from e.__cause__
-            raise
-        return _trace_once(model, example_inputs, shorten, real=True)
+        return _trace_once(model, example_inputs, shorten, real=False, whole=whole)
+    except TraceError as failed:
+        e = failed
+    if shorten and repeated_blocks(model):
+        # a forward that indexes its blocks by the config's layer count (Gemma 3n's
+        # per-layer inputs) fails on a shortened copy: trace every block instead
+        try:
+            return _trace_once(model, example_inputs, False, real=False, whole=whole)
+        except TraceError:
+            pass
+    # What cannot run on fake tensors (routing by the values, `nonzero`, `.item()`; a
+    # kernel whose fake implementation fails where the real one runs): a model whose
+    # weights are in memory is traced on them instead (the tracer watches the same ops;
+    # the weights are shared, not copied).
+    data_dependent = isinstance(
+        e.__cause__, (DataDependentOutputException, DynamicOutputShapeException)
+    )
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if not on_meta and e.__cause__ is not None and not whole:
+        return _trace_once(model, example_inputs, shorten, real=True, whole={})
+    if data_dependent:
+        raise TraceError(
+            f"{e} Its forward depends on the values (routing by `nonzero` or `.item()`), "
+            "which a model on the meta device cannot provide: infer the plan from a "
+            "small copy of the model built on the CPU (a config with fewer layers and "
+            "narrower widths), and use that plan for the big one."
+        ) from e.__cause__
+    # on the meta device: the module that failed, and its like in every block of its
+    # stack, run whole on real tensors (whole.py)
+    if e.module is None or e.module in whole or len(whole) >= _MOST_WHOLE:
+        raise e
+    cause = e.__cause__
+    why = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+    return _trace(model, example_inputs, shorten, {**whole, **alike(model, e.module, why)})
 
 
-def _trace_once(model: nn.Module, example_inputs: Any, shorten: bool, *, real: bool) -> Trace:
+def _trace_once(
+    model: nn.Module, example_inputs: Any, shorten: bool, *, real: bool, whole: dict[str, str]
+) -> Trace:
     """Trace until the regions settle: a layer whose split ends somewhere is kept whole or
     gathered by any plan, so its output is whole, but in the pass that found it, it may
     already have reached other layers and tied them into its dead region (ALBERT's shared
     layer, called first on the split output of the embedding projection). Those layers are
     traced again with it whole from the start: the next pass judges them on what the
     sharded model will compute. infer_plan and check_plan both see the settled trace."""
-    whole: dict[str, list[str]] = {}
+    kept: dict[str, list[str]] = {}
     for _ in range(3):
-        trace = _trace_pass(model, example_inputs, shorten, real=real, whole=whole)
+        trace = _trace_pass(model, example_inputs, shorten, real=real, kept=kept, whole=whole)
         regions = trace.regions
         tied = {
             src: reasons
             for src, reasons in regions.broken.items()
             if src in regions.openers
-            and src not in whole
+            and src not in kept
             and any(src in group and len(group) > 1 for group in regions.links)
         }
         if not tied:
             break
-        whole = {**whole, **tied}
+        kept = {**kept, **tied}
     return trace
 
 
@@ -114,9 +135,11 @@ def _trace_pass(
     shorten: bool,
     *,
     real: bool,
-    whole: dict[str, list[str]],
+    kept: dict[str, list[str]],
+    whole: dict[str, str],
 ) -> Trace:
-    """One forward of a fake copy of `model` under the tracer; `whole`: layers kept whole."""
+    """One forward of a fake copy of `model` under the tracer; `kept`: layers kept whole;
+    `whole`: modules run whole on real tensors (whole.py)."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
@@ -124,7 +147,7 @@ def _trace_pass(
     copy_ = fake_copy(model, fake, trace, shorten=shorten, real=real)
     copy_.eval()
     params = {id(p): n for n, p in copy_.named_parameters(remove_duplicate=False)}
-    st = Trackers.start(trace, params, kept_whole=whole)
+    st = Trackers.start(trace, params, kept_whole=kept)
     _find_linears(copy_, fake, trace)
     # after the probes: reads made by a probe's forward are no evidence of the traced one
     watch_reads(copy_, st)
@@ -134,6 +157,9 @@ def _trace_pass(
         track_frames(st, name, m)
         if name in trace.layers.linears or isinstance(m, nn.Embedding):
             hook_layer(st, name, m)
+    if not real:
+        run_whole(copy_, model, whole, fake, st)
+    running = watch_failures(copy_)
     args, kwargs = _inputs(model, example_inputs, device, fake if not real else None)
     for x in pytree.tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor):
@@ -144,10 +170,12 @@ def _trace_pass(
     except TpplanError:
         raise
     except Exception as e:
-        raise TraceError(
+        error = TraceError(
             f"could not run {type(model).__name__} on fake tensors to trace it ({type(e).__name__}: {e}). "
             "Pass example_inputs that its forward accepts, or write the plan by hand."
-        ) from e
+        )
+        error.module = failing_module(running)
+        raise error from e
     for t in tensor_leaves(out):
         s = st.splits.split_of(t)
         if s is not None:
