@@ -179,7 +179,7 @@ def test_help_ends_with_an_example(command: str) -> None:
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("tpplan: 9\n")
+    bad.write_text("tpplan: 99\n")
     run_ = subprocess.run(
         [sys.executable, "-m", "tpplan.cli", "--debug", "check", str(bad), "llama", "--tp", "2"],
         capture_output=True,
