@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -168,6 +169,20 @@ def test_regions_round_trip_with_their_reason_as_a_comment() -> None:
 
 
 # ---- infer_plan ------------------------------------------------------------------------------
+def _one_forward(model: nn.Module, plan: Plan, tp: int, x: torch.Tensor) -> tuple[Any, Any]:
+    """The collectives of one forward of `model` sharded by `plan` on `tp` simulated ranks,
+    and rank 0's full proj_out weight of its first block where it has one."""
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        with CommDebugMode() as comms:
+            sharded(x)
+        first = getattr(sharded, "blocks", [None])[0]
+        out = getattr(first, "proj_out", None)
+        weight = rank_values(out.weight.full_tensor())[0] if out is not None else None
+    return comms, weight
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_nanogpt_attention_becomes_a_megatron_region(tp: int) -> None:
     """nanoGPT sizes its heads by `C // self.n_head` from `x.size()` and cuts its fused
@@ -184,12 +199,8 @@ def test_nanogpt_attention_becomes_a_megatron_region(tp: int) -> None:
     assert rules["transformer.h.*.attn.c_proj"].style == "rowwise"
     assert not plan.attributes
     assert_parity(model, plan, tp, x)
-    with simulated_ranks(tp) as mesh:
-        sharded = copy.deepcopy(model)
-        tpplan.apply_plan(sharded, mesh, plan)
-        with CommDebugMode() as comms:
-            sharded(x)
-        attn = comms.comm_module_counts["NanoGpt.transformer.h.0.attn"]["forward"]
+    comms, _ = _one_forward(model, plan, tp, x)
+    attn = comms.comm_module_counts["NanoGpt.transformer.h.0.attn"]["forward"]
     assert {str(op): n for op, n in attn.items()} == {"c10d_functional.all_reduce": 1}
 
 
@@ -338,14 +349,18 @@ class _SingleStream(nn.Module):
         return x + self.proj_out(both)
 
 
-class _SingleStreams(nn.Module):
-    def __init__(self) -> None:
+class _Stack(nn.Module):
+    """Two blocks in a ModuleList (a region is a module a plan names by pattern), each
+    added to the stream when `residual`."""
+
+    def __init__(self, make: type[nn.Module], *, residual: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([_SingleStream(), _SingleStream()])
+        self.blocks = nn.ModuleList([make(), make()])
+        self.residual = residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
+            x = x + block(x) if self.residual else block(x)
         return x
 
 
@@ -370,7 +385,7 @@ def test_attention_and_mlp_joined_before_one_projection_become_one_region(tp: in
     """The block is the region: the attention's heads (32 features) and the MLP (64, as 2
     pieces of 32) stay DTensors, the join is each rank's slice of 3 pieces, and proj_out
     contracts them rowwise with those `parts`: one all-reduce in forward, at parity."""
-    model = _SingleStreams()
+    model = _Stack(_SingleStream)
     x = _randn(2, 6, 32)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
     assert [r.match for r in plan.regions] == ["blocks.*"]
@@ -385,16 +400,11 @@ def test_attention_and_mlp_joined_before_one_projection_become_one_region(tp: in
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert Plan.from_yaml(plan.to_yaml()) == plan
     assert_parity(model, plan, tp, x)
-    with simulated_ranks(tp) as mesh:
-        sharded = copy.deepcopy(model)
-        tpplan.apply_plan(sharded, mesh, plan)
-        with CommDebugMode() as comms:
-            sharded(x)
-        weight = sharded.blocks[0].proj_out.weight.full_tensor()
+    comms, weight = _one_forward(model, plan, tp, x)
     assert {str(op): n for op, n in comms.get_comm_counts().items()} == {
         "c10d_functional.all_reduce": 2
     }
-    assert torch.equal(rank_values(weight)[0], model.blocks[0].proj_out.weight)
+    assert torch.equal(weight, model.blocks[0].proj_out.weight)
 
 
 class _LatentAttention(nn.Module):
@@ -424,40 +434,25 @@ class _LatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).flatten(2))
 
 
-class _LatentStack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([_LatentAttention(), _LatentAttention()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_latent_attention_keeps_its_shared_projection_whole(tp: int) -> None:
     """wkv_a's output reaches wkv_b through a norm over all its features, and its rotary
     part reaches every head: it stays whole (with its reason), wkv_b and wq open the
     split, wo closes it. Forward: one all-reduce; the backward gathers the rotary part's
     gradient from the heads; numbers at parity."""
-    model = _LatentStack()
+    model = _Stack(_LatentAttention, residual=True)
     x = _randn(2, 6, 32)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
-    rules = {r.match.removeprefix("layers.*."): r for r in plan.rules}
+    rules = {r.match.removeprefix("blocks.*."): r for r in plan.rules}
     assert rules["wkv_a"].style == "replicate" and "wkv_b, which opens" in rules["wkv_a"].why
     assert {n: rules[n].style for n in ("wq", "wkv_b", "wo")} == {
         "wq": "colwise", "wkv_b": "colwise", "wo": "rowwise",
     }  # fmt: skip
-    assert [r.match for r in plan.regions] == ["layers.*"]
+    assert [r.match for r in plan.regions] == ["blocks.*"]
     assert "gather of the gradient of what wkv_a" in plan.regions[0].why
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
-    with simulated_ranks(tp) as mesh:
-        sharded = copy.deepcopy(model)
-        tpplan.apply_plan(sharded, mesh, plan)
-        with CommDebugMode() as comms:
-            sharded(x)
+    comms, _ = _one_forward(model, plan, tp, x)
     assert {str(op): n for op, n in comms.get_comm_counts().items()} == {
         "c10d_functional.all_reduce": 2
     }
