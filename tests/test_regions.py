@@ -456,3 +456,34 @@ def test_latent_attention_keeps_its_shared_projection_whole(tp: int) -> None:
     assert {str(op): n for op, n in comms.get_comm_counts().items()} == {
         "c10d_functional.all_reduce": 2
     }
+
+
+_DEEPSEEK = {
+    "num_hidden_layers": 2, "first_k_dense_replace": 2, "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "vocab_size": 128,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_transformers_deepseek_v3_latent_attention_is_a_region(tp: int) -> None:
+    """transformers' DeepSeek-V3 (dense layers: its experts' grouped matmul has no fake
+    kernel for fp32) has latent projections for queries as well as keys, and builds its
+    keys with `new_empty` and `copy_` into slices: both latent projections stay whole, the
+    keys are made split like the heads written into them, and the attention is a region
+    with one all-reduce in forward, at parity."""
+    from tpplan._runtime.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("deepseek_v3", _DEEPSEEK, device="cpu")
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs={"input_ids": x})
+    rules = {r.match.removeprefix("model.layers.*.self_attn."): r for r in plan.rules}
+    assert [r.match for r in plan.regions] == ["model.layers.*.self_attn"]
+    assert rules["q_a_proj"].why.startswith("kept whole: q_b_proj, which opens")
+    assert rules["kv_a_proj_with_mqa"].why.startswith("kept whole: kv_b_proj, which opens")
+    assert {n: rules[n].style for n in ("q_b_proj", "kv_b_proj", "o_proj")} == {
+        "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise",
+    }  # fmt: skip
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, {"input_ids": x})

@@ -45,11 +45,16 @@ class _ReplicatePlain(TorchFunctionMode):
             found = _heads_attention(*args, **kwargs)
             if found is not None:
                 return found
+        if func in _NEW and args and isinstance(args[0], DTensor):
+            found = _new_alike(func, *args, **kwargs)
+            if found is not None:
+                return found
         if func in _CATS and args and isinstance(args[0], (list, tuple)):
             args = (_without_empty(args[0]), *args[1:])
             found = _pieces_joined(*args, **kwargs)
             if found is not None:
                 return found
+            args = (_split_alike(*args, **kwargs), *args[1:])
         leaves, _ = tree_flatten((args, kwargs))
         first = next((t for t in leaves if isinstance(t, DTensor)), None)
         if first is not None and any(_plain(t) for t in leaves):
@@ -66,6 +71,47 @@ class _ReplicatePlain(TorchFunctionMode):
 
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
+_NEW = (
+    torch.Tensor.new_empty,
+    torch.Tensor.new_zeros,
+    torch.Tensor.new_ones,
+    torch.Tensor.new_full,
+)
+
+
+def _new_alike(func: Any, source: DTensor, *args: Any, **kwargs: Any) -> Any:
+    """`x.new_empty(shape)` (or new_zeros, ones, full) of a split DTensor, the new tensor as
+    large as `x` on every split dim: split alike, so that writing x's own pieces into it
+    (transformers' DeepSeek-V3 builds its keys so, `copy_` into slices) stays on each rank.
+    DTensor itself makes it whole, and the writes then gather. None where that does not
+    hold."""
+    if not args:
+        return None
+    size = args[0] if isinstance(args[0], (tuple, list, torch.Size)) else None
+    rest = args[1:]
+    if size is None:
+        ints = [a for a in args if isinstance(a, int)]
+        size, rest = tuple(ints), args[len(ints) :]
+    size = tuple(int(n) for n in size)
+    if len(size) != source.ndim or any(
+        not isinstance(p, (Shard, Replicate)) for p in source.placements
+    ):
+        return None
+    dims = [p.dim % source.ndim for p in source.placements if isinstance(p, Shard)]
+    if not dims or any(size[d] != source.shape[d] for d in dims):
+        return None
+    local = list(size)
+    for d in dims:
+        local[d] = source.to_local().shape[d]
+    out = func(source.to_local(), tuple(local), *rest, **kwargs)
+    return DTensor.from_local(
+        out,
+        source.device_mesh,
+        source.placements,
+        run_check=False,
+        shape=torch.Size(size),
+        stride=_contiguous(size),
+    )
 
 
 def _without_empty(tensors: Any) -> Any:
@@ -118,6 +164,35 @@ def _pieces_joined(tensors: Any, dim: int = 0, **kw: Any) -> Any:
         shape=torch.Size(shape),
         stride=_contiguous(tuple(shape)),
     )
+
+
+def _split_alike(tensors: Any, dim: int = 0, **kw: Any) -> Any:
+    """A `cat` along a dim its split DTensors are not split on, joining whole ones too (a
+    rotary key part every head shares, expanded to the heads, joined to each head's own
+    part): the whole ones are cut as the split ones are first (a local slice, no
+    collective; the backward gathers their gradient), rather than DTensor's choice of
+    gathering the split ones."""
+    split = {
+        t.placements
+        for t in tensors
+        if isinstance(t, DTensor) and any(not isinstance(p, Replicate) for p in t.placements)
+    }
+    if len(split) != 1:
+        return tensors
+    (placements,) = split
+    first = next(t for t in tensors if isinstance(t, DTensor))
+    if any(isinstance(p, Shard) and p.dim % first.ndim == dim % first.ndim for p in placements):
+        return tensors
+    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
+        return tensors
+
+    def alike(t: Any) -> Any:
+        if _plain(t):
+            t = DTensor.from_local(t, first.device_mesh, [Replicate()], run_check=False)
+        whole = isinstance(t, DTensor) and all(isinstance(p, Replicate) for p in t.placements)
+        return t.redistribute(placements=placements) if whole else t
+
+    return type(tensors)(alike(t) for t in tensors)
 
 
 def _heads_attention(

@@ -215,7 +215,7 @@ def _rewrite(
             match=k,
             style="replicate",
             why=(
-                f"kept whole: {', '.join(n[len(holder) + 1 :] for n in cut.middle)}, which "
+                f"kept whole: {', '.join(n[len(holder) + 1 :] for n in cut.readers[k])}, which "
                 "opens the region's split, reads its output whole through the module's own "
                 "code (a latent projection and its norm); what of it every split head shares "
                 "(a rotary key part) has its gradient gathered from the heads in the backward"

@@ -160,8 +160,8 @@ class Cut(NamedTuple):
     opens: list[str]
     closes: list[str]
     kept: list[str]
-    middle: list[str]
-    """The openers that read what the kept layers made."""
+    readers: dict[str, list[str]]
+    """{kept layer: the openers that read what it made}."""
 
 
 def _candidates(
@@ -192,7 +192,7 @@ def _candidates(
             continue
         opens = [n for n in layers if roles[n] == "open"]
         closes = [n for n in layers if roles[n] == "close"]
-        cuts = [Cut(opens, closes, [], [])]
+        cuts = [Cut(opens, closes, [], {})]
         middle = [c for c in closes if any(c in reads[d] for d in closes)]
         if middle:
             kept = sorted(frozenset().union(*(reads[m] for m in middle)))
@@ -201,7 +201,7 @@ def _candidates(
                     sorted((set(opens) - set(kept)) | set(middle)),
                     [c for c in closes if c not in middle],
                     kept,
-                    middle,
+                    {k: [m for m in middle if k in reads[m]] for k in kept},
                 )
             )
         out[held] = [c for c in cuts if _closed(c, reads, roles, leaks.get(held, frozenset()))]
@@ -219,12 +219,11 @@ def _roles(
     and {layer: the layers of its own holder it read}."""
     roles: dict[str, str] = {}
     reads: dict[str, frozenset[str]] = {}
-    opened: set[str] = set()
     for n, found in calls:
         read = frozenset(s for s in found if holder[s] == holder[n])
-        role = "close" if read & opened else "open"
-        if role == "open":
-            opened.add(n)
+        # a layer reading any of its holder's gathered layers closes (it may be a closer
+        # whose output another closer reads: `_candidates` makes such middles open)
+        role = "close" if read else "open"
         if roles.setdefault(n, role) != role:
             roles[n] = "mixed"
         reads[n] = reads.get(n, frozenset()) | read
