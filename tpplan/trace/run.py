@@ -70,11 +70,16 @@ def _trace(
         return _trace_once(model, example_inputs, shorten, real=False, whole=whole)
     except TraceError as failed:
         e = failed
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
     if shorten and repeated_blocks(model):
         # a forward that indexes its blocks by the config's layer count (Gemma 3n's
-        # per-layer inputs) fails on a shortened copy: trace every block instead
+        # per-layer inputs) fails on a shortened copy: trace every block instead (a model
+        # in memory with the fallbacks below, on its weights; on the meta device only on
+        # fake tensors, so that a module run whole runs in the shortened stack)
         try:
-            return _trace_once(model, example_inputs, False, real=False, whole=whole)
+            if on_meta:
+                return _trace_once(model, example_inputs, False, real=False, whole=whole)
+            return _trace(model, example_inputs, False, whole)
         except TraceError:
             pass
     # What cannot run on fake tensors (routing by the values, `nonzero`, `.item()`; a
@@ -84,7 +89,6 @@ def _trace(
     data_dependent = isinstance(
         e.__cause__, (DataDependentOutputException, DynamicOutputShapeException)
     )
-    on_meta = any(p.device.type == "meta" for p in model.parameters())
     if not on_meta and e.__cause__ is not None and not whole:
         return _trace_once(model, example_inputs, shorten, real=True, whole={})
     if data_dependent:
