@@ -173,9 +173,9 @@ def _candidates(
 
     A layer reads only what gathered layers of its own holder made: a modulation computed
     elsewhere (a timestep's scale on the attention's input) opens or closes nothing here.
-    First, as the calls came: a layer that read no opener's output opens, one that did
-    closes, each closer read only this module's openers, every opener was read by a
-    closer, and nothing an opener made leaves the module unclosed. Second, where a closer's
+    First, as the calls came: a layer that read none of the module's gathered layers
+    opens, one that did closes, the closers' reads of openers are all the openers, and
+    nothing an opener made leaves the module unclosed. Second, where a closer's
     output is itself read by a closer (DeepSeek's `wkv_a` -> norm -> `wkv_b` -> attention ->
     `wo`): the openers such a middle layer read stay whole, shared by every head, and the
     middle layer opens instead. A module inside another whose outputs only the outer one's
