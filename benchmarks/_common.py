@@ -246,6 +246,47 @@ def time_rounds(
                     result["times"][phase][name].append(seconds)
 
 
+def whole(t: Any) -> Any:
+    """A DTensor's full tensor; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def time_passes(
+    models: dict[str, Any],
+    forward: Any,
+    result: dict[str, Any],
+    passes: Any,
+    methods: Any,
+    warmup: int,
+    iters: int,
+) -> None:
+    """`time_rounds` over `models` ({method: model}, in the order `methods`): a "no_grad" pass times `forward(model)`
+    without autograd, any other a forward and the backward of the output's sum (its full
+    tensor), the ranks starting together; gradients are cleared after each such pass."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    def one(name: str, phase: str) -> float:
+        model = models[name]
+        dist.barrier()
+        t0 = time.perf_counter()
+        if phase == "no_grad":
+            with torch.no_grad():
+                forward(model)
+        else:
+            whole(forward(model)).float().sum().backward()
+        seconds = time.perf_counter() - t0
+        if phase != "no_grad":
+            model.zero_grad(set_to_none=True)
+        return seconds
+
+    time_rounds(one, result, passes, methods, warmup, iters)
+
+
 def report_rounds(result: dict[str, Any], passes: Any, methods: Any, mark: str) -> None:
     """End a timed torchrun worker: each round's time becomes the slower rank's, rank 0
     prints `result` after `mark` for the driver to read, and the process exits (torch 2.13

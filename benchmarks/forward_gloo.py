@@ -29,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,6 @@ def worker(folder: Path, batch: int, seq: int, warmup: int, iters: int) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -92,32 +90,17 @@ def worker(folder: Path, batch: int, seq: int, warmup: int, iters: int) -> None:
     vocab = models["plain"].config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 
-    def full(t: Any) -> Any:
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
     result: dict[str, Any] = {"diff": {}, "times": {p: {m: [] for m in models} for p in PASSES}}
     with torch.no_grad():
         want = models["plain"](input_ids=ids, use_cache=False).logits
         for name in ("tpplan", "transformers"):
-            got = full(models[name](input_ids=ids, use_cache=False).logits)
+            got = _common.whole(models[name](input_ids=ids, use_cache=False).logits)
             result["diff"][name] = float((got - want).abs().max())
 
-    def one(name: str, phase: str) -> float:
-        model = models[name]
-        dist.barrier()
-        t0 = time.perf_counter()
-        if phase == "no_grad":
-            with torch.no_grad():
-                model(input_ids=ids, use_cache=False)
-        else:
-            logits = model(input_ids=ids, use_cache=False).logits
-            full(logits).float().sum().backward()
-        seconds = time.perf_counter() - t0
-        if phase == "train":
-            model.zero_grad(set_to_none=True)
-        return seconds
+    def logits(model: Any) -> Any:
+        return model(input_ids=ids, use_cache=False).logits
 
-    _common.time_rounds(one, result, PASSES, METHODS, warmup, iters)
+    _common.time_passes(models, logits, result, PASSES, METHODS, warmup, iters)
     _common.report_rounds(result, PASSES, METHODS, MARK)
 
 

@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +75,6 @@ def worker(batch: int, seq: int, warmup: int, iters: int) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     import tpplan
 
@@ -89,30 +87,13 @@ def worker(batch: int, seq: int, warmup: int, iters: int) -> None:
     for name, p in plans.items():
         models[name] = tpplan.apply_plan(build(), mesh, p)
 
-    def full(t: Any) -> Any:
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
     result: dict[str, Any] = {"diff": {}, "times": {p: {m: [] for m in models} for p in PASSES}}
     with torch.no_grad():
         want = models["plain"](ids)
         for name in plans:
-            result["diff"][name] = float((full(models[name](ids)) - want).abs().max())
+            result["diff"][name] = float((_common.whole(models[name](ids)) - want).abs().max())
 
-    def one(name: str, phase: str) -> float:
-        model = models[name]
-        dist.barrier()
-        t0 = time.perf_counter()
-        if phase == "no_grad":
-            with torch.no_grad():
-                model(ids)
-        else:
-            full(model(ids)).float().sum().backward()
-        seconds = time.perf_counter() - t0
-        if phase == "train":
-            model.zero_grad(set_to_none=True)
-        return seconds
-
-    _common.time_rounds(one, result, PASSES, METHODS, warmup, iters)
+    _common.time_passes(models, lambda m: m(ids), result, PASSES, METHODS, warmup, iters)
     _common.report_rounds(result, PASSES, METHODS, MARK)
 
 
