@@ -246,6 +246,25 @@ def time_rounds(
                     result["times"][phase][name].append(seconds)
 
 
+def timed_worker(
+    script: str, worker: list[str], args: Any, tp: int, mark: str, timeout: float
+) -> dict[str, Any]:
+    """Run `script --worker ...` on `tp` gloo processes under torchrun with the timing
+    settings of `args` (batch, seq, warmup, iters), one thread each; what rank 0 printed
+    after `mark`, or {"error": the last error line}."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={tp}", script, "--worker", *worker]
+    cmd += ["--batch", str(args.batch), "--seq", str(args.seq)]
+    cmd += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    for line in run.stdout.splitlines():
+        if line.startswith(mark):
+            return dict(json.loads(line[len(mark) :]))
+    tail = [ln for ln in run.stderr.splitlines() if "Error" in ln][-1:] or ["?"]
+    return {"error": tail[0][:300]}
+
+
 def whole(t: Any) -> Any:
     """A DTensor's full tensor; anything else as it is."""
     from torch.distributed.tensor import DTensor

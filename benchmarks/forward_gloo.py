@@ -23,10 +23,7 @@ warm-up rounds, and the largest logits difference from the plain model.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -117,17 +114,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(folder)
         del model
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={TP}", __file__, "--worker", str(folder)]
-        cmd += ["--batch", str(args.batch), "--seq", str(args.seq)]
-        cmd += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
-        for line in run.stdout.splitlines():
-            if line.startswith(MARK):
-                return {"model": name, "params": params, **json.loads(line[len(MARK) :])}
-        tail = [ln for ln in run.stderr.splitlines() if "Error" in ln][-1:] or ["?"]
-        return {"model": name, "params": params, "error": tail[0][:300]}
+        found = _common.timed_worker(__file__, [str(folder)], args, TP, MARK, 1200)
+        return {"model": name, "params": params, **found}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

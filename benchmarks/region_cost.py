@@ -24,9 +24,6 @@ difference from `plain`.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,17 +96,7 @@ def worker(batch: int, seq: int, warmup: int, iters: int) -> None:
 
 # --- driver ---------------------------------------------------------------------------------
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={TP}", __file__, "--worker"]
-    cmd += ["--batch", str(args.batch), "--seq", str(args.seq)]
-    cmd += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-    for line in run.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK) :])
-    tail = [ln for ln in run.stderr.splitlines() if "Error" in ln][-1:] or ["?"]
-    return {"error": tail[0][:300]}
+    return _common.timed_worker(__file__, [], args, TP, MARK, 1800)
 
 
 def render(results: dict[str, Any]) -> str:
