@@ -231,6 +231,11 @@ def median(xs: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
+def spread_ms(times: list[float]) -> str:
+    """Seconds as "median (min-max)" in milliseconds."""
+    return f"{1000 * median(times):.0f} ({1000 * min(times):.0f}-{1000 * max(times):.0f})"
+
+
 def time_rounds(
     one: Any, result: dict[str, Any], passes: Any, methods: Any, warmup: int, iters: int
 ) -> None:

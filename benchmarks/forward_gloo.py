@@ -132,8 +132,7 @@ def render(results: dict[str, Any]) -> str:
                 times = r["times"][phase][name]
                 med = _common.median(times)
                 base = _common.median(r["times"][phase]["plain"])
-                cells += [f"{1000 * med:.0f} ({1000 * min(times):.0f}-{1000 * max(times):.0f})",
-                          f"{base / med:.2f}×"]  # fmt: skip
+                cells += [_common.spread_ms(times), f"{base / med:.2f}×"]
             diff = f"{r['diff'][name]:.1e}" if name in r["diff"] else "(reference)"
             rows.append([r["model"], f"{r['params'] / 1e6:.0f} M", name, *cells, diff])
     headers = [

@@ -109,10 +109,7 @@ def render(results: dict[str, Any]) -> str:
             times = results["times"][phase][name]
             med = _common.median(times)
             local = _common.median(results["times"][phase]["local"])
-            cells += [
-                f"{1000 * med:.0f} ({1000 * min(times):.0f}-{1000 * max(times):.0f})",
-                f"{med / local:.2f}×",
-            ]
+            cells += [_common.spread_ms(times), f"{med / local:.2f}×"]
         diff = f"{results['diff'][name]:.1e}" if name in results["diff"] else "(reference)"
         rows.append([name, *cells, diff])
     headers = [
