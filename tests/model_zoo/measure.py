@@ -4,7 +4,7 @@ collectives each attention and MLP block runs in its forward.
 
 A block is split the Megatron way when its forward runs no all-gather (the split it opens
 is closed by a reduction, never by gathering the activations back) and at least one of its
-Linear weights is sharded (a block kept whole also gathers nothing). Judged without sequence
+Linear weights (or 1x1 convolutions', ConvNeXt's MLP) is sharded (a block kept whole also gathers nothing). Judged without sequence
 parallel, where the only all-gathers are the ones a plan chose. A block that is attention
 and MLP at once (Flux's single-stream block) leaves out the collectives of what its entry
 sets apart (`Entry.apart`: its timestep modulation).
@@ -113,7 +113,7 @@ def measure(
             name
             for name in names
             if any(
-                isinstance(m, nn.Linear) and _is_sharded(m)
+                isinstance(m, (nn.Linear, nn.Conv2d)) and _is_sharded(m)
                 for m in sharded.get_submodule(name).modules()
             )
         )

@@ -96,7 +96,8 @@ def _timm(name: str, **args: Any) -> tuple[nn.Module, Inputs]:
     use_if_broken()  # timm imports torchvision: see torchvision_stub.py
     import timm
 
-    model = timm.create_model(name, pretrained=False, img_size=32, num_classes=10, **args)
+    sized = {} if "convnext" in name else {"img_size": 32}  # ConvNeXt takes any size
+    model = timm.create_model(name, pretrained=False, num_classes=10, **sized, **args)
     images = torch.randn(BATCH, 3, 32, 32, generator=_generator())
     return model, images
 
@@ -116,6 +117,18 @@ def _swin() -> tuple[nn.Module, Inputs]:
     return _timm(
         "swin_tiny_patch4_window7_224", window_size=4, embed_dim=32, depths=(2, 2),
         num_heads=(4, 8), drop_path_rate=0.0,
+    )  # fmt: skip
+
+
+def _convnext(conv_mlp: bool) -> tuple[nn.Module, Inputs]:
+    """convnext_atto's layout at a quarter of its width (16, 32, 64, 128 channels), two
+    blocks per stage: a 7x7 depthwise convolution, a norm over the channels, then the MLP
+    (4x the channels, GELU). With `conv_mlp` (timm's default for atto to nano) the MLP is two
+    1x1 convolutions on (B, C, H, W); without (tiny and up) two Linear layers on the
+    channels-last (B, H, W, C) tensor."""
+    return _timm(
+        "convnext_atto", dims=(16, 32, 64, 128), depths=(2, 2, 2, 2), conv_mlp=conv_mlp,
+        drop_path_rate=0.0,
     )  # fmt: skip
 
 
@@ -197,6 +210,7 @@ _TITAN_BLOCKS = {
     "attention": r"layers\.\d+\.attention",
     "feed_forward": r"layers\.\d+\.feed_forward",
 }
+_CONVNEXT_BLOCKS = {"mlp": r"stages\.\d+\.blocks\.\d+\.mlp"}
 _JOINT_BLOCKS = {
     "attn": r"transformer_blocks\.\d+\.attn",
     "ff": r"transformer_blocks\.\d+\.ff",
@@ -211,6 +225,8 @@ ZOO: dict[str, Entry] = {
     "timm.swin": Entry("timm 1.0.31", _swin, {
         "attn": r"layers\.\d+\.blocks\.\d+\.attn", "mlp": r"layers\.\d+\.blocks\.\d+\.mlp",
     }),
+    "timm.convnext": Entry("timm 1.0.31", lambda: _convnext(False), _CONVNEXT_BLOCKS),
+    "timm.convnext_conv": Entry("timm 1.0.31", lambda: _convnext(True), _CONVNEXT_BLOCKS),
     "diffusers.flux": Entry("diffusers 0.42.1", _flux, {
         **_JOINT_BLOCKS, "single": r"single_transformer_blocks\.\d+",
     }, apart=r"single_transformer_blocks\.\d+\.norm"),

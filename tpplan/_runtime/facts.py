@@ -19,6 +19,7 @@ __all__ = [
     "describe_mismatch",
     "fingerprint",
     "parameter_shapes",
+    "pointwise_conv",
     "tied_groups",
     "weight_split",
 ]
@@ -79,6 +80,24 @@ def describe_mismatch(
         "; ".join(diffs[:limit]) + more
         if diffs
         else "(the recorded shapes agree; the class differs)"
+    )
+
+
+def pointwise_conv(module: nn.Module) -> bool:
+    """A convolution that is a Linear over its channels (dim 1): nn.Conv1d/2d/3d (or a
+    subclass keeping torch's forward) with 1-wide kernels, stride 1, no padding, one group.
+    Its output channels are features like a Linear's, split colwise or rowwise alike."""
+    base = next((c for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, c)), None)
+    if base is None or any(
+        getattr(type(module), f) is not getattr(base, f) for f in ("forward", "_conv_forward")
+    ):
+        return False
+    conv: nn.modules.conv._ConvNd = module  # type: ignore[assignment]
+    return (
+        conv.groups == 1
+        and all(k == 1 for k in conv.kernel_size)
+        and all(s == 1 for s in conv.stride)
+        and (conv.padding == "valid" or all(p == 0 for p in conv.padding))
     )
 
 

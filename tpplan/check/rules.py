@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .._runtime.facts import tied_groups, weight_split
+from .._runtime.facts import pointwise_conv, tied_groups, weight_split
 from ..errors import Problem, did_you_mean
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan, Rule
@@ -124,9 +124,37 @@ def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> 
     return out + _check_split(i, rule, name, module, tp)
 
 
+def _conv_misfit(i: int, rule: Rule, name: str, module: nn.modules.conv._ConvNd) -> Problem | None:
+    """colwise and rowwise split a convolution only where it is a Linear over its channels,
+    and such a weight has no fused parts and is never stored transposed."""
+    if not pointwise_conv(module):
+        return Problem(
+            "module_type",
+            rule_label(i, rule),
+            name,
+            f"style '{rule.style}' splits a convolution only where it is a Linear over its "
+            f"channels (1x1 kernel, stride 1, no padding, one group); this "
+            f"{type(module).__name__} has kernel {tuple(module.kernel_size)}, stride "
+            f"{tuple(module.stride)}, padding {module.padding}, groups {module.groups}.",
+            "keep this module replicated (style: replicate).",
+        )
+    if rule.parts or rule.transposed:
+        field = "parts" if rule.parts else "transposed"
+        return Problem(
+            "module_type",
+            rule_label(i, rule),
+            name,
+            f"a 1x1 convolution takes no `{field}`: its weight is one (out, in, 1...) block.",
+            f"drop `{field}` from the rule.",
+        )
+    return None
+
+
 def _misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
     """The problem of a style the module cannot take at all, if it cannot."""
     types = _FITS[rule.style]
+    if rule.style in ("colwise", "rowwise") and isinstance(module, nn.modules.conv._ConvNd):
+        return _conv_misfit(i, rule, name, module)
     if rule.transposed:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, nn.Parameter) or weight.dim() != 2:

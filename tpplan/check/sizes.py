@@ -27,6 +27,11 @@ def sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
             return "out_features", module.out_features
         if rule.style == "rowwise":
             return "in_features", module.in_features
+    if isinstance(module, nn.modules.conv._ConvNd):
+        if rule.style == "colwise":
+            return "out_channels", module.out_channels
+        if rule.style == "rowwise":
+            return "in_channels", module.in_channels
     if isinstance(module, nn.Embedding):
         if rule.style == "colwise":
             return "embedding_dim", module.embedding_dim

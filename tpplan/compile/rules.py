@@ -6,6 +6,7 @@ PrepareModuleInput/Output); the styles torch lacks are built in the modules besi
 
 - colwise with `parts`, `transposed` or `output`: `Colwise` (linear.py);
 - rowwise: `Rowwise` (linear.py);
+- colwise and rowwise on a 1x1 convolution: `PointwiseConv` (conv.py);
 - vocab_parallel with `sum_at: lookup`: `SumAtLookup` (embeddings.py);
 - vocab_parallel with `written`: `WrittenRows` (embeddings.py);
 - replicate_grad_sum: `ReplicateGradSum`, split_params: `SplitParams` (params.py);
@@ -32,8 +33,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from .._runtime.facts import pointwise_conv
+from ..errors import TpplanError
 from ..plan.layouts import parse_layout
 from ..plan.patterns import match_names
+from .conv import PointwiseConv
 from .embeddings import SumAtLookup, WrittenRows
 from .experts import Experts
 from .linear import Colwise, Rowwise
@@ -47,14 +51,20 @@ __all__ = ["placement", "plan_to_torch", "rule_to_style"]
 
 def plan_to_torch(plan: Plan, model: nn.Module) -> dict[str, ParallelStyle]:
     """{full module name: style} in the model's module order, every rule expanded."""
-    names = [n for n, _ in model.named_modules() if n]
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
     by_name: dict[str, ParallelStyle] = {}
     for rule in plan.rules:
         style = rule_to_style(rule)
         if style is None:
             continue
+        conv = None
         for name in match_names(rule.match, names):
-            by_name[name] = style
+            if rule.style in ("colwise", "rowwise") and pointwise_conv(modules[name]):
+                conv = conv or _conv_style(rule)
+                by_name[name] = conv
+            else:
+                by_name[name] = style
     return {n: by_name[n] for n in names if n in by_name}
 
 
@@ -129,6 +139,22 @@ def _split_style(rule: Rule) -> ParallelStyle:
         )
     # a plain colwise layer, or a vocab_parallel embedding (torch's Rowwise on an Embedding)
     return ColwiseParallel(**kw) if rule.style == "colwise" else RowwiseParallel(**kw)
+
+
+def _conv_style(rule: Rule) -> PointwiseConv:
+    """colwise or rowwise on a 1x1 convolution: its channels are split as a Linear's
+    features (conv.py). Its weight has no fused parts and is never stored transposed."""
+    if rule.parts or rule.transposed:
+        raise TpplanError(
+            f"rule {rule.match!r} splits a 1x1 convolution, which takes no "
+            f"{'parts' if rule.parts else 'transposed'}; drop it from the rule."
+        )
+    return PointwiseConv(
+        rowwise=rule.style == "rowwise",
+        input_layouts=placement(rule.input),
+        output_layouts=placement(rule.output),
+        **_local_output(rule),
+    )
 
 
 def _prepare(rule: Rule) -> ParallelStyle:

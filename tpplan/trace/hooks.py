@@ -52,7 +52,7 @@ def hook_layer(st: Trackers, name: str, module: nn.Module) -> None:
             p = st.experts.partial_of(x)
             if p:
                 trace.regions.break_(p, "a Linear takes the experts' partial sums")
-            st.splits.arrive(name, x)
+            st.splits.arrive(name, x, contracted=1 if name in trace.layers.channels else -1)
         st.quiet += 1
         arrived.append(st.splits.split_of(x))
 
@@ -64,7 +64,8 @@ def hook_layer(st: Trackers, name: str, module: nn.Module) -> None:
             st.lookups.leave(name, out)
         unsplit = arrived.pop() is None
         if name in trace.layers.linears and unsplit and isinstance(out, torch.Tensor):
-            st.splits.open_linear(name, out, trace.layers.linears[name][1])
+            at = 1 if name in trace.layers.channels else -1
+            st.splits.open_linear(name, out, trace.layers.linears[name][1], at=at)
         elif (
             table is not None
             and trace.lookups.token_ids.get(name) is False

@@ -49,6 +49,9 @@ class LayerFacts:
     -> why its layers stay whole."""
     linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     """Linear or linear-like module -> (in features, out features, weight stored (in, out))."""
+    channels: set[str] = field(default_factory=set)
+    """Those of `linears` whose features sit on dim 1, not the last: 1x1 convolutions
+    (`pointwise_conv`), whose channels are their features."""
     entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
     """Module -> (positional index or keyword, id) of the first tensor its first call got."""
     positional: dict[str, int] = field(default_factory=dict)

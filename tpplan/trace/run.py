@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils import _pytree as pytree
 
+from .._runtime.facts import pointwise_conv
 from .._runtime.inputs import example_inputs as _derived_inputs
 from .._runtime.local import outside_simulation
 from .._runtime.tree import tensor_leaves
@@ -189,10 +190,14 @@ def _trace_pass(
 
 def _find_linears(copy_: nn.Module, fake: FakeTensorMode, trace: Trace) -> None:
     """The linear layers of the copy (`LayerFacts.linears`): nn.Linear modules that run its
-    own forward, and any other module that computes one of its own 2-D weight."""
+    own forward, 1x1 convolutions (over dim 1, `LayerFacts.channels`), and any other module
+    that computes one of its own 2-D weight."""
     for name, m in copy_.named_modules():
         if isinstance(m, nn.Linear) and plain_forward(m, nn.Linear):
             trace.layers.linears[name] = (m.in_features, m.out_features, False)
+        elif isinstance(m, nn.modules.conv._ConvNd) and pointwise_conv(m):
+            trace.layers.linears[name] = (m.in_channels, m.out_channels, False)
+            trace.layers.channels.add(name)
         elif not isinstance(m, nn.Embedding):
             # a Linear subclass with a forward of its own (a block-diagonal grouped product,
             # say) is judged by what it computes, like any other module
@@ -209,7 +214,8 @@ def _hook_experts(copy_: nn.Module, st: Trackers) -> None:
     holders = {
         name: m
         for name, m in copy_.named_modules()
-        if not isinstance(m, (nn.Linear, nn.Embedding))
+        # a convolution's 3-D weight (Conv1d's) is a kernel, not one matrix per expert
+        if not isinstance(m, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd))
         and name not in linears
         and any(p.dim() == 3 for p in m.parameters(recurse=False))
     }

@@ -63,13 +63,14 @@ class DenseSplits:
         if len(split.sources) > 1:
             facts.links.add(split.sources)
 
-    def open(self, name: str, out: torch.Tensor, features: int, op: str) -> None:
-        """`name` made `out` from an unsplit input: its last dim holds `features` features of
-        `name`'s own, which a tp-way split cuts into contiguous chunks."""
+    def open(self, name: str, out: torch.Tensor, features: int, op: str, at: int = -1) -> None:
+        """`name` made `out` from an unsplit input: its dim `at` (the last, or a 1x1
+        convolution's channels) holds `features` features of `name`'s own, which a tp-way
+        split cuts into contiguous chunks."""
         self.facts.openers[name] = features
-        self.mark(out, Split(out.dim() - 1, 1, features, 1, frozenset({name})), op)
+        self.mark(out, Split(at % out.dim(), 1, features, 1, frozenset({name})), op)
 
-    def open_linear(self, name: str, out: torch.Tensor, features: int) -> None:
+    def open_linear(self, name: str, out: torch.Tensor, features: int, at: int = -1) -> None:
         """A Linear's output, unless an earlier pass found its split ends anyway: then its
         output is whole, so it ties no one to it."""
         if name in self.kept_whole:
@@ -77,16 +78,17 @@ class DenseSplits:
             for reason in self.kept_whole[name]:
                 self.facts.break_(frozenset({name}), reason)
             return
-        self.open(name, out, features, "linear")
+        self.open(name, out, features, "linear", at)
 
-    def arrive(self, name: str, x: Any) -> None:
-        """A Linear is called on `x`: split on the dim it contracts, it closes the region
-        (row-parallel); split on another dim, the split ends there. A Linear called both ways
-        can take neither role (`misfits`)."""
+    def arrive(self, name: str, x: Any, contracted: int = -1) -> None:
+        """A Linear is called on `x`: split on the dim it contracts (`contracted`: the last,
+        or a 1x1 convolution's channels), it closes the region (row-parallel); split on
+        another dim, the split ends there. A Linear called both ways can take neither role
+        (`misfits`)."""
         facts = self.facts
         s = self.split_of(x)
         role = "opener" if s is None else "closer"
-        if s is not None and x is not None and (s.dim != x.dim() - 1 or s.outer != 1):
+        if s is not None and x is not None and (s.dim != contracted % x.dim() or s.outer != 1):
             facts.break_(s.sources, "it reaches a Linear along a dim the Linear does not contract")
             facts.misfits[name] = "its input arrives split along a dim it does not contract"
         elif s is not None:

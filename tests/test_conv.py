@@ -1,0 +1,121 @@
+"""1x1 convolutions are Linear layers over their channels (dim 1): an MLP of two of them
+(ConvNeXt's small models, MobileNet's and EfficientNet's pointwise convolutions) pairs up
+colwise then rowwise like any MLP, and the plan's numbers equal the unsharded model's.
+DTensor itself computes a convolution over a split weight wrong without a word, so these
+tests check the numbers on every rank, forward and backward, and the check's messages for
+a convolution the split does not fit."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import tpplan
+from tpplan import Plan, Rule, check_plan
+from tpplan._runtime.local import simulated_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from blocks import assert_parity
+
+pytestmark = pytest.mark.unit
+
+
+class _ConvMlp(nn.Module):
+    """A 3x3 convolution (kept whole), then a residual MLP of 1x1 convolutions, 8 -> 32 -> 8
+    channels, over (B, C, H, W) or, with `conv=nn.Conv1d`, (B, C, L)."""
+
+    def __init__(self, conv: type[nn.Module] = nn.Conv2d) -> None:
+        super().__init__()
+        self.stem = conv(3, 8, 3, padding=1)
+        self.fc1 = conv(8, 32, 1)
+        self.fc2 = conv(32, 8, 1)
+        self.head = nn.Linear(8, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = x + self.fc2(F.gelu(self.fc1(x)))
+        return self.head(x.flatten(2).mean(-1))
+
+
+def _styles(plan: Plan) -> dict[str, str]:
+    return {r.match: r.style for r in plan.rules}
+
+
+@pytest.mark.parametrize("conv", [nn.Conv1d, nn.Conv2d], ids=["conv1d", "conv2d"])
+def test_a_1x1_convolution_mlp_is_split_colwise_then_rowwise(conv: type[nn.Module]) -> None:
+    model = _ConvMlp(conv)
+    x = torch.randn(2, 3, 6, 6) if conv is nn.Conv2d else torch.randn(2, 3, 12)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
+    styles = _styles(plan)
+    assert (styles["fc1"], styles["fc2"]) == ("colwise", "rowwise")
+    assert "stem" not in styles  # a 3x3 convolution is no Linear: whole, as any other module
+    assert check_plan(plan, model, tp_size=4) == []
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_split_1x1_convolution_mlp_matches_the_unsharded_model(tp: int) -> None:
+    torch.manual_seed(0)
+    model = _ConvMlp()
+    x = torch.randn(2, 3, 6, 6)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    assert_parity(model, plan, tp, x)
+
+
+def test_a_split_convolutions_weights_are_the_unsharded_ones_with_the_channels_split() -> None:
+    """State dicts see each weight whole; each rank holds its out (colwise) or in (rowwise)
+    channels, and a rowwise bias whole."""
+    torch.manual_seed(0)
+    model = _ConvMlp()
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=torch.randn(2, 3, 6, 6))
+    with simulated_ranks(2) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+            p = sharded.get_parameter(name)
+            assert isinstance(p, DTensor)
+            assert torch.equal(p.full_tensor(), model.get_parameter(name)), name
+        assert sharded.fc1.weight.to_local().shape == (16, 8, 1, 1)
+        assert sharded.fc2.weight.to_local().shape == (8, 16, 1, 1)
+        assert sharded.fc2.bias.to_local().shape == (8,)
+
+
+def _said(*rules: Rule, tp: int = 2) -> list[str]:
+    with torch.device("meta"):
+        model = _ConvMlp()
+    return [str(p) for p in check_plan(Plan(rules=list(rules)), model, tp_size=tp)]
+
+
+def _rule(match: str, style: str, **fields: object) -> Rule:
+    return Rule(match=match, style=style, why="a test", **fields)
+
+
+def test_a_convolution_wider_than_1x1_cannot_be_split() -> None:
+    assert _said(_rule("stem", "colwise")) == [
+        "rules[0] (match: stem), module stem: style 'colwise' splits a convolution only where "
+        "it is a Linear over its channels (1x1 kernel, stride 1, no padding, one group); this "
+        "Conv2d has kernel (3, 3), stride (1, 1), padding (1, 1), groups 1. Fix: keep this "
+        "module replicated (style: replicate)."
+    ]
+
+
+def test_a_1x1_convolution_takes_no_parts() -> None:
+    assert _said(_rule("fc1", "colwise", parts=[16, 16]), _rule("fc2", "rowwise")) == [
+        "rules[0] (match: fc1), module fc1: a 1x1 convolution takes no `parts`: its weight is "
+        "one (out, in, 1...) block. Fix: drop `parts` from the rule."
+    ]
+
+
+def test_channels_tp_does_not_divide() -> None:
+    assert _said(_rule("fc1", "colwise"), _rule("fc2", "rowwise"), tp=3) == [
+        "rules[0] (match: fc1), module fc1: out_channels = 32 does not divide by tp size 3. "
+        "Fix: use a tp size among 1, 2, 4, 8, 16, 32, or keep this module replicated.",
+        "rules[1] (match: fc2), module fc2: in_channels = 32 does not divide by tp size 3. "
+        "Fix: use a tp size among 1, 2, 4, 8, 16, 32, or keep this module replicated.",
+    ]

@@ -1,0 +1,132 @@
+"""colwise and rowwise for 1x1 convolutions: a Linear over the channels (dim 1).
+
+Start at `PointwiseConv`. DTensor has no convolution over a split weight: given one, its
+convolution rule runs each rank's shard as if it were the whole weight and returns
+wrong numbers without a word. So the convolution never sees a DTensor here. Its weight
+and bias are DTensors split like a Linear's (state dicts and checkpoints see the unsharded
+layout), and each call runs the module's own forward (torch's kernel, any memory format) on
+the rank's local tensors, put in the module's `__dict__` for the call as `SplitParams` does.
+The collectives are DTensor's: the input and output are labelled and redistributed as
+torch's ColwiseParallel and RowwiseParallel do for a Linear, with the channels where a
+Linear has its last dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .params import split_param
+
+__all__ = ["PointwiseConv"]
+
+_CHANNELS = Shard(1)
+
+
+class PointwiseConv(ParallelStyle):
+    """A 1x1 convolution split over its output channels (colwise) or its input channels
+    (rowwise), as a Linear is over its features.
+
+    Colwise: the input is whole on every rank (its gradient summed over them), the weight and
+    bias are split on dim 0, and the output holds the rank's channels (`Shard(1)`). Rowwise:
+    the input holds the rank's channels, the weight is split on dim 1, each rank's output is
+    a partial sum, all-reduced before the whole bias is added.
+
+    Keyword Args:
+        rowwise: split the input channels instead of the output channels.
+        input_layouts, output_layouts, use_local_output: as torch's ColwiseParallel and
+            RowwiseParallel, with `Shard(1)` (the channels) where they have `Shard(-1)`.
+
+    Example::
+        >>> parallelize_module(mlp, mesh, {"fc1": PointwiseConv(), "fc2": PointwiseConv(rowwise=True)})
+    """
+
+    def __init__(
+        self,
+        *,
+        rowwise: bool = False,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.rowwise = rowwise
+        split, whole = _CHANNELS, Replicate()
+        self.input_layout = input_layouts or (split if rowwise else whole)
+        self.wanted_input = split if rowwise else whole
+        self.output_layout = output_layouts or (whole if rowwise else split)
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        mesh, src = device_mesh, self.src_data_rank
+        split_param(module, "weight", mesh, 1 if self.rowwise else 0, None, src)
+        bias = module._parameters.get("bias")
+        if bias is not None and not self.rowwise:
+            split_param(module, "bias", mesh, 0, None, src)
+        elif bias is not None:
+            whole = distribute_tensor(bias, mesh, [Replicate()], src_data_rank=src)
+            module.register_parameter("bias", nn.Parameter(whole, bias.requires_grad))
+
+        def before(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = self._local_input(args[0], mesh)
+            weight = mod._parameters["weight"]
+            assert isinstance(weight, DTensor)  # made one above
+            mod.__dict__["weight"] = weight.to_local()
+            b = mod._parameters.get("bias")
+            # a rowwise bias is added once, after the partial sums are summed
+            own = isinstance(b, DTensor) and not self.rowwise
+            mod.__dict__["bias"] = b.to_local() if own else None
+            return (x, *args[1:])
+
+        def after(mod: nn.Module, args: Any, out: torch.Tensor) -> Any:
+            mod.__dict__.pop("weight", None)
+            mod.__dict__.pop("bias", None)
+            return self._output(mod, out, mesh)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+        return module
+
+    def _local_input(self, x: Any, mesh: DeviceMesh) -> torch.Tensor:
+        """The rank's input as the convolution takes it: whole (colwise), whose gradient is
+        then each rank's partial sum, or the rank's channels (rowwise)."""
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [self.input_layout], run_check=False)
+        if x.placements != (self.wanted_input,):
+            x = x.redistribute(placements=[self.wanted_input])
+        return x.to_local(grad_placements=None if self.rowwise else [Partial()])
+
+    def _output(self, mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> Any:
+        got: DTensor = DTensor.from_local(
+            out, mesh, [Partial() if self.rowwise else _CHANNELS], run_check=False
+        )
+        if got.placements != (self.output_layout,):
+            got = got.redistribute(placements=[self.output_layout])
+        bias = mod._parameters.get("bias")
+        if self.rowwise and isinstance(bias, DTensor):
+            got = got + bias.reshape(-1, *([1] * (out.dim() - 2)))
+        if not self.use_local_output:
+            return got
+        # handed back as its own tensor while grad is recorded, so that the model may
+        # change it in place (see linear.py's Rowwise)
+        local = got.to_local()
+        return local.clone() if self.rowwise and torch.is_grad_enabled() else local
+
+    def __repr__(self) -> str:
+        kind = "rowwise" if self.rowwise else "colwise"
+        return (
+            f"PointwiseConv({kind}, input_layouts={self.input_layout}, "
+            f"output_layouts={self.output_layout}, use_local_output={self.use_local_output})"
+        )
