@@ -1,6 +1,6 @@
 """The model zoo's report card: what `infer_plan` makes of models from packages tpplan never
-saw (torchtitan 0.2.2's Llama 3, Qwen3 and DeepSeek-V3, timm 1.0.31's ViT and Swin, diffusers
-0.42.1's Flux and SD3 transformers, nanoGPT's model.py).
+saw (torchtitan 0.2.2's Llama 3, Qwen3 and DeepSeek-V3, timm 1.0.31's ViT, Swin and ConvNeXt,
+diffusers 0.42.1's Flux and SD3 transformers, nanoGPT's model.py).
 
 Run: `python benchmarks/zoo.py` (2 to 3 minutes on a 2-core CPU; needs the `zoo` extra:
 `pip install -e '.[zoo]'`; `--only timm.vit,nanogpt` for a subset, `--render` to re-print
@@ -25,9 +25,11 @@ and measured:
   runs at tp 2.
 
 Targets, printed PASS or FAIL below the table (reported, not asserted): (a) at least 90% of
-all zoo blocks split the Megatron way, and all of torchtitan's, timm ViT's and Flux's; (b)
-every model (all transformers) holds at most 0.55 of its parameters per rank at tp 2; (c)
-parity in every run.
+all zoo blocks split the Megatron way, and all of torchtitan's, timm ViT's and ConvNeXt's and
+Flux's; (b) every transformer holds at most 0.55 of its parameters per rank at tp 2, and
+ConvNeXt (whose 7x7 depthwise convolutions stay whole) at most 0.6, in the zoo's shape and in
+convnext_tiny's own (built on the meta device, counted by `tpplan.plan_stats` on a fake
+process group); (c) parity in every run.
 
 Each model runs in a subprocess of its own (this file with `--worker`), so a crash or a hang
 costs one row. Start reading at `main`; one model's runs are `_run_model`.
@@ -61,12 +63,17 @@ TPS = (2, 4)
 RUNS = [(tp, sp) for tp in TPS for sp in (False, True)]
 MEGATRON_SHARE = 0.9
 PARAMS_TARGET = 0.55
+PARAMS_TARGETS = {"timm.convnext": 0.6, "timm.convnext_conv": 0.6}  # the rest: PARAMS_TARGET
+# published shapes measured on the meta device for target (b): (timm model, its target)
+SHAPES = {"convnext_tiny": 0.6}
 # models whose every block must be split the Megatron way (target a)
 ALL_MEGATRON = [
     "torchtitan.llama3",
     "torchtitan.qwen3",
     "torchtitan.deepseek_v3",
     "timm.vit",
+    "timm.convnext",
+    "timm.convnext_conv",
     "diffusers.flux",
 ]
 PACKAGES = ["torch", "timm", "diffusers", "torchtitan"]
@@ -175,6 +182,28 @@ def _spawn(name: str, timeout: float) -> dict[str, Any]:
     return {"model": name, "error": f"exit {proc.returncode}: {tail[0][:300]}"}
 
 
+def _shape_fraction(name: str) -> float | str:
+    """Parameters per rank at tp 2 of timm's `name` at its own shape, built on the meta
+    device: the plan inferred at tp 2, counted by `tpplan.plan_stats` on a fake group."""
+    sys.path.insert(0, str(TESTS))
+    from model_zoo.torchvision_stub import use_if_broken
+
+    import tpplan
+
+    use_if_broken()
+    import timm
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False)
+        plan = tpplan.infer_plan(model, tp_size=2)
+        stats = tpplan.plan_stats(model, plan, tp_size=2)
+    except Exception as e:
+        return _reason(name, e)
+    return round(stats.param_bytes_per_rank / stats.param_bytes_total, 3)
+
+
 def _versions() -> dict[str, str]:
     return {
         "tpplan": _common.revision(),
@@ -232,7 +261,7 @@ def _row(r: dict[str, Any]) -> list[str]:
     ]
 
 
-def _targets(rows: list[dict[str, Any]]) -> list[str]:
+def _targets(rows: list[dict[str, Any]], shapes: dict[str, Any]) -> list[str]:
     """(a), (b) and (c), one PASS or FAIL line each."""
 
     def line(ok: bool, text: str) -> str:
@@ -268,12 +297,21 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
     over = [
         f"{r['model']} {_frac(r['runs'][_key(2, False)])}"
         for r in rows
-        if r["runs"][_key(2, False)].get("param_fraction", 1.0) > PARAMS_TARGET
+        if r["runs"][_key(2, False)].get("param_fraction", 1.0)
+        > PARAMS_TARGETS.get(r["model"], PARAMS_TARGET)
+    ]
+    over += [
+        f"{name} {shapes.get(name, 'not measured')}"
+        for name, target in SHAPES.items()
+        if not isinstance(shapes.get(name), float) or shapes[name] > target
     ]
     out.append(
         line(
             not over,
-            f"(b) every model holds at most {PARAMS_TARGET} of its parameters per rank at tp 2"
+            f"(b) every transformer holds at most {PARAMS_TARGET} of its parameters per rank at "
+            "tp 2, ConvNeXt at most 0.6 (convnext_tiny's own shape: "
+            + ", ".join(f"{n} {shapes.get(n, '-')}" for n in SHAPES)
+            + ")"
             + (f"; above: {', '.join(over)}" if over else ""),
         )
     )
@@ -323,7 +361,7 @@ def render(results: dict[str, Any]) -> str:
     lines += [
         "Targets:",
         "",
-        *_targets(rows),
+        *_targets(rows, results.get("shapes", {})),
     ]
     failures = [
         f"- {r['model']}, {key}: {run['reason']}"
@@ -368,6 +406,10 @@ def main() -> None:
     )
     rows = {**old, **done}
     results = {"meta": _versions(), "rows": [rows[n] for n in ZOO if n in rows]}
+    shapes = _common.load("zoo").get("shapes", {}) if args.only and saved.exists() else {}
+    if not args.only or any("convnext" in n for n in names):
+        shapes.update({n: _shape_fraction(n) for n in SHAPES})
+    results["shapes"] = shapes
     _common.save("zoo", results)
     print(render(results))
 
