@@ -459,7 +459,9 @@ def test_latent_attention_keeps_its_shared_projection_whole(tp: int) -> None:
 
 
 _DEEPSEEK = {
-    "num_hidden_layers": 2, "first_k_dense_replace": 2, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "vocab_size": 128,
 }  # fmt: skip
@@ -467,11 +469,12 @@ _DEEPSEEK = {
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_transformers_deepseek_v3_latent_attention_is_a_region(tp: int) -> None:
-    """transformers' DeepSeek-V3 (dense layers: its experts' grouped matmul has no fake
-    kernel for fp32) has latent projections for queries as well as keys, and builds its
-    keys with `new_empty` and `copy_` into slices: both latent projections stay whole, the
-    keys are made split like the heads written into them, and the attention is a region
-    with one all-reduce in forward, at parity."""
+    """transformers' DeepSeek-V3 (a dense layer, then a mixture-of-experts one, whose
+    grouped matmul the region's fake runs ask in bf16 as the tracer does) has latent
+    projections for queries as well as keys, and builds its keys with `new_empty` and
+    `copy_` into slices: both latent projections stay whole, the keys are made split like
+    the heads written into them, and the attention is a region with one all-reduce in
+    forward, at parity."""
     from tpplan._runtime.models import build_model
 
     torch.manual_seed(0)

@@ -64,8 +64,13 @@ def block_names(model: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
 
 
 def output_tensor(out: object) -> torch.Tensor:
-    """The tensor a model's output holds: the first of a tuple (diffusers' `return_dict=False`)."""
-    return output_tensor(out[0]) if isinstance(out, tuple) else out  # type: ignore[return-value]
+    """The tensor a model's output holds: the first of a tuple (diffusers' `return_dict=False`)
+    or of a Hugging Face ModelOutput (its logits)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple):
+        return output_tensor(out[0])
+    return output_tensor(out.to_tuple())  # type: ignore[attr-defined]
 
 
 def _run(model: nn.Module, x: Inputs) -> torch.Tensor:

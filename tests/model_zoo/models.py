@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -132,6 +133,28 @@ def _convnext(conv_mlp: bool) -> tuple[nn.Module, Inputs]:
     )  # fmt: skip
 
 
+# ---- transformers (tpplan's own dependency, not pinned by the zoo extra) ---------------------
+_TRANSFORMERS = f"transformers {metadata.version('transformers')}"
+
+
+def _hf_deepseek_v3() -> tuple[nn.Module, Inputs]:
+    """transformers' DeepSeek-V3, the other implementation of torchtitan's above: latent
+    attention with a latent projection for queries as well as keys and values (ranks 32
+    and 16), one dense layer then one mixture-of-experts layer (4 routed experts of 32, 2
+    per token, one shared expert), whose experts' grouped matmul runs on CPU in fp32."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, vocab_size=128,
+    )  # fmt: skip
+    model = DeepseekV3ForCausalLM(config)
+    return model, torch.randint(0, 128, (BATCH, 16), generator=_generator())
+
+
 # ---- diffusers 0.42.1 ---------------------------------------------------------------------
 def _flux() -> tuple[nn.Module, Inputs]:
     """FluxTransformer2DModel: one double-stream block (image and text tokens, each with its
@@ -200,6 +223,9 @@ class Entry:
     the package's own source, never off tpplan's output (this is the oracle a plan is
     measured against). A kind where attention and MLP share a layer (Flux's single-stream
     block, one proj_out over both) names that whole block."""
+    no_sp: str | None = None
+    """Why infer_plan refuses sequence parallel for it, if it does (with a message saying so;
+    tests/test_zoo.py holds it to that message instead of to parity)."""
     apart: str | None = None
     """Modules inside such a whole block that are neither its attention nor its MLP, whose
     collectives are not the block's (Flux's single-stream `norm`: the timestep modulation,
@@ -221,6 +247,12 @@ ZOO: dict[str, Entry] = {
     "torchtitan.llama3": Entry("torchtitan 0.2.2", _llama3, _TITAN_BLOCKS),
     "torchtitan.qwen3": Entry("torchtitan 0.2.2", _qwen3, _TITAN_BLOCKS),
     "torchtitan.deepseek_v3": Entry("torchtitan 0.2.2", _deepseek_v3, _TITAN_BLOCKS),
+    "transformers.deepseek_v3": Entry(_TRANSFORMERS, _hf_deepseek_v3, {
+        "self_attn": r"model\.layers\.\d+\.self_attn", "mlp": r"model\.layers\.\d+\.mlp",
+    }, no_sp=(
+        "its experts route by the values (`.item()`), which the sequence-parallel fit, a "
+        "forward on fake tensors, cannot run"
+    )),
     "timm.vit": Entry("timm 1.0.31", _vit, {"attn": r"blocks\.\d+\.attn", "mlp": r"blocks\.\d+\.mlp"}),
     "timm.swin": Entry("timm 1.0.31", _swin, {
         "attn": r"layers\.\d+\.blocks\.\d+\.attn", "mlp": r"layers\.\d+\.blocks\.\d+\.mlp",

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from ..check.blame import MetaKernels
 from ..check.run import meta_copy
 from ..trace import quiet_fake_tensor_log
 
@@ -143,7 +144,8 @@ def _reads(
     for h in set(holder.values()):
         handles.append(modules[h].register_forward_hook(leaving(h)))
     try:
-        with quiet_fake_tensor_log(), fake, taint, torch.no_grad():
+        # MetaKernels: the ops as the tracer runs them (experts' grouped matmul in fp32)
+        with quiet_fake_tensor_log(), fake, taint, torch.no_grad(), MetaKernels():
             taint.note_use(call_fake(copy_, fake, args, kwargs))  # the output is a use
     except Exception:
         return None
