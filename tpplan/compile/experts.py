@@ -123,15 +123,21 @@ class Experts(ParallelStyle):
                 lambda mod, args, out: _tree_map_tensors(lambda x: x / tp, out)
             )
 
+        # per call, what puts this rank's rows of the output back in the tokens' order
+        undo: list[Any] = []
+
         def before(mod: nn.Module, args: Any, kwargs: Any) -> Any:
             for owner, pname, how in held:
                 owner.__dict__[pname] = _local(owner._parameters[pname], how, tp)
             args, kwargs = _tree_map_tensors(lambda x: _enter(x, mesh), (args, kwargs))
             if self.mode == "expert":
-                args, kwargs = _own_experts(args, kwargs, n_experts, mesh)
+                args, kwargs, back = _own_experts(args, kwargs, n_experts, mesh)
+                undo.append(back)
             return args, kwargs
 
         def after(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+            if undo:
+                out = _tree_map_tensors(undo.pop(), out)
             return _tree_map_tensors(lambda x: _sum_partial(x, mesh), out)
 
         def clean(mod: nn.Module, args: Any, out: Any) -> None:
@@ -183,8 +189,11 @@ def _sum_partial(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return partial_sum.redistribute(placements=[Replicate()]).to_local()
 
 
-def _own_experts(args: Any, kwargs: Any, n_experts: int, mesh: DeviceMesh) -> tuple[Any, Any]:
-    """Routing renumbered to this rank's experts; tokens routed elsewhere get weight 0."""
+def _own_experts(args: Any, kwargs: Any, n_experts: int, mesh: DeviceMesh) -> tuple[Any, Any, Any]:
+    """Routing renumbered to this rank's experts; tokens routed elsewhere get weight 0. Or,
+    given tokens grouped by expert and a count per expert, this rank's groups. With what
+    maps each output tensor back to the tokens' order (zeros where other ranks' experts
+    ran)."""
     leaves = [(k, v) for k, v in enumerate(args)] + list(kwargs.items())
     ids = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor) and not v.is_floating_point()]
     if len(ids) != 1:
@@ -198,6 +207,8 @@ def _own_experts(args: Any, kwargs: Any, n_experts: int, mesh: DeviceMesh) -> tu
         for k, v in leaves
         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == index.shape
     ]
+    if not weights and index.dim() == 1 and index.shape[0] == n_experts:
+        return _own_groups(args, kwargs, leaves, where, index, mesh)
     if len(weights) != 1:
         raise TpplanError(
             "experts with mode expert needs exactly one floating-point input shaped like the "
@@ -214,4 +225,44 @@ def _own_experts(args: Any, kwargs: Any, n_experts: int, mesh: DeviceMesh) -> tu
     }
     new_args = tuple(found.get(i, a) for i, a in enumerate(args))
     new_kwargs = {k: found.get(k, v) for k, v in kwargs.items()}
-    return new_args, new_kwargs
+    return new_args, new_kwargs, lambda x: x
+
+
+def _own_groups(
+    args: Any, kwargs: Any, leaves: list[Any], where: Any, counts: torch.Tensor, mesh: DeviceMesh
+) -> tuple[Any, Any, Any]:
+    """Tokens grouped by expert (rows in expert order, `counts[e]` of expert e): this rank's
+    groups rolled to the front with only its experts' counts; the output is rolled back with
+    the other rows zeroed (the forward leaves them padding, or unwritten). No host sync."""
+    tokens = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if len(tokens) != 1 or tokens[0][1].dim() != 2:
+        raise TpplanError(
+            "experts with mode expert given counts per expert need exactly one 2-D "
+            f"floating-point input (the tokens grouped by expert); this module got {len(tokens)}."
+        )
+    x_where, x = tokens[0]
+    n = x.shape[0]
+    per = counts.shape[0] // mesh.size()
+    first = own_start(counts.shape[0], mesh, counts.device)  # (1,)
+    mine = first + torch.arange(per, device=counts.device)  # (per,)
+    start = (torch.cumsum(counts, 0) - counts)[first]  # (1,) row where this rank's groups start
+    rows = torch.arange(n, device=x.device)  # (n,)
+    order = (rows + start) % n  # this rank's rows first
+    kept = (rows < counts[mine].sum())[:, None]  # (n, 1)
+    back = (rows - start) % n
+    # rows past this rank's groups are none of its experts' tokens: the grouped matmul leaves
+    # their outputs, and in the backward their gradients, unwritten; `where` keeps whatever
+    # is there out of the tokens' gradients both ways
+    found = {where: counts[mine], x_where: torch.where(kept, x[order], torch.zeros_like(x))}
+    new_args = tuple(found.get(i, a) for i, a in enumerate(args))
+    new_kwargs = {k: found.get(k, v) for k, v in kwargs.items()}
+
+    def unroll(out: torch.Tensor) -> torch.Tensor:
+        if out.dim() != 2 or out.shape[0] != n:
+            raise TpplanError(
+                f"experts with mode expert given counts per expert must return one row per "
+                f"token ({n}); this module returned {tuple(out.shape)}."
+            )
+        return torch.where(kept, out, torch.zeros_like(out))[back]
+
+    return new_args, new_kwargs, unroll

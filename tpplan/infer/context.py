@@ -83,5 +83,9 @@ class Decided:
     (or splits the layer's weight anyway, its output gathered)."""
     kept_experts: dict[str, str] = field(default_factory=dict)
     """Module holding 3-D expert weights -> why it stays whole."""
+    routers: dict[str, Decision | None] = field(default_factory=dict)
+    """Router kept whole -> its weight split with its output gathered, where it may be: what
+    sequence parallel gives it instead (a whole router would meet the sequence-split stream
+    as a plain weight)."""
     split_regions: list[tuple[list[str], list[str]]] = field(default_factory=list)
     """(openers, closers) of each region split; sequence parallel gathers their inputs."""

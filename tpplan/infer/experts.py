@@ -141,7 +141,10 @@ def _expert_parallel_refusal(
     if t.experts.routing.get(owner):
         return str(t.experts.routing[owner])
     counts = t.experts.counts.get(owner, set())
-    if len(n_experts) != 1 or len(counts) != 1:
+    # given counts per expert, a forward that reads no number of experts sizes its loop
+    # by the counts and its weights, both each rank's own
+    read_none = owner in t.experts.by_counts and not counts
+    if len(n_experts) != 1 or (len(counts) != 1 and not read_none):
         return "its forward does not read its number of experts from one attribute of its own"
     (value,) = n_experts
     if value % ctx.tp:
@@ -159,22 +162,34 @@ def _split_by_experts(
 ) -> None:
     """Mode expert: each rank keeps num_experts/tp whole experts; the attribute holding the
     number of experts is divided."""
-    ((attr_module, attr, value),) = ctx.trace.experts.counts[r.owner]
-    out.attributes[attr_module] = (
-        (attr,),
-        f"its forward reads {attr} = {value} (its number of experts); each rank holds "
-        f"{value // ctx.tp} of them, so it is divided by the tp size",
-    )
+    counts = ctx.trace.experts.counts.get(r.owner)
+    by_counts = r.owner in ctx.trace.experts.by_counts
+    if counts:
+        ((attr_module, attr, value),) = counts
+        out.attributes[attr_module] = (
+            (attr,),
+            f"its forward reads {attr} = {value} (its number of experts); each rank holds "
+            f"{value // ctx.tp} of them, so it is divided by the tp size",
+        )
+    else:
+        (value,) = {own[r.short(m)].shape[0] for m in r.members}
     by_experts = tuple(
         sorted((p, 0) for p, w in own.items() if w.dim() >= 2 and w.shape[0] == value)
     )
     out.decisions[r.owner] = Decision(
         "experts",
         f"{join(sorted(r.short(o) for o in r.openers))} and {join(sorted(r.short(c) for c in r.closers))} "
-        f"hold {value} experts, used by per-expert matmuls{path}; its forward takes the "
-        "chosen experts and their weights as inputs, so each rank keeps "
-        f"{value // ctx.tp} whole experts, renumbers the routing to them and zeroes "
-        "the weight of tokens routed elsewhere; one all-reduce sums the ranks' outputs",
+        f"hold {value} experts, used by per-expert matmuls{path}; "
+        + (
+            "its forward takes the tokens grouped by expert and the count of each group, so "
+            f"each rank keeps {value // ctx.tp} whole experts and runs the group of tokens "
+            "of each, the other rows of its output zeros"
+            if by_counts
+            else "its forward takes the chosen experts and their weights as inputs, so each "
+            f"rank keeps {value // ctx.tp} whole experts, renumbers the routing to them and "
+            "zeroes the weight of tokens routed elsewhere"
+        )
+        + "; one all-reduce sums the ranks' outputs",
         mode="expert",
         shard=by_experts,
     )

@@ -33,6 +33,21 @@ def decide_rest(ctx: Context, out: Decided) -> None:
             why = out.kept.get(
                 name, "kept whole: its output is not split anywhere the tracer could follow"
             )
+        router = t.experts.routers.get(name)
+        if router is not None and name in t.layers.called and why != NOT_CALLED:
+            # gathered, it would be exact too; whole, every rank scores the experts itself
+            # before they run, where a split would save in*out/tp weights of a layer with a
+            # few outputs for one all-gather per call (torchtitan's plan keeps it whole too)
+            _, features, _ = t.layers.linears.get(name, (0, 0, False))
+            out.routers[name] = _gathered(ctx, name, why) if linear else None
+            why = (
+                f"kept whole: a router ({why.removeprefix('kept whole: ')}; then its output "
+                "reaches an integer input of the module holding the expert weights, its "
+                f"routing): each rank scores all {features} of its outputs itself rather than "
+                "gather them every call"
+            )
+            out.decisions[name] = Decision("replicate", why)
+            continue
         out.decisions[name] = (linear and _gathered(ctx, name, why)) or Decision("replicate", why)
 
 

@@ -26,9 +26,23 @@ __all__ = ["apply_sequence_parallel", "try_sequence_parallel"]
 
 def apply_sequence_parallel(ctx: Context, out: Decided) -> None:
     """Keep the stream between split regions split over the sequence (dim 1)."""
+    _routers_on_the_stream(out)
     _scatter_outputs(ctx, out)
     _gather_region_inputs(ctx, out)
     _stream_params_on_shards(ctx, out)
+
+
+def _routers_on_the_stream(out: Decided) -> None:
+    """A router kept whole takes its module's input, which sequence parallel makes a
+    DTensor: a plain weight cannot meet it. Split with its output gathered, its colwise
+    style takes the stream as DTensor computes it."""
+    for name, gathered in out.routers.items():
+        if gathered is not None:
+            out.decisions[name] = replace(
+                gathered,
+                why=gathered.why + "; sequence parallel: a router kept whole would meet the "
+                "sequence-split stream with a plain weight",
+            )
 
 
 def _scatter_outputs(ctx: Context, out: Decided) -> None:

@@ -94,7 +94,7 @@ def hook_experts(
     experts = {p.shape[0] for p in module.parameters() if p.dim() == 3}
 
     def before(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        st.experts.enter(name, args, kwargs)
+        st.experts.enter(name, args, kwargs, experts=experts)
 
     def after(mod: nn.Module, args: Any, out: Any) -> None:
         # before `track_frames` pops this forward's frame: hooks run in registration order

@@ -189,6 +189,13 @@ class ExpertFacts:
     counts: dict[str, set[AttributeRead]] = field(default_factory=dict)
     """Such a module -> (module, attribute, value) of integer attributes its forward read that
     hold its number of experts."""
+    by_counts: set[str] = field(default_factory=set)
+    """Such modules given their tokens grouped by expert and one integer count of tokens per
+    expert (torchtitan's GroupedExperts), rather than each token's chosen experts: where
+    the counts' running sum set the groups of a grouped matmul, which shows the grouping."""
+    routers: dict[str, str] = field(default_factory=dict)
+    """Layer whose split ended, and whose output then reached an integer input of such a
+    module (its chosen experts, or its tokens per expert) -> that module: a router."""
 
 
 @dataclass

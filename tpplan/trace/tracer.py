@@ -63,6 +63,8 @@ class Tracer(TorchDispatchMode):
             results = follow(st, op)
         except SplitEnds as e:
             st.trace.regions.break_(sources, f"{op.name}: {e}")
+            if st.origins.expert_params:
+                st.experts.split_ended(op, sources)
             return
         for t, s in results:
             st.splits.mark(t, s, op.name)

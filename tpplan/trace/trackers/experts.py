@@ -11,6 +11,7 @@ call `enter` and `leave` around the module's forward; what is found goes to the 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -24,6 +25,27 @@ from .origins import Origins
 from .wholes import WholeOutputs
 
 __all__ = ["ExpertWeights", "Experts"]
+
+# Ops making a tensor from another's dtype, device (and shape), not its values.
+MADE_LIKE = {
+    "new_zeros", "new_empty", "new_empty_strided", "new_ones", "new_full",
+    "zeros_like", "empty_like", "ones_like", "full_like",
+}  # fmt: skip
+# Ops making an accumulator of nothing yet: zeros, or a buffer whose entries the forward
+# writes before it reads them (torchtitan's `out.new_empty(shape)` then `buf[idx] = out`);
+# where it read one it did not write, the unsharded model would read garbage as well.
+ZEROS = {"zeros", "zeros_like", "new_zeros", "zero_", "empty", "empty_like", "new_empty"}
+
+# Matrix products: one of a followed tensor with an unfollowed one computes something new.
+_PRODUCTS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
+
+# Why expert mode is refused to a module given tokens grouped by expert whose forward did
+# not show the counts setting the groups (`Experts._follow_counts`).
+_UNPROVEN_GROUPS = (
+    "it takes tokens and one integer count per expert, but its forward did not show the "
+    "counts' running sum setting the groups of a grouped matmul, so the tokens are not "
+    "known to come grouped by expert"
+)
 
 # (expert parameter, the stored dim behind each dim of a view of it; None if new)
 ExpertView = tuple[str, tuple[int | None, ...]]
@@ -100,6 +122,14 @@ class Experts:
         # scaled (id -> tensor).
         self.routing: dict[int, torch.Tensor] = {}
         self.weighted: dict[int, torch.Tensor] = {}
+        # Tensors computed from the outputs of layers whose split ended (id -> (tensor, those
+        # layers)): one that reaches an integer input of an experts module made its routing.
+        self.routed_by: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        # The counts of tokens per expert an experts module was given, and what was computed
+        # from them (id -> (tensor, the module, "counts" or their running sum "ends")); and
+        # per module running, whether those ends set a grouped matmul's groups.
+        self.counted: dict[int, tuple[torch.Tensor, str, str]] = {}
+        self.grouped: dict[str, bool] = {}
 
     # ---- what a tensor is -----------------------------------------------------------------
     def running_param(self, t: Any) -> ExpertView | None:
@@ -121,9 +151,21 @@ class Experts:
         op; True when the op was the experts' own (no dense rule applies to it)."""
         name, ins, outs = op.name, op.ins, op.outs
         self.weights.note(op)
-        partial = [p for p in (self.partial_of(t) for t in ins) if p is not None]
-        zeros = name in ("zeros_like", "new_zeros", "zeros", "zero_") or (
-            name in PASS_THROUGH and len(ins) == 1 and partial == [frozenset()]
+        if self.routed_by:
+            self._follow_routing_source(op)
+        if self.counted:
+            self._follow_counts(op)
+        # a tensor made like another reads nothing of its values (`out.new_zeros(...)` after
+        # the experts' partial sums, torchtitan's padding row): it uses no partial sum
+        partial = (
+            []
+            if name in MADE_LIKE
+            else [p for p in (self.partial_of(t) for t in ins) if p is not None]
+        )
+        zeros = (
+            name in ZEROS
+            or (name in ("new_full", "full_like", "full") and op.named.get("fill_value") == 0)
+            or (name in PASS_THROUGH and len(ins) == 1 and partial == [frozenset()])
         )
         # a sum is floating point: integer zeros start a count or a mask (`one_hot`)
         zeros = zeros and len(outs) == 1 and outs[0].is_floating_point()
@@ -141,12 +183,59 @@ class Experts:
         # fill must be judged too: `acc.index_add_(0, i, x)` with a whole x first would
         # otherwise leave it looking like a sum of nothing
         into_empty = name.endswith("_") and not zeros and self.partial_of(ins[0]) == frozenset()
+        if into_empty and not any(partial) and name in ("copy_", "fill_"):
+            # overwritten with plain values (an empty buffer filled): no accumulator any more,
+            # unless filled with zeros
+            if not (name == "fill_" and op.named.get("value") == 0):
+                self.partials.pop(id(ins[0]), None)
+            into_empty = False
         if any(partial) or into_empty:
             self.follow_partial(op, frozenset().union(*partial))
             return True
         if self.whole_outputs.tensors and any(self.whole_outputs.of(t) is not None for t in ins):
             self.whole_outputs.follow(op)
         return name in ("_grouped_mm", "bmm", "mm") and self.product(op)
+
+    # ---- tokens grouped by expert ----------------------------------------------------------
+    def _follow_counts(self, op: Op) -> None:
+        """Follow the count of tokens per expert an experts module was given: its running sum
+        (`cumsum`, cast or viewed) used as a grouped matmul's group ends (`offs`) shows the
+        tokens come grouped by expert in expert order, `counts[e]` rows each (torchtitan's
+        GroupedExperts), which expert mode needs to hand each rank its experts' groups."""
+        given = [self.counted.get(id(t)) for t in op.ins]
+        found = [g for g, t in zip(given, op.ins, strict=True) if g is not None and g[0] is t]
+        if op.name == "_grouped_mm":
+            offs = op.named.get("offs")
+            entry = self.counted.get(id(offs)) if isinstance(offs, torch.Tensor) else None
+            if entry is not None and entry[0] is offs and entry[2] == "ends":
+                self.grouped[entry[1]] = True
+            return
+        if not found or len(op.outs) != 1:
+            return
+        (_, owner, kind), out = found[0], op.outs[0]
+        if op.name == "cumsum" and kind == "counts":
+            self.counted[id(out)] = (out, owner, "ends")
+        elif op.name in ("_to_copy", "to", "view", "alias", "clone", "detach", "contiguous"):
+            self.counted[id(out)] = (out, owner, kind)
+
+    # ---- routers ----------------------------------------------------------------------------
+    def split_ended(self, op: Op, sources: frozenset[str]) -> None:
+        """The split of `sources` ended at `op`: what it computes from here on is followed,
+        to see whether it chooses an experts module's routing (`ExpertFacts.routers`)."""
+        for o in op.outs:
+            self.routed_by[id(o)] = (o, sources)
+
+    def _follow_routing_source(self, op: Op) -> None:
+        entries = [self.routed_by.get(id(t)) for t in op.ins]
+        found = [e[1] for e, t in zip(entries, op.ins, strict=True) if e and e[0] is t]
+        if found and op.name in _PRODUCTS and len(found) < len(op.ins):
+            # a product with a matrix of its own (transformers' DeepSeek-V3 router, a
+            # module with its own weight, not a Linear) computes anew: the layers before it
+            # do not choose the routing, it does
+            return
+        if found:
+            for o in op.outs:
+                self.routed_by[id(o)] = (o, frozenset().union(*found))
 
     def product(self, op: Op) -> bool:
         """A batched per-expert matmul with an expert weight: opens a split of its output
@@ -299,23 +388,49 @@ class Experts:
         return self.splits.split_of(t) is None
 
     # ---- an experts module's forward ---------------------------------------------------------
-    def enter(self, name: str, args: Any, kwargs: dict[str, Any]) -> None:
+    def enter(
+        self, name: str, args: Any, kwargs: dict[str, Any], *, experts: Collection[int] = ()
+    ) -> None:
         """An experts module's forward starts: what it is given tells whether it takes the
-        routing (the chosen experts and their weights) as inputs."""
+        routing (the chosen experts and their weights, or tokens grouped by expert and the
+        count of each group, for `experts`: its numbers of experts) as inputs."""
         self.running.append(name)
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(self.splits.split_of(t) is not None for t in leaves):
             self.facts.exits[name] = "its input arrives split"
         ids = [t for t in leaves if not t.is_floating_point()]
+        for t in ids:
+            found = self.routed_by.get(id(t))
+            if found is not None and found[0] is t:
+                for layer in found[1]:
+                    self.facts.routers.setdefault(layer, name)
         weights = [t for t in leaves if t.is_floating_point() and ids and t.shape == ids[0].shape]
         if len(ids) == 1 and len(weights) == 1:
             self.routing[id(weights[0])] = weights[0]
+        tokens = [t for t in leaves if t.is_floating_point()]
+        # (tokens, tokens per expert): rows grouped by expert in order, counts[e] rows each
+        by_counts = (
+            len(ids) == 1
+            and not weights
+            and ids[0].dim() == 1
+            and ids[0].shape[0] in experts
+            and len(tokens) == 1
+            and tokens[0].dim() == 2
+        )
+        if by_counts:
+            # believed only once its forward shows it: the counts' running sum marks the
+            # groups of a grouped matmul (`_grouped_mm`'s offs; see `_follow_counts`)
+            self.counted[id(ids[0])] = (ids[0], name, "counts")
+            self.grouped.setdefault(name, False)
         self.facts.routing.setdefault(
             name,
             None
-            if len(ids) == 1 and len(weights) == 1
+            if (len(ids) == 1 and len(weights) == 1)
+            else _UNPROVEN_GROUPS
+            if by_counts
             else "it does not take one integer tensor of chosen experts and one tensor of "
-            "their weights shaped like it",
+            "their weights shaped like it, nor tokens grouped by expert and one integer "
+            "count per expert",
         )
 
     def leave(
@@ -333,6 +448,13 @@ class Experts:
         of `experts`); `own`: its parameters and those of children holding expert weights
         for it; with `sums`, its output is where the all-reduce sums them."""
         self.running.pop()
+        # its routing is made: what came of ended splits is not followed further (it would
+        # otherwise hold every later activation of the trace)
+        self.routed_by.clear()
+        self.counted = {k: v for k, v in self.counted.items() if v[1] != name}
+        if self.grouped.pop(name, False) and self.facts.routing.get(name) == _UNPROVEN_GROUPS:
+            self.facts.by_counts.add(name)
+            self.facts.routing[name] = None
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         outs = [t for t in outs if t.is_floating_point()]
         partial = [self.partial_of(t) for t in outs]
