@@ -1,6 +1,7 @@
 """Experts written as torchtitan writes them: tokens sorted by expert, one grouped matmul
 (`torch._grouped_mm`) over the groups, whose ends are the running sum of a count of tokens
-per expert, and the output put back in token order through a buffer made with `new_empty`.
+per expert, or a matmul per expert over groups cut by the counts' values and a `new_zeros`
+padding row, and the output put back in token order through a buffer made with `new_empty`.
 Split like a dense MLP (mode tensor) or by whole experts (mode expert, where the trace saw
 the counts set the groups), the router kept whole; forward and backward parity with the
 unsharded model on simulated ranks."""
@@ -46,14 +47,28 @@ class _Grouped(nn.Module):
         return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=ends)
 
 
+class _Loop(_Grouped):
+    """torchtitan's for-loop experts by hand: the tokens cut into each expert's group by the
+    counts' values, a matmul per expert, and a zero row appended with `new_zeros` (torchtitan
+    pads its token count so)."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, group in enumerate(torch.split(x, counts.tolist())):
+            h = F.silu(group @ self.w1[e].t()) * (group @ self.w3[e].t())
+            outs.append(h @ self.w2[e].t())
+        out = torch.cat(outs)
+        return torch.vstack((out, out.new_zeros(1, out.shape[-1])))[: x.shape[0]]
+
+
 class _Moe(nn.Module):
     """A router Linear of 4 outputs chooses one expert per token; tokens are sorted by it,
     scaled by their score, run through the experts and put back in a `new_empty` buffer."""
 
-    def __init__(self, groups_from_counts: bool = True) -> None:
+    def __init__(self, groups_from_counts: bool = True, loop: bool = False) -> None:
         super().__init__()
         self.router = nn.Linear(_DIM, _EXPERTS, bias=False)
-        self.experts = _Grouped(groups_from_counts)
+        self.experts = _Loop() if loop else _Grouped(groups_from_counts)
         self.up = nn.Linear(_DIM, _DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,10 +92,13 @@ def _rules(plan: tpplan.Plan) -> dict[str, tpplan.Rule]:
     return {r.match: r for r in plan.rules}
 
 
+@pytest.mark.parametrize("loop", [False, True], ids=["grouped_mm", "for_loop"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_grouped_experts_are_split_like_a_dense_mlp_and_the_router_kept_whole(tp: int) -> None:
+def test_grouped_experts_are_split_like_a_dense_mlp_and_the_router_kept_whole(
+    tp: int, loop: bool
+) -> None:
     torch.manual_seed(0)
-    model = _Moe()
+    model = _Moe(loop=loop)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_tokens())
     rules = _rules(plan)
     assert (rules["experts"].style, rules["experts"].mode) == ("experts", "tensor")
