@@ -354,21 +354,23 @@ def test_gpt_oss_sinks_joined_to_the_logits() -> None:
     assert_parity(model, plan, 2, _tokens())
 
 
-def test_deepseek_latent_attention_stays_whole_for_its_gradients() -> None:
+def test_deepseek_latent_attention_runs_as_a_region_for_its_gradients() -> None:
     """DeepSeek's keys are assembled in a buffer made with `new_empty` to the local head
     count (followed as split), next to a rotary part computed from the weights and broadcast
-    over the heads with `expand`. On a rank that broadcast covers its own heads only, so the
-    rotary part's gradient would be a partial sum nothing adds up: the attention stays whole,
-    with that reason (forward parity alone would not show it). The normed latents do not tie
-    the per-head projections into their regions."""
+    over the heads with `expand`. On local shards that broadcast covers a rank's own heads
+    only, so the rotary part's gradient would be a partial sum nothing adds up: the local
+    split is refused, and the attention runs as a DTensor region instead, its latent
+    projections whole, where the rotary part's gradient is gathered in the backward (forward
+    parity alone would not show it; the backward parity does)."""
     model = deepseek_v3()
     plan = tpplan.infer_plan(model)
+    assert [r.match for r in plan.regions] == ["model.layers.*.self_attn"]
     kv = rule_for(plan, model, "model.layers.0.self_attn.kv_b_proj")
-    assert (kv.style, kv.output) in {("replicate", None), ("colwise", "replicate")}
-    assert "expand: it broadcasts an unsplit tensor computed from the weights" in kv.why
-    assert "new_empty" not in kv.why
-    q_a = rule_for(plan, model, "model.layers.0.self_attn.q_a_proj")
-    assert "q_b_proj" not in q_a.why
+    assert (kv.style, kv.local_output) == ("colwise", False)
+    for latent, reader in (("kv_a_proj_with_mqa", "kv_b_proj"), ("q_a_proj", "q_b_proj")):
+        rule = rule_for(plan, model, f"model.layers.0.self_attn.{latent}")
+        assert rule.style == "replicate"
+        assert rule.why.startswith(f"kept whole: {reader}, which opens the region's split")
     assert_parity(model, plan, 2, _tokens())
 
 

@@ -14,13 +14,13 @@ pytestmark = pytest.mark.unit
 
 STYLES = (
     "Styles: colwise, rowwise, vocab_parallel, sequence_parallel, prepare, replicate, "
-    "replicate_grad_sum, experts, split_params."
+    "replicate_grad_sum, experts, split_params, heads."
 )
 LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10"
 
 
 def _error(text: str) -> str:
@@ -62,8 +62,8 @@ def _check(text: str, message: str) -> None:
         _case(
             "style: 3",
             "line 3: rules[0].style: Input should be 'colwise', 'rowwise', 'vocab_parallel', "
-            "'sequence_parallel', 'prepare', 'replicate', 'replicate_grad_sum', 'experts' or "
-            "'split_params' (got 3).",
+            "'sequence_parallel', 'prepare', 'replicate', 'replicate_grad_sum', 'experts', "
+            "'split_params' or 'heads' (got 3).",
         ),
     ],
 )
@@ -327,8 +327,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 10\nrules: []\n",
-            f"schema version 10 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 11\nrules: []\n",
+            f"schema version 11 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -346,7 +346,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 9' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 10' (the schema version) is missing.",
             id="missing",
         ),
         _case(

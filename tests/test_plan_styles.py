@@ -107,6 +107,7 @@ MINIMAL: dict[str, dict[str, Any]] = {
     "replicate_grad_sum": {},
     "experts": {"shard": {"gate_up_proj": 1, "down_proj": 2}},
     "split_params": {"shard": {"sinks": 0}},
+    "heads": {},
 }
 
 
@@ -189,6 +190,7 @@ ADDED = [
     ({"rules": [("vocab_parallel", {"sum_at"})]}, 6),
     ({"rules": [("vocab_parallel", {"written"})]}, 7),
     ({"rules": [("rowwise", {"parts"})]}, 9),
+    ({"rules": [("heads", set())]}, 10),
 ]
 
 

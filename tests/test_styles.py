@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tpplan import Plan, Rule
 from tpplan._runtime.local import fake_ranks, rank_values, simulated_ranks
 from tpplan.compile import plan_to_torch, rule_to_style
+from tpplan.compile.attention import HeadParallelAttention
 from tpplan.compile.embeddings import SumAtLookup, WrittenRows
 from tpplan.compile.experts import EXPERTS_MARK, Experts
 from tpplan.compile.linear import Colwise, Rowwise
@@ -958,6 +959,7 @@ RULES: list[tuple[str, dict[str, Any], type | None, dict[str, Any]]] = [
     ("replicate", {}, None, {}),
     ("replicate_grad_sum", {}, ReplicateGradSum, {}),
     ("split_params", {"shard": {"sinks": 0}}, SplitParams, {"shard": {"sinks": 0}}),
+    ("heads", {"head_dim": 8}, HeadParallelAttention, {}),
     ("experts", {"shard": {"w": 1}}, Experts, {"mode": "tensor", "fused": {}, "after_sum": ()}),
     (
         "experts",

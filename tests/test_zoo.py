@@ -1,8 +1,8 @@
 """infer_plan on models from packages tpplan never saw: torchtitan's Llama 3, Llama 4 (its
 grouped experts), Qwen3 and DeepSeek-V3 (and transformers' DeepSeek-V3 beside it), timm's
 ViT, Swin and ConvNeXt (its MLP as Linear layers and as 1x1 convolutions), diffusers' Flux
-and SD3 transformers, and nanoGPT, each built tiny from its own package's classes
-(tests/model_zoo/).
+and SD3 transformers, nanoGPT, and a CLIP on torch's nn.MultiheadAttention, each built tiny
+from its own package's classes (tests/model_zoo/).
 
 For each: the plan inferred at tp 2 and 4, with and without sequence parallel, holds to
 forward and backward parity with the unsharded model on simulated ranks (where sequence
@@ -79,6 +79,7 @@ PARAMS_AT_TP_2 = {
     "diffusers.sd3": 0.503,
     "nanogpt": 0.518,
     "timm.convnext": 0.584,
+    "torch.clip": 0.544,
     "timm.convnext_conv": 0.584,
     "timm.swin": 0.516,
     "timm.vit": 0.524,
@@ -106,7 +107,9 @@ def test_parameters_per_rank_at_tp_2_do_not_grow(name: str) -> None:
     the parameters; in convnext_tiny's shape 9%, 0.547 per rank); transformers.deepseek_v3
     0.5400 (both latent projections, q_a_proj and kv_a_proj_with_mqa, whole; the router
     whole); torchtitan.llama4 0.5018 (its grouped experts split like a dense MLP, its
-    router of 4 outputs whole; 0.8268 before, the experts whole)."""
+    router of 4 outputs whole; 0.8268 before, the experts whole); torch.clip 0.5437 (its
+    nn.MultiheadAttention split by heads; its patch convolution, class and position
+    embeddings and norms whole)."""
     assert set(PARAMS_AT_TP_2) == set(ZOO)
     got = _measured(name, 2).param_fraction
     assert got <= PARAMS_AT_TP_2[name], (

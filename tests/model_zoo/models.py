@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .clip import Clip
 from .nanogpt import NanoGpt
 from .torchvision_stub import use_if_broken
 
@@ -263,6 +264,23 @@ def _nanogpt() -> tuple[nn.Module, Inputs]:
     return model, torch.randint(0, 64, (BATCH, 8), generator=_generator())
 
 
+# ---- CLIP on nn.MultiheadAttention -----------------------------------------------------------
+def _clip() -> tuple[nn.Module, Inputs]:
+    """A CLIP in open_clip's layout on torch's nn.MultiheadAttention (model_zoo/clip.py): two
+    towers of two blocks, 4 heads of 16, 16 image patches of 8x8 and 12 text tokens. torch
+    starts the attention's biases at zero: they are made random, so that they count."""
+    model = Clip()
+    g = _generator()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("in_proj_bias") or name.endswith("out_proj.bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model, {
+        "image": torch.randn(BATCH, 3, 32, 32, generator=g),
+        "text": torch.randint(0, 200, (BATCH, 12), generator=g),
+    }
+
+
 # ---- the table ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Entry:
@@ -325,6 +343,13 @@ ZOO: dict[str, Entry] = {
         **_JOINT_BLOCKS, "single": r"single_transformer_blocks\.\d+",
     }, apart=r"single_transformer_blocks\.\d+\.norm"),
     "diffusers.sd3": Entry("diffusers 0.42.1", _sd3, _JOINT_BLOCKS),
+    "torch.clip": Entry(f"torch {torch.__version__.split('+')[0]}", _clip, {
+        "attn": r"(visual\.)?transformer\.resblocks\.\d+\.attn",
+        "mlp": r"(visual\.)?transformer\.resblocks\.\d+\.mlp",
+    }, no_sp=(
+        "its own forward pools the text tower's stream (the end-of-text token, then a "
+        "product with the projection) outside any submodule: infer_plan says so"
+    )),
     "nanogpt": Entry("nanoGPT model.py, by hand", _nanogpt, {
         "attn": r"transformer\.h\.\d+\.attn", "mlp": r"transformer\.h\.\d+\.mlp",
     }),

@@ -31,6 +31,7 @@ _FITS: dict[str, tuple[type[nn.Module], ...] | None] = {
     "replicate_grad_sum": None,
     "experts": None,
     "split_params": None,
+    "heads": (nn.MultiheadAttention,),
 }
 
 
@@ -155,6 +156,19 @@ def _misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
     types = _FITS[rule.style]
     if rule.style in ("colwise", "rowwise") and isinstance(module, nn.modules.conv._ConvNd):
         return _conv_misfit(i, rule, name, module)
+    if (
+        rule.style == "heads"
+        and isinstance(module, nn.MultiheadAttention)
+        and type(module).forward is not nn.MultiheadAttention.forward
+    ):
+        return Problem(
+            "module_type",
+            rule_label(i, rule),
+            name,
+            f"style 'heads' runs nn.MultiheadAttention's own computation split by heads; "
+            f"{type(module).__name__} has a forward of its own.",
+            "keep this module replicated (style: replicate).",
+        )
     if rule.transposed:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
@@ -322,21 +336,27 @@ def _check_written(i: int, rule: Rule, name: str, module: nn.Module, tp: int) ->
 
 def check_inside_experts(plan: Plan, owner: dict[str, int]) -> list[Problem]:
     """An experts module runs its forward on each rank's local tensors with every parameter
-    but its expert weights whole, so a module inside it takes no split of its own."""
-    experts = [n for n, i in owner.items() if plan.rules[i].style == "experts"]
+    but its expert weights whole, so a module inside it takes no split of its own; nor does
+    one inside an nn.MultiheadAttention split by heads, which splits its out_proj itself."""
+    holders = [n for n, i in owner.items() if plan.rules[i].style in ("experts", "heads")]
+    does = {
+        "experts": "whose forward runs on each rank's local tensors with its other parameters whole",
+        "heads": "which splits its out_proj itself",
+    }
     out: list[Problem] = []
     for name, i in owner.items():
         rule = plan.rules[i]
-        outer = next((e for e in experts if name.startswith(f"{e}.")), None)
+        outer = next((e for e in holders if name.startswith(f"{e}.")), None)
         if outer is None or rule.style == "replicate":
             continue
+        style = plan.rules[owner[outer]].style
         out.append(
             Problem(
                 "overlap",
                 rule_label(i, rule),
                 name,
-                f"it is inside {outer}, matched by rules[{owner[outer]}] (style experts), whose "
-                "forward runs on each rank's local tensors with its other parameters whole.",
+                f"it is inside {outer}, matched by rules[{owner[outer]}] (style {style}), "
+                f"{does[style]}.",
                 "drop this rule, or keep the module whole (style: replicate).",
             )
         )

@@ -37,6 +37,8 @@ def sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
             return "embedding_dim", module.embedding_dim
         if rule.style in ("rowwise", "vocab_parallel"):
             return "num_embeddings (the vocab)", module.num_embeddings
+    if isinstance(module, nn.MultiheadAttention) and rule.style == "heads":
+        return "embed_dim (its heads)", module.embed_dim
     return None
 
 

@@ -10,7 +10,8 @@ PrepareModuleInput/Output); the styles torch lacks are built in the modules besi
 - vocab_parallel with `sum_at: lookup`: `SumAtLookup` (embeddings.py);
 - vocab_parallel with `written`: `WrittenRows` (embeddings.py);
 - replicate_grad_sum: `ReplicateGradSum`, split_params: `SplitParams` (params.py);
-- experts: `Experts` (experts.py).
+- experts: `Experts` (experts.py);
+- heads: `HeadParallelAttention` (attention.py), torch's nn.MultiheadAttention by heads.
 
 Every parameter stays a DTensor whose full tensor is the unsharded one (a fused one of equal
 parts a `_StridedShard`, strided.py), so torch's state-dict, optimizer and checkpoint APIs
@@ -37,6 +38,7 @@ from .._runtime.facts import pointwise_conv
 from ..errors import TpplanError
 from ..plan.layouts import parse_layout
 from ..plan.patterns import match_names
+from .attention import HeadParallelAttention
 from .conv import PointwiseConv
 from .embeddings import SumAtLookup, WrittenRows
 from .experts import Experts
@@ -91,6 +93,8 @@ def rule_to_style(rule: Rule) -> ParallelStyle | None:
             after_sum=rule.after_sum,
             added_whole=rule.added_whole,
         )
+    if rule.style == "heads":
+        return HeadParallelAttention()
     return None  # replicate
 
 

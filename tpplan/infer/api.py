@@ -16,6 +16,7 @@ from .._runtime.facts import fingerprint, parameter_shapes
 from ..plan.patterns import collapse
 from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
 from ..trace import Trace, trace_model
+from .attention import decide_attention
 from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
 from .context import Context, Decided
 from .decision import Attributes, Decision
@@ -157,6 +158,7 @@ def _decide(
         else:
             decide_region(ctx, out, members)
     pool_experts(ctx, out)  # modules of one structure decide alike
+    decide_attention(ctx, out)  # before the rest: its out_proj is its own, never called
     keep_unsplit_experts(ctx, out)
     # the head is split over the vocab of a table split over it
     decide_head(ctx, out, decide_embeddings(ctx, out))

@@ -22,6 +22,11 @@ def decide_rest(ctx: Context, out: Decided) -> None:
         linear = name in t.layers.linears
         if not (linear or isinstance(module, nn.Embedding)) or name in out.decisions:
             continue
+        if (
+            name.rpartition(".")[0] in out.decisions
+            and out.decisions[name.rpartition(".")[0]].style == "heads"
+        ):
+            continue  # out_proj of an nn.MultiheadAttention split by heads: that style's own
         if name in ctx.tied and name not in t.layers.called:
             continue  # holds a tied weight it never uses: no rule; apply re-ties it
         whole = next((w for m, w in t.layers.whole.items() if name.startswith(f"{m}.")), None)

@@ -78,7 +78,7 @@ class Rule(_Strict):
     (`model.layers.*.mlp.up_proj`), exactly as parallelize_module matches."""
     style: Style
     """colwise | rowwise | vocab_parallel | sequence_parallel | prepare | replicate |
-    replicate_grad_sum | experts | split_params."""
+    replicate_grad_sum | experts | split_params | heads."""
     why: str = Field(min_length=1)
     """The evidence for this rule, in words a reviewer can check."""
     input: Layout | None = None
@@ -218,7 +218,7 @@ class RegionRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9] = 9  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] = 10  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None

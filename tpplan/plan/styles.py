@@ -26,6 +26,7 @@ Style = Literal[
     "replicate_grad_sum",
     "experts",
     "split_params",
+    "heads",
 ]
 STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 
@@ -51,6 +52,7 @@ STYLE_FIELDS: dict[str, frozenset[str]] = {
     "replicate_grad_sum": frozenset(),
     "experts": frozenset({"mode", "shard", "fused", "after_sum", "added_whole"}),
     "split_params": frozenset({"shard"}),
+    "heads": frozenset({"head_dim"}),
 }
 _EVERY_RULE = ("match", "style", "why")  # the fields every rule has, whatever its style
 

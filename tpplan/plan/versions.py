@@ -20,9 +20,9 @@ __all__ = [
 
 # A new version is added here, to READABLE_VERSIONS and to Plan.tpplan's Literal (schema.py),
 # with its schema hash in plans/schema_versions.json (tests/test_plan.py checks it).
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {
     2: ("parts", "transposed"),
@@ -31,7 +31,7 @@ _ADDED_FIELDS = {
     6: ("sum_at",),
     7: ("written",),
 }
-_ADDED_STYLES = {3: ("experts",), 4: ("split_params",)}
+_ADDED_STYLES = {3: ("experts",), 4: ("split_params",), 10: ("heads",)}
 _ADDED_MODEL_FIELDS = {4: ("command",)}
 _ADDED_TOP_LEVEL = {8: ("regions",)}
 # fields a style took later than the field itself: (style, field)

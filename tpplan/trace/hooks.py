@@ -20,6 +20,7 @@ from .split import Split
 from .trackers import Trackers
 
 __all__ = [
+    "hook_attention",
     "hook_experts",
     "hook_layer",
     "track_frames",
@@ -32,6 +33,32 @@ __all__ = [
 def under(name: str, prefixes: Iterable[str]) -> bool:
     """`name` is a submodule of one of `prefixes`."""
     return any(name.startswith(f"{p}.") for p in prefixes)
+
+
+# ---- nn.MultiheadAttention calls ------------------------------------------------------------
+def hook_attention(st: Trackers, name: str, module: nn.MultiheadAttention) -> None:
+    """torch's nn.MultiheadAttention, one step of the data flow like a Linear: its forward
+    (F.multi_head_attention_forward) is torch's fixed computation, which the `heads` style
+    runs split by heads with its output whole; ops inside it are not followed (`quiet`), so
+    its parameters count as used by its own call, not "directly" by the model."""
+    trace = st.trace
+
+    def before(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        trace.layers.attention[name] = module.num_heads
+        for x in (*args, *kwargs.values()):
+            s = st.splits.split_of(x) if isinstance(x, torch.Tensor) else None
+            if s is not None:
+                trace.regions.break_(s.sources, "nn.MultiheadAttention takes its inputs whole")
+        st.quiet += 1
+
+    def after(mod: nn.Module, args: Any, out: Any) -> None:
+        st.quiet -= 1
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                st.origins.computed(t)  # computed from the module's weights
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
 
 
 # ---- Linear and Embedding calls -----------------------------------------------------------

@@ -54,6 +54,9 @@ class LayerFacts:
     (`pointwise_conv`), whose channels are their features."""
     entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
     """Module -> (positional index or keyword, id) of the first tensor its first call got."""
+    attention: dict[str, int] = field(default_factory=dict)
+    """nn.MultiheadAttention running torch's own forward, called as one step (hooks.py's
+    `hook_attention`) -> its number of heads."""
     positional: dict[str, int] = field(default_factory=dict)
     """Module -> how many positional arguments its first call got (a module-input rule
     lists a layout for each)."""

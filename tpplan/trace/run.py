@@ -31,7 +31,15 @@ from .._runtime.tree import tensor_leaves
 from ..errors import TpplanError
 from .attention import AttentionMode
 from .blocks import fake_copy, repeated_blocks
-from .hooks import hook_experts, hook_layer, track_frames, under, watch_lookup_places, watch_reads
+from .hooks import (
+    hook_attention,
+    hook_experts,
+    hook_layer,
+    track_frames,
+    under,
+    watch_lookup_places,
+    watch_reads,
+)
 from .probe import linear_like, plain_forward
 from .record import Trace
 from .tracer import Tracer
@@ -162,6 +170,8 @@ def _trace_pass(
         track_frames(st, name, m)
         if name in trace.layers.linears or isinstance(m, nn.Embedding):
             hook_layer(st, name, m)
+        elif isinstance(m, nn.MultiheadAttention) and plain_forward(m, nn.MultiheadAttention):
+            hook_attention(st, name, m)
     if not real:
         run_whole(copy_, model, whole, fake, st)
     running = watch_failures(copy_)
