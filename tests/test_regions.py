@@ -490,3 +490,30 @@ def test_transformers_deepseek_v3_latent_attention_is_a_region(tp: int) -> None:
     }  # fmt: skip
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, {"input_ids": x})
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_phi3_fused_projection_sliced_at_the_pieces_bounds_is_a_region(tp: int) -> None:
+    """transformers' Phi-3 cuts q, k and v out of its fused qkv_proj by slices at positions
+    computed from the config (`qkv[..., :num_heads * head_dim]`), which no attribute a plan
+    may divide holds. As a DTensor region, the fused output is each rank's slice of the three
+    pieces, and a slice on the pieces' bounds is the rank's own slice of them: no gather,
+    one all-reduce at o_proj, at parity."""
+    from tpplan._runtime.models import build_model
+
+    torch.manual_seed(0)
+    config = {
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128,
+        "pad_token_id": 0, "eos_token_id": 0,
+    }  # fmt: skip
+    model = build_model("phi3", config, device="cpu")
+    x = {"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))}
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    assert [r.match for r in plan.regions] == ["model.layers.*.self_attn"]
+    rules = {r.match.removeprefix("model.layers.*.self_attn."): r for r in plan.rules}
+    assert (rules["qkv_proj"].style, rules["qkv_proj"].parts) == ("colwise", [64, 64, 64])
+    assert rules["qkv_proj"].local_output is False
+    assert rules["o_proj"].style == "rowwise"
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, x)

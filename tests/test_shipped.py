@@ -44,7 +44,9 @@ SMALL: dict[str, dict[str, object]] = {
     "qwen3_moe": {**_LAYERS, **_HEADS_128, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 256},
     "gemma2": {**_LAYERS, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256},
     "gemma3": {**_LAYERS, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256},
-    "phi3": {**_LAYERS, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "pad_token_id": 0, "eos_token_id": 0},
+    # the fused pieces are the plan's, q|k|v [3072] * 3 (its attention is a DTensor region)
+    # and gate|up [8192] * 2: one layer
+    "phi3": {"num_hidden_layers": 1, "vocab_size": 512, "hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32, "pad_token_id": 0, "eos_token_id": 0},
     "gpt2": {"n_layer": 2, "vocab_size": 512},
     "gpt_neox": {**_LAYERS, "intermediate_size": 256},
     "falcon": {**_LAYERS, "intermediate_size": 256},

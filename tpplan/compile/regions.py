@@ -49,6 +49,10 @@ class _ReplicatePlain(TorchFunctionMode):
             found = _new_alike(func, *args, **kwargs)
             if found is not None:
                 return found
+        if func is torch.Tensor.__getitem__ and args and isinstance(args[0], DTensor):
+            found = _pieces_sliced(*args)
+            if found is not None:
+                return found
         if func in _CATS and args and isinstance(args[0], (list, tuple)):
             args = (_without_empty(args[0]), *args[1:])
             found = _pieces_joined(*args, **kwargs)
@@ -160,6 +164,49 @@ def _pieces_joined(tensors: Any, dim: int = 0, **kw: Any) -> Any:
         local,
         first.device_mesh,
         [placement],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous(tuple(shape)),
+    )
+
+
+def _pieces_sliced(x: DTensor, index: Any) -> Any:
+    """`x[..., a:b]` of a fused output split as its equal pieces (a `_StridedShard`: rank r
+    holds its slice of each piece), where a and b fall on the pieces' bounds (Phi-3 cuts q,
+    k and v out of its qkv_proj at positions computed from the config): rank r's slice of
+    the pieces taken is its own local slice, a Shard of one piece or a `_StridedShard` of
+    several, with no collective. DTensor itself would gather. None where that does not
+    hold."""
+    if len(x.placements) != 1 or not isinstance(x.placements[0], _StridedShard):
+        return None
+    p = x.placements[0]
+    d, k = p.dim % x.ndim, int(p.split_factor)
+    index = index if isinstance(index, tuple) else (index,)
+    if index.count(Ellipsis) > 1 or any(
+        not isinstance(i, slice) and i is not Ellipsis for i in index
+    ):
+        return None
+    # each index entry's dim: those after an Ellipsis count from the end
+    at = index.index(Ellipsis) if Ellipsis in index else len(index)
+    dims = list(range(at)) + list(range(x.ndim - (len(index) - at - 1), x.ndim))
+    entries = [i for i in index if i is not Ellipsis]
+    cut = [(dim, i) for dim, i in zip(dims, entries, strict=True) if i != slice(None)]
+    if len(cut) != 1 or cut[0][0] != d or cut[0][1].step not in (None, 1):
+        return None
+    start, stop, _ = cut[0][1].indices(x.shape[d])
+    piece = x.shape[d] // k
+    if x.shape[d] % k or start % piece or stop % piece or stop <= start:
+        return None
+    local = x.to_local()
+    mine = local.shape[d] // k  # this rank's share of one piece
+    sliced = local.narrow(d, start // piece * mine, (stop - start) // piece * mine)
+    taken = (stop - start) // piece
+    shape = list(x.shape)
+    shape[d] = stop - start
+    return DTensor.from_local(
+        sliced,
+        x.device_mesh,
+        [_StridedShard(d, split_factor=taken) if taken > 1 else Shard(d)],
         run_check=False,
         shape=torch.Size(shape),
         stride=_contiguous(tuple(shape)),
