@@ -26,11 +26,12 @@ and measured:
   runs at tp 2.
 
 Targets, printed PASS or FAIL below the table (reported, not asserted): (a) at least 90% of
-all zoo blocks split the Megatron way, and all of torchtitan's, timm ViT's and ConvNeXt's and
-Flux's; (b) every transformer holds at most 0.55 of its parameters per rank at tp 2, and
-ConvNeXt (whose 7x7 depthwise convolutions stay whole) at most 0.6, in the zoo's shape and in
-convnext_tiny's own (built on the meta device, counted by `tpplan.plan_stats` on a fake
-process group); (c) parity in every run.
+all zoo blocks split the Megatron way, and all of torchtitan's, both DeepSeek-V3s', timm
+ViT's and ConvNeXt's, Flux's and the CLIP's; (b) every transformer holds at most 0.55 of its
+parameters per rank at tp 2 (the CLIP too), and ConvNeXt (whose 7x7 depthwise convolutions
+stay whole) at most 0.6, in the zoo's shape and at published shapes built on the meta device
+(convnext_tiny; open_clip's ViT-B-32 where open_clip_torch is installed); (c) parity in
+every run, or a loud failure where an entry says sequence parallel does not fit.
 
 Each model runs in a subprocess of its own (this file with `--worker`), so a crash or a hang
 costs one row. Start reading at `main`; one model's runs are `_run_model`.
@@ -81,6 +82,7 @@ ALL_MEGATRON = [
     "timm.convnext",
     "timm.convnext_conv",
     "diffusers.flux",
+    "torch.clip",
 ]
 PACKAGES = ["torch", "transformers", "timm", "diffusers", "torchtitan"]
 
@@ -281,7 +283,7 @@ def _megatron(run: dict[str, Any]) -> tuple[int, int]:
 
 def _parity(run: dict[str, Any]) -> str:
     if "refused" in run:
-        return "refused"
+        return "fails loudly"
     err = run.get("forward_error")
     text = "" if err is None else f"{err:.1e} "
     return text + ("ok" if run["ok"] else "FAIL")
