@@ -37,7 +37,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..errors import TpplanError
-from .params import split_param
+from .params import changeable, split_param
 
 __all__ = ["HeadParallelAttention"]
 
@@ -315,8 +315,7 @@ def _head_parallel_forward(
     split = DTensor.from_local(attn, mesh, [Shard(-1)], run_check=False)
     summed = _dt(F.linear(split, self.out_proj.weight, self.out_proj.bias))
     out = summed.redistribute(placements=[Replicate()]).to_local()
-    if torch.is_grad_enabled():
-        out = out.clone()  # its own tensor, so the model may change it in place (see Rowwise)
+    out = changeable(out)
     out = out.view(tgt_len, bsz, embed_dim)  # (L, N, E)
     if not is_batched:
         out = out.squeeze(1)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .params import split_param
+from .params import changeable, split_param
 
 __all__ = ["PointwiseConv"]
 
@@ -119,10 +119,8 @@ class PointwiseConv(ParallelStyle):
             got = got + bias.reshape(-1, *([1] * (out.dim() - 2)))
         if not self.use_local_output:
             return got
-        # handed back as its own tensor while grad is recorded, so that the model may
-        # change it in place (see linear.py's Rowwise)
         local = got.to_local()
-        return local.clone() if self.rowwise and torch.is_grad_enabled() else local
+        return changeable(local) if self.rowwise else local
 
     def __repr__(self) -> str:
         kind = "rowwise" if self.rowwise else "colwise"

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._runtime.lookup import put_in_lookup_place
 from ..errors import TpplanError
-from .params import own_start, split_param
+from .params import changeable, own_start, split_param
 
 __all__ = ["SumAtLookup", "WrittenRows"]
 
@@ -77,8 +77,7 @@ class _SummedLookup(nn.Embedding):
         partial_rows = nn.Embedding.forward(self, ids)
         assert isinstance(partial_rows, DTensor)
         rows = partial_rows.redistribute(mesh, [Replicate()]).to_local()
-        # its own tensor while grad is recorded, so the forward may change it in place
-        return rows.clone() if torch.is_grad_enabled() else rows
+        return changeable(rows)  # the forward may change it in place
 
 
 class WrittenRows(ParallelStyle):

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import TpplanError
-from .params import split_param
+from .params import changeable, split_param
 from .strided import equal_parts, fused_order
 
 __all__ = ["Colwise", "Rowwise"]
@@ -102,10 +102,9 @@ class Colwise(ColwiseParallel):
             return whole.index_select(-1, _own_parts(parts, mesh, whole.device))
         if out.placements != layouts:
             out = out.redistribute(placements=layouts)
-        if local and isinstance(layouts[0], Replicate) and torch.is_grad_enabled():
-            # a gathered output handed back as its own tensor, so that the model may change
-            # it in place (Gemma 3n); see `Rowwise`
-            return out.to_local().clone()
+        if local and isinstance(layouts[0], Replicate):
+            # a gathered output the model may change in place (Gemma 3n)
+            return changeable(out.to_local())
         return out.to_local() if local else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -134,11 +133,9 @@ class Rowwise(RowwiseParallel):
     """RowwiseParallel for Linear-like layers, also with weights stored (in, out) (their dim
     0 is contracted), whose local output may be changed in place.
 
-    torch hands back the local output of a DTensor through an autograd Function that returns
-    it as a view, and autograd forbids changing such a view in place: a model that adds a
-    residual in place (Falcon's `mlp_output += attention_output`) cannot train. While grad
-    is recorded the output is handed back as its own tensor (one copy, beside the all-reduce
-    that made it). An nn.Embedding is left to torch's RowwiseParallel.
+    While grad is recorded its output is handed back as its own tensor (`changeable`), so a
+    model that adds a residual in place (Falcon's `mlp_output += attention_output`) trains.
+    An nn.Embedding is left to torch's RowwiseParallel.
 
     With equal `parts` the input features are pieces laid end to end (attention heads and
     MLP features joined by `cat`), each split on its own: the weight is a `_StridedShard`
@@ -177,7 +174,7 @@ class Rowwise(RowwiseParallel):
     @staticmethod
     def _own_output(layouts: Any, local: bool, mod: nn.Module, out: DTensor, mesh: Any) -> Any:
         out = RowwiseParallel._prepare_output_fn(layouts, local, mod, out, mesh)
-        return out.clone() if local and torch.is_grad_enabled() else out
+        return changeable(out) if local else out
 
     @staticmethod
     def _pieces_input(parts: int, mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:

@@ -20,7 +20,16 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .strided import equal_parts, split_parts, teach_checkpoint_chunks
 
-__all__ = ["ReplicateGradSum", "SplitParams", "own_start", "split_param"]
+__all__ = ["ReplicateGradSum", "SplitParams", "changeable", "own_start", "split_param"]
+
+
+def changeable(t: torch.Tensor) -> torch.Tensor:
+    """A local output handed back as its own tensor while grad is recorded: torch hands back
+    a DTensor's local tensor as a view through an autograd Function, and autograd forbids
+    changing such a view in place, so a model that adds a residual in place (Falcon's
+    `mlp_output += attention_output`) could not train. One copy, beside the collective that
+    made the output."""
+    return t.clone() if torch.is_grad_enabled() else t
 
 
 def own_start(n: int, mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
