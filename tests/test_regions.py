@@ -517,3 +517,29 @@ def test_phi3_fused_projection_sliced_at_the_pieces_bounds_is_a_region(tp: int) 
     assert rules["o_proj"].style == "rowwise"
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
+
+
+def test_a_mask_of_one_per_head_is_cut_to_each_ranks_heads() -> None:
+    """transformers' Doge (a region: its heads sized from shapes) hands attention a mask of
+    one (q, k) plane per head in eval mode, whole on every rank and of the full head count:
+    each rank attends with its own heads' planes (a local slice, no collective), where
+    DTensor's own attention fails on the shapes. Parity, forward and backward."""
+    from tpplan._runtime.models import build_model
+
+    torch.manual_seed(0)
+    config = {
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128,
+    }  # fmt: skip
+    model = build_model("doge", config, device="cpu").eval()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    x = {"input_ids": ids, "use_cache": False}
+    plan = tpplan.infer_plan(model, tp_size=2)
+    assert [r.match for r in plan.regions] == ["model.layers.*.self_attn"]
+    with torch.no_grad():  # inference: the forward that hands attention the per-head mask
+        want = model(**x).logits
+        with simulated_ranks(2) as mesh:
+            sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+            got = rank_values(sharded(**x).logits)
+    assert max((g - want).abs().max().item() for g in got) < 1e-5
+    assert_parity(model, plan, 2, x)

@@ -260,6 +260,7 @@ def _heads_attention(
     dims = [x.dim % query.ndim for x in p if isinstance(x, Shard)]
     if not dims or any(d > query.ndim - 3 for d in dims):
         return None
+    mask: torch.Tensor | None
     if isinstance(attn_mask, DTensor) and attn_mask.placements == p:
         mask = attn_mask.to_local()  # split alike: each rank's own heads' mask
     else:
@@ -267,12 +268,9 @@ def _heads_attention(
             if any(not isinstance(x, Replicate) for x in attn_mask.placements):
                 return None
             attn_mask = attn_mask.to_local()
-        mask = attn_mask
-        # a whole mask must broadcast over every split dim
-        for d in dims if isinstance(mask, torch.Tensor) else ():
-            back = query.ndim - d
-            if mask.dim() >= back and mask.shape[-back] != 1:
-                return None
+        mask = _own_part(attn_mask, query, dims) if isinstance(attn_mask, torch.Tensor) else None
+        if isinstance(attn_mask, torch.Tensor) and mask is None:
+            return None
     out = F.scaled_dot_product_attention(
         query.to_local(), key.to_local(), value.to_local(), mask, *rest, **kw
     )
@@ -285,6 +283,25 @@ def _heads_attention(
         shape=torch.Size(shape),
         stride=_contiguous(shape),
     )
+
+
+def _own_part(mask: torch.Tensor, query: DTensor, dims: list[int]) -> torch.Tensor | None:
+    """A whole mask as each rank's query heads meet it: as it is where it broadcasts over
+    the split dim; cut to the rank's part where it is of the full size there (Doge's mask,
+    one per head), a local slice whose gradient, if any, is gathered back. DTensor's own
+    attention fails on such a mask. None where it is neither."""
+    cut = []
+    for d in dims:
+        md = d - (query.ndim - mask.dim())
+        if md < 0 or mask.shape[md] == 1:
+            continue
+        if mask.shape[md] != query.shape[d] or len(dims) > 1:
+            return None
+        cut.append(md)
+    if not cut:
+        return mask
+    whole = DTensor.from_local(mask, query.device_mesh, [Replicate()], run_check=False)
+    return whole.redistribute(placements=[Shard(cut[0])]).to_local()
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
