@@ -22,10 +22,8 @@ def decide_rest(ctx: Context, out: Decided) -> None:
         linear = name in t.layers.linears
         if not (linear or isinstance(module, nn.Embedding)) or name in out.decisions:
             continue
-        if (
-            name.rpartition(".")[0] in out.decisions
-            and out.decisions[name.rpartition(".")[0]].style == "heads"
-        ):
+        parent = out.decisions.get(name.rpartition(".")[0])
+        if parent is not None and parent.style == "heads":
             continue  # out_proj of an nn.MultiheadAttention split by heads: that style's own
         if name in ctx.tied and name not in t.layers.called:
             continue  # holds a tied weight it never uses: no rule; apply re-ties it

@@ -23,6 +23,7 @@ __all__ = [
     "COPIES",
     "ELEMENTWISE",
     "LINEAR_IN_PARTIAL",
+    "MADE_LIKE",
     "METADATA",
     "NEW_FROM",
     "NORMS",
@@ -94,6 +95,10 @@ NORMS = {"native_layer_norm", "_fused_rms_norm", "rms_norm", "layer_norm"}
 # sized by a split dim read just before, it is split like that dim (`sized_by_a_shard`).
 NEW_FROM = {"new_empty", "new_zeros", "new_ones"}
 SHARD_SIZED = NEW_FROM | {"empty", "zeros", "ones", "expand"}
+# Ops making a tensor from another's dtype, device (and shape), not its values.
+MADE_LIKE = NEW_FROM | {
+    "new_empty_strided", "new_full", "zeros_like", "empty_like", "ones_like", "full_like",
+}  # fmt: skip
 # Ops whose output is the same data as their one input: a parameter or a model input passed
 # through them is still that parameter or input.
 PASS_THROUGH = RESHAPES | {

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..ops import ADDS, LINEAR_IN_PARTIAL, METADATA, PASS_THROUGH, Op, linear_in
+from ..ops import ADDS, LINEAR_IN_PARTIAL, MADE_LIKE, METADATA, PASS_THROUGH, Op, linear_in
 from ..record import AttributeRead, ExpertFacts, RegionFacts
 from ..split import Split, norm_dim, permutation
 from .dense import DenseSplits
@@ -26,11 +26,6 @@ from .wholes import WholeOutputs
 
 __all__ = ["ExpertWeights", "Experts"]
 
-# Ops making a tensor from another's dtype, device (and shape), not its values.
-MADE_LIKE = {
-    "new_zeros", "new_empty", "new_empty_strided", "new_ones", "new_full",
-    "zeros_like", "empty_like", "ones_like", "full_like",
-}  # fmt: skip
 # Ops making an accumulator of nothing yet: zeros, or a buffer whose entries the forward
 # writes before it reads them (torchtitan's `out.new_empty(shape)` then `buf[idx] = out`);
 # where it read one it did not write, the unsharded model would read garbage as well.
@@ -142,8 +137,8 @@ class Experts:
 
     def partial_of(self, t: Any) -> frozenset[str] | None:
         """The expert weights whose partial sums `t` holds (empty: zeros, a sum of none)."""
-        entry = self.partials.get(id(t)) if isinstance(t, torch.Tensor) else None
-        return entry[1] if entry is not None and entry[0] is t else None
+        entry = _held(self.partials, t)
+        return entry[1] if entry is not None else None
 
     # ---- ops --------------------------------------------------------------------------------
     def on_op(self, op: Op) -> bool:
@@ -202,14 +197,12 @@ class Experts:
         (`cumsum`, cast or viewed) used as a grouped matmul's group ends (`offs`) shows the
         tokens come grouped by expert in expert order, `counts[e]` rows each (torchtitan's
         GroupedExperts), which expert mode needs to hand each rank its experts' groups."""
-        given = [self.counted.get(id(t)) for t in op.ins]
-        found = [g for g, t in zip(given, op.ins, strict=True) if g is not None and g[0] is t]
         if op.name == "_grouped_mm":
-            offs = op.named.get("offs")
-            entry = self.counted.get(id(offs)) if isinstance(offs, torch.Tensor) else None
-            if entry is not None and entry[0] is offs and entry[2] == "ends":
+            entry = _held(self.counted, op.named.get("offs"))
+            if entry is not None and entry[2] == "ends":
                 self.grouped[entry[1]] = True
             return
+        found = [g for g in (_held(self.counted, t) for t in op.ins) if g is not None]
         if not found or len(op.outs) != 1:
             return
         (_, owner, kind), out = found[0], op.outs[0]
@@ -226,8 +219,7 @@ class Experts:
             self.routed_by[id(o)] = (o, sources)
 
     def _follow_routing_source(self, op: Op) -> None:
-        entries = [self.routed_by.get(id(t)) for t in op.ins]
-        found = [e[1] for e, t in zip(entries, op.ins, strict=True) if e and e[0] is t]
+        found = [e[1] for e in (_held(self.routed_by, t) for t in op.ins) if e is not None]
         if found and op.name in _PRODUCTS and len(found) < len(op.ins):
             # a product with a matrix of its own (transformers' DeepSeek-V3 router, a
             # module with its own weight, not a Linear) computes anew: the layers before it
@@ -400,8 +392,8 @@ class Experts:
             self.facts.exits[name] = "its input arrives split"
         ids = [t for t in leaves if not t.is_floating_point()]
         for t in ids:
-            found = self.routed_by.get(id(t))
-            if found is not None and found[0] is t:
+            found = _held(self.routed_by, t)
+            if found is not None:
                 for layer in found[1]:
                     self.facts.routers.setdefault(layer, name)
         weights = [t for t in leaves if t.is_floating_point() and ids and t.shape == ids[0].shape]
@@ -473,3 +465,10 @@ class Experts:
             if sources & own or not sources:
                 del self.partials[k]  # summed by the all-reduce at the module's output
         self.whole_outputs.drop_owned_by(name)
+
+
+def _held(table: dict[int, Any], t: Any) -> Any:
+    """`table`'s entry for tensor `t` ((t, ...), keyed by its id), if it is `t`'s: a tensor
+    freed since may have left its id to another."""
+    entry = table.get(id(t)) if isinstance(t, torch.Tensor) else None
+    return entry if entry is not None and entry[0] is t else None
