@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11"
 
 
 def _error(text: str) -> str:
@@ -144,7 +144,25 @@ def test_a_bad_layout(text: str, message: str) -> None:
         _case(
             "style: colwise, shard: {w: 0}",
             "line 3: rules[0]: style 'colwise' takes no shard; its optional fields are: "
-            "head_dim, input, local_output, output, parts, transposed.",
+            "head_dim, input, local_output, output, parts, replicate_heads, transposed.",
+        ),
+        _case(
+            "style: rowwise, head_dim: 8, replicate_heads: true",
+            "line 3: rules[0]: style 'rowwise' takes no replicate_heads; its optional fields "
+            "are: head_dim, input, local_output, output, parts, transposed.",
+            version=11,
+        ),
+        _case(
+            "style: colwise, replicate_heads: true",
+            "line 3: rules[0]: colwise with replicate_heads needs head_dim (the heads it "
+            "shares among ranks) and takes no parts, transposed, output or local_output: false.",
+            version=11,
+        ),
+        _case(
+            "style: colwise, head_dim: 8, replicate_heads: true",
+            "line 1: plan: rules[0].replicate_heads need schema version 11; change the first "
+            "line to 'tpplan: 11'.",
+            version=10,
         ),
         _case(
             "style: rowwise, parts: [8, 8]",
@@ -327,8 +345,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 11\nrules: []\n",
-            f"schema version 11 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 12\nrules: []\n",
+            f"schema version 12 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -346,7 +364,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 10' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 11' (the schema version) is missing.",
             id="missing",
         ),
         _case(
@@ -504,6 +522,18 @@ def test_a_schema_version(text: str, message: str) -> None:
             "line 3: attributes[0] is missing the required field 'why'. Every rule says why it "
             "exists, in words a reviewer can check.",
             id="attributes without why",
+        ),
+        pytest.param(
+            "tpplan: 11\nattributes:\n  - {match: a, divide: [n], by: replicas, why: x}\n",
+            "line 3: attributes[0]: attributes: by replicas needs of; by replicas or shards "
+            "names the layer whose heads are shared (of: k_proj).",
+            id="attributes by replicas without of",
+        ),
+        pytest.param(
+            "tpplan: 10\nattributes:\n  - {match: a, divide: [n], by: shards, of: k, why: x}\n",
+            "line 1: plan: attributes[0].by, attributes[0].of need schema version 11; change "
+            "the first line to 'tpplan: 11'.",
+            id="attributes by shards in an older file",
         ),
     ],
 )

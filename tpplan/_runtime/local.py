@@ -8,6 +8,7 @@ spawning processes. `fake_ranks` is the same without numbers (shapes and collect
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "own_replicas",
     "rank_values",
     "simulated_ranks",
+    "solo_fake_grid",
     "solo_fake_mesh",
 ]
 
@@ -93,7 +95,7 @@ def solo_fake_mesh(world_size: int) -> Iterator[DeviceMesh]:
     mesh = DeviceMesh(
         "cpu",
         torch.arange(world_size),
-        mesh_dim_names=("tpplan-solo",),
+        mesh_dim_names=(SOLO_AXIS,),
         _init_backend=False,
         _rank=0,
     )
@@ -105,6 +107,45 @@ def solo_fake_mesh(world_size: int) -> Iterator[DeviceMesh]:
         yield mesh
     finally:
         _unregister_process_group(name)
+
+
+SOLO_AXIS = "tpplan-solo"
+
+
+def solo_fake_grid(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A mesh of `shape` fake ranks (this process is rank 0), one fake group per axis, beside
+    any process group: what `solo_fake_mesh` is for a 1-D mesh, for a view of one as several
+    axes (compile/shared_heads.py). Its groups stay registered (one per shape and axis)."""
+    from torch._C._distributed_c10d import (
+        FakeProcessGroup,
+        ProcessGroup,
+        _register_process_group,
+        _unregister_process_group,
+    )
+    from torch.distributed.distributed_c10d import GroupName
+
+    mesh = DeviceMesh(
+        "cpu",
+        torch.arange(math.prod(shape)).view(shape),
+        mesh_dim_names=tuple(f"{SOLO_AXIS}-{n}" for n in names),
+        _init_backend=False,
+        _rank=0,
+    )
+    groups = []
+    for axis, size in enumerate(shape):
+        name = GroupName(f"tpplan-solo-fake-{'x'.join(map(str, shape))}-{axis}")
+        group = ProcessGroup(dist.HashStore(), 0, size)
+        backend = FakeProcessGroup._create_internal(0, size)
+        for device in ("cpu", "meta"):
+            group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+        group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+        group._set_group_name(name)
+        mesh._pg_registry[name] = group
+        _unregister_process_group(name)
+        _register_process_group(name, group)
+        groups.append(name)
+    mesh._dim_group_names = groups
+    return mesh
 
 
 @contextmanager

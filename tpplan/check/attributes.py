@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..errors import Problem, did_you_mean
+from ..compile.shard import attribute_divisor
+from ..errors import Problem, TpplanError, did_you_mean
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan
 from .shared import Match, attribute_label, legal_sizes, traced_name
@@ -41,16 +42,29 @@ def check_attributes(
                 )
             )
         for name in hits:
+            try:
+                by = attribute_divisor(plan, modules[""], rule, name, tp)
+            except TpplanError as e:
+                out.append(Problem("attribute", where, name, str(e), "see the message."))
+                continue
             for attr in rule.divide:
-                found = _check_attribute(where, name, modules[name], attr, tp)
+                found = _check_attribute(where, name, modules[name], attr, by, rule.of, tp)
                 if found is not None:
                     out.append(found)
     return out
 
 
 def _check_attribute(
-    where: str, name: str, module: nn.Module, attr: str, tp: int
+    where: str,
+    name: str,
+    module: nn.Module,
+    attr: str,
+    tp: int,
+    of: str | None = None,
+    tp_size: int = 0,
 ) -> Problem | None:
+    """`tp` is what the attribute is divided by: the tp size, or with `of` the replicas or
+    shards of that layer's heads at `tp_size`."""
     value = getattr(module, attr, None)
     if isinstance(value, bool) or not isinstance(value, int):
         return Problem(
@@ -65,8 +79,13 @@ def _check_attribute(
             "divisibility",
             where,
             name,
-            f"{attr} = {value} does not divide by tp size {tp}.",
-            f"use a tp size among {legal_sizes(value)}.",
+            f"{attr} = {value} does not divide by tp size {tp}."
+            if of is None
+            else f"{attr} = {value} does not divide by {tp}, the ranks sharing each head of "
+            f"{of} at tp size {tp_size}.",
+            f"use a tp size among {legal_sizes(value)}."
+            if of is None
+            else "use a tp size that divides the query heads.",
         )
     return None
 
@@ -85,6 +104,8 @@ def check_divided(
         return []
     counts = [*trace.reads.counts.values(), *trace.experts.counts.values()]
     legal = {(m, a) for found in counts for m, a, _ in found}
+    # the counts that repeat shared key/value heads to their query heads (by: replicas)
+    legal |= {read[:2] for _, read in trace.regions.repeats.values() if read is not None}
     out: list[Problem] = []
     for i, name in divided:
         rule, t = plan.attributes[i], traced_name(trace, name)

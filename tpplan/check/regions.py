@@ -117,6 +117,17 @@ def _split_rows(i: int, rule: Rule, name: str) -> Problem:
     )
 
 
+def shared_units(trace: Trace, t: str, tp: int, shared: set[str]) -> int | None:
+    """The blocks tp must divide for opener `t`: the trace's units (in grouped-query
+    attention, each side's own heads), except for a key/value opener in `shared`
+    (replicate_heads) at a tp that is a multiple of its heads: each rank's query heads then
+    meet one of them, which tp/K ranks share, and it needs nothing more."""
+    regions = trace.regions
+    if t in shared and t in regions.kv_heads and tp % regions.kv_heads[t] == 0:
+        return tp
+    return regions.units.get(t)
+
+
 def check_heads(
     plan: Plan, openers: list[Match], trace: Trace, tp: int, undivided: set[str]
 ) -> list[Problem]:
@@ -125,9 +136,10 @@ def check_heads(
     small (or missing) would pass the rule's own check and cut heads in half mid-forward.
     A module in `undivided` has had its divisibility problem told already."""
     out: list[Problem] = []
+    shared = {traced_name(trace, n) for i, n in openers if plan.rules[i].replicate_heads}
     for i, name in openers:
         t = traced_name(trace, name)
-        units = trace.regions.units.get(t)
+        units = shared_units(trace, t, tp, shared)
         if name in undivided or t not in trace.regions.openers or units is None or units % tp == 0:
             continue
         features, heads = trace.regions.openers[t], trace.regions.heads.get(t)

@@ -53,6 +53,14 @@ def split_dims(rule: Rule, module: nn.Module) -> list[tuple[str, int]]:
     return [(f"part {k} of the {what}", size) for k, size in enumerate(rule.parts)]
 
 
+def _legal(heads: int, shared: bool) -> str:
+    """The tp sizes up to 64 that divide `heads`; with replicate_heads, also its multiples
+    (which the query heads, checked on their own rule, must be a multiple of)."""
+    if not shared:
+        return legal_sizes(heads)
+    return f"{legal_sizes(heads)} or a multiple of {heads} dividing the query heads"
+
+
 def check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> list[Problem]:
     """The problem of a split dim (`what`, of `size`) tp does not divide; with a head_dim
     in the rule, the dim must be whole heads, and tp must divide their number."""
@@ -68,6 +76,8 @@ def check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> 
                     "correct head_dim in the rule.",
                 )
             )
+        elif rule.replicate_heads and tp % (size // rule.head_dim) == 0:
+            pass  # each head goes whole to tp/heads ranks (compile/shared_heads.py)
         elif (size // rule.head_dim) % tp:
             heads = size // rule.head_dim
             out.append(
@@ -77,7 +87,8 @@ def check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> 
                     name,
                     f"{heads} heads (of head_dim {rule.head_dim}) do not split evenly over tp size {tp}; "
                     "every rank must hold whole heads.",
-                    f"use a tp size among {legal_sizes(heads)}, or keep this module replicated.",
+                    f"use a tp size among {_legal(heads, bool(rule.replicate_heads))}, or keep "
+                    "this module replicated.",
                 )
             )
     elif size % tp:

@@ -5,6 +5,7 @@ become torch's own styles (ColwiseParallel, RowwiseParallel, SequenceParallel,
 PrepareModuleInput/Output); the styles torch lacks are built in the modules beside this one:
 
 - colwise with `parts`, `transposed` or `output`: `Colwise` (linear.py);
+- colwise with `replicate_heads`: `SharedHeadsColwise` (shared_heads.py);
 - rowwise: `Rowwise` (linear.py);
 - colwise and rowwise on a 1x1 convolution: `PointwiseConv` (conv.py);
 - vocab_parallel with `sum_at: lookup`: `SumAtLookup` (embeddings.py);
@@ -44,6 +45,7 @@ from .embeddings import SumAtLookup, WrittenRows
 from .experts import Experts
 from .linear import Colwise, Rowwise
 from .params import ReplicateGradSum, SplitParams
+from .shared_heads import SharedHeadsColwise
 
 if TYPE_CHECKING:
     from ..plan.schema import Plan, Rule
@@ -129,6 +131,9 @@ def _split_style(rule: Rule) -> ParallelStyle:
         kw["input_layouts"] = Replicate()
     if rule.output is not None:
         kw["output_layouts"] = placement(rule.output)
+    if rule.style == "colwise" and rule.replicate_heads:
+        assert rule.head_dim is not None  # the rule's validator requires it
+        return SharedHeadsColwise(head_dim=rule.head_dim, input_layouts=kw.get("input_layouts"))
     if rule.style == "colwise" and (rule.parts or rule.transposed or rule.output):
         return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
     if rule.style == "rowwise":

@@ -14,12 +14,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from .._runtime.facts import tied_groups
+from ..errors import TpplanError
 from ..plan.patterns import match_names
-from ..plan.schema import Plan
+from ..plan.schema import AttributeRule, Plan
 from .regions import hold_dtensors
 from .rules import plan_to_torch
+from .shared_heads import head_replicas
 
-__all__ = ["shard_model"]
+__all__ = ["attribute_divisor", "shard_model"]
 
 
 def shard_model(
@@ -67,9 +69,37 @@ def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 def _divide_attributes(plan: Plan, model: nn.Module, tp_size: int) -> None:
-    """Each rank now holds 1/tp of the heads, so reshapes by stored counts use the local count."""
+    """Each rank now holds 1/tp of the heads, so reshapes by stored counts use the local count
+    (with `by: replicas` or `shards`, counts of heads that tp/heads ranks share)."""
     modules = dict(model.named_modules())
     for rule in plan.attributes:
         for name in match_names(rule.match, list(modules)):
+            by = attribute_divisor(plan, model, rule, name, tp_size)
             for attr in rule.divide:
-                setattr(modules[name], attr, getattr(modules[name], attr) // tp_size)
+                setattr(modules[name], attr, getattr(modules[name], attr) // by)
+
+
+def attribute_divisor(
+    plan: Plan, model: nn.Module, rule: AttributeRule, name: str, tp_size: int
+) -> int:
+    """What `rule` divides the attributes of module `name` by at `tp_size`: tp, or the
+    replicas (tp/heads, at least 1) or shards (min(tp, heads)) of the heads of `rule.of`."""
+    if rule.of is None:
+        return tp_size
+    heads = shared_heads(plan, model, f"{name}.{rule.of}")
+    replicas = head_replicas(heads, tp_size)
+    return replicas if rule.by == "replicas" else tp_size // replicas
+
+
+def shared_heads(plan: Plan, model: nn.Module, name: str) -> int:
+    """The head count of the module `name`, split by a colwise rule with replicate_heads."""
+    names = [n for n, _ in model.named_modules()]
+    for rule in plan.rules:
+        if rule.replicate_heads and rule.head_dim and name in match_names(rule.match, names):
+            weight = model.get_submodule(name)._parameters["weight"]
+            assert weight is not None
+            return int(weight.shape[0]) // rule.head_dim
+    raise TpplanError(
+        f"an attribute rule divides by the heads of {name}, which no colwise rule with "
+        "replicate_heads splits; name the key or value projection in `of`."
+    )

@@ -40,6 +40,11 @@ class Stats:
     """Bytes of module outputs one rank produces per token in one forward."""
     collectives: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     """{'forward' | 'backward': {kind: {'count': n, 'bytes': b}}}, bytes as sent per rank."""
+    kv_cache_bytes_per_token: float | None = None
+    """Bytes of the key/value cache one rank keeps per token (every layer), as the forward
+    returned it (`past_key_values`); None for a model that returns no cache."""
+    kv_cache_bytes_per_token_total: float | None = None
+    """The same for the unsharded model."""
 
     @property
     def param_fraction(self) -> float:
@@ -54,6 +59,16 @@ class Stats:
             "tokens": self.tokens,
             "activation_bytes_per_token": round(self.activation_bytes_per_token, 3),
             "collectives": self.collectives,
+            **(
+                {}
+                if self.kv_cache_bytes_per_token is None
+                else {
+                    "kv_cache_bytes_per_token": round(self.kv_cache_bytes_per_token, 3),
+                    "kv_cache_bytes_per_token_total": round(
+                        self.kv_cache_bytes_per_token_total or 0.0, 3
+                    ),
+                }
+            ),
         }
 
 
@@ -92,6 +107,8 @@ def plan_stats(
     total = sum(local_bytes(p) for p in meta.parameters())
     inputs = example_inputs(meta, batch=batch, seq=seq, device="meta")
     tokens = batch * seq
+    with torch.no_grad(), _Collectives():  # the unsharded cache, meta ops run as the tracer's
+        cache_total = _cache_bytes(meta(**inputs))
     act = 0
     with fake_ranks(tp_size) as mesh:
         apply_plan(meta, mesh, plan)
@@ -108,6 +125,7 @@ def plan_stats(
         with fwd, torch.set_grad_enabled(backward):
             out = meta(**inputs)
         collectives["forward"] = fwd.seen
+        cache = _cache_bytes(out)
         for h in handles:
             h.remove()
         if backward:
@@ -125,4 +143,33 @@ def plan_stats(
         tokens=tokens,
         activation_bytes_per_token=act / tokens,
         collectives=collectives,
+        kv_cache_bytes_per_token=None if cache is None else cache / tokens,
+        kv_cache_bytes_per_token_total=None if cache_total is None else cache_total / tokens,
     )
+
+
+def _cache_bytes(out: Any) -> int | None:
+    """This rank's bytes of the key/value cache a forward returned (`past_key_values`, a
+    transformers Cache whose layers hold keys and values, or tuples of tensors)."""
+    cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        return None
+    seen: set[int] = set()
+
+    def walk(x: Any, depth: int) -> int:
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return 0
+            seen.add(id(x))
+            return local_bytes(x)
+        if depth > 3:
+            return 0
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v, depth + 1) for v in x)
+        if isinstance(x, dict):
+            return sum(walk(v, depth + 1) for v in x.values())
+        if hasattr(x, "__dict__") and not isinstance(x, nn.Module):
+            return sum(walk(v, depth + 1) for v in vars(x).values())
+        return 0
+
+    return walk(cache, 0)

@@ -59,6 +59,8 @@ def _error(
     that rank's chunk of the whole (of each of the whole's `parts`, for a fused layer)."""
     if got.shape != want.shape:
         dims = [d for d in range(want.dim()) if got.shape[d] * tp == want.shape[d]]
+        if got.dim() == want.dim() and not dims:
+            return _shared_error(got, want, rank, tp)
         if got.dim() != want.dim() or len(dims) != 1:
             return float("inf")
         if parts is not None and dims[0] == want.dim() - 1 and sum(parts) == want.shape[-1]:
@@ -69,6 +71,19 @@ def _error(
     if got.numel() == 0:
         return 0.0
     return (got.detach().double() - want.detach().double()).abs().max().item()
+
+
+def _shared_error(got: torch.Tensor, want: torch.Tensor, rank: int, tp: int) -> float:
+    """A rank's piece of an output split into k < tp pieces along one dim, each shared by
+    tp/k consecutive ranks (key/value heads fewer than tp, compile/shared_heads.py): rank r
+    holds piece r // (tp/k)."""
+    dims = [d for d in range(want.dim()) if got.shape[d] != want.shape[d]]
+    if len(dims) != 1 or got.shape[dims[0]] == 0 or want.shape[dims[0]] % got.shape[dims[0]]:
+        return float("inf")
+    k = want.shape[dims[0]] // got.shape[dims[0]]
+    if tp % k:
+        return float("inf")
+    return _error(got, want.chunk(k, dim=dims[0])[rank // (tp // k)], 0, 1)
 
 
 def _fused_outputs(sharded: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -94,6 +94,14 @@ class Rule(_Strict):
     head_dim: int | None = Field(default=None, gt=0)
     """The sharded features are attention heads of this size; every rank must get whole
     heads, so the head count must divide by the tp size."""
+    replicate_heads: bool | None = None
+    """colwise with head_dim (a key or value projection of grouped-query attention): at a tp
+    size that is a multiple of its head count, each head goes whole to tp/heads consecutive
+    ranks (the ranks whose query heads it serves) instead of tp having to divide the heads.
+    The weight is a DTensor on the tp axis viewed as (heads, tp/heads), split over the first
+    and replicated over the second, so its full tensor is the original; the gradient of a
+    shared head is summed over the ranks that share it. At a tp size dividing the head count
+    the layer is split as plain colwise."""
     parts: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=2)
     """colwise: the output features are several tensors laid end to end (fused q|k|v, or
     gate|up), of these sizes in order. Each part is split across the ranks on its own, and a
@@ -193,6 +201,25 @@ class AttributeRule(_Strict):
     """Dotted module-name pattern, as in rules."""
     divide: list[str] = Field(min_length=1)
     """Names of integer attributes to divide by the tp size on every matched module."""
+    by: Literal["tp", "replicas", "shards"] | None = None
+    """What the attributes are divided by: the tp size (`tp`, the default); `replicas`, the number of
+    ranks sharing each head of the layer `of` (tp / its heads, at least 1: the query heads
+    per key head of grouped-query attention, `num_key_value_groups`); `shards`, the number
+    of groups its heads are split into (min(tp, its heads): `num_key_value_heads`)."""
+    of: str | None = None
+    """by replicas or shards: the module, by its dotted name under the matched one, whose
+    rule has replicate_heads (`k_proj`); its heads are counted on the model."""
+
+    @model_validator(mode="after")
+    def _of_fits_by(self) -> AttributeRule:
+        by_tp = self.by in (None, "tp")
+        if by_tp != (self.of is None):
+            raise ValueError(
+                f"attributes: by {self.by or 'tp'} {'takes no' if by_tp else 'needs'} of; "
+                "by replicas or shards names the layer whose heads are shared (of: k_proj)."
+            )
+        return self
+
     why: str = Field(min_length=1)
     """Which reshape reads them."""
 
@@ -218,7 +245,7 @@ class RegionRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] = 10  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] = 11  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None
@@ -240,6 +267,7 @@ class Plan(_Strict):
             model_fields=self.model.model_fields_set if self.model is not None else (),
             rules=[(r.style, r.model_fields_set) for r in self.rules],
             regions=bool(self.regions),
+            attributes=[a.model_fields_set for a in self.attributes],
         )
         return self
 

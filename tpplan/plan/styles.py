@@ -32,7 +32,9 @@ STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 
 # Which optional fields each style accepts; anything else on a rule of that style is an error.
 STYLE_FIELDS: dict[str, frozenset[str]] = {
-    "colwise": frozenset({"input", "output", "local_output", "head_dim", "parts", "transposed"}),
+    "colwise": frozenset(
+        {"input", "output", "local_output", "head_dim", "parts", "transposed", "replicate_heads"}
+    ),
     "rowwise": frozenset({"input", "output", "local_output", "head_dim", "parts", "transposed"}),
     "vocab_parallel": frozenset({"input", "output", "local_output", "sum_at", "written"}),
     "sequence_parallel": frozenset({"input", "local_output"}),
@@ -89,6 +91,15 @@ def _check_colwise(fields: Fields) -> None:
     if "partial" in (fields.get("input"), fields.get("output")):
         raise ValueError(
             "style 'colwise' cannot take or give layout 'partial'; use replicate or shard(DIM)."
+        )
+    if fields.get("replicate_heads") and (
+        fields.get("head_dim") is None
+        or any(fields.get(f) for f in ("parts", "transposed", "output"))
+        or fields.get("local_output") is False
+    ):
+        raise ValueError(
+            "colwise with replicate_heads needs head_dim (the heads it shares among ranks) "
+            "and takes no parts, transposed, output or local_output: false."
         )
 
 

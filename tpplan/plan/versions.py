@@ -20,9 +20,9 @@ __all__ = [
 
 # A new version is added here, to READABLE_VERSIONS and to Plan.tpplan's Literal (schema.py),
 # with its schema hash in plans/schema_versions.json (tests/test_plan.py checks it).
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {
     2: ("parts", "transposed"),
@@ -30,10 +30,13 @@ _ADDED_FIELDS = {
     5: ("added_whole",),
     6: ("sum_at",),
     7: ("written",),
+    11: ("replicate_heads",),
 }
 _ADDED_STYLES = {3: ("experts",), 4: ("split_params",), 10: ("heads",)}
 _ADDED_MODEL_FIELDS = {4: ("command",)}
 _ADDED_TOP_LEVEL = {8: ("regions",)}
+# fields of `attributes` entries, by the version that added them
+_ADDED_ATTRIBUTE_FIELDS = {11: ("by", "of")}
 # fields a style took later than the field itself: (style, field)
 _ADDED_STYLE_FIELDS = {9: (("rowwise", "parts"),)}
 
@@ -62,6 +65,7 @@ def check_fields_fit_version(
     model_fields: Collection[str],
     rules: Sequence[tuple[str, Collection[str]]],
     regions: bool = False,
+    attributes: Sequence[Collection[str]] = (),
 ) -> None:
     """Raise ValueError naming every field and style newer than `version`, with the newest
     version they need: `rules` is each rule's (style, fields given); `regions`, whether the
@@ -72,11 +76,18 @@ def check_fields_fit_version(
         *_ADDED_MODEL_FIELDS,
         *_ADDED_TOP_LEVEL,
         *_ADDED_STYLE_FIELDS,
+        *_ADDED_ATTRIBUTE_FIELDS,
     }
     for needed in sorted(added, reverse=True):
         if version >= needed:
             break
         newer = [f for f in _ADDED_TOP_LEVEL.get(needed, ()) if regions]
+        newer += [
+            f"attributes[{i}].{f}"
+            for i, fields in enumerate(attributes)
+            for f in _ADDED_ATTRIBUTE_FIELDS.get(needed, ())
+            if f in fields
+        ]
         newer += [f"model.{f}" for f in _ADDED_MODEL_FIELDS.get(needed, ()) if f in model_fields]
         newer += [
             f"rules[{i}].{f}"

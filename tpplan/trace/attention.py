@@ -142,8 +142,26 @@ class AttentionMode(TorchFunctionMode):
         units = st.trace.regions.units
         for s in sources:
             units[s] = math.gcd(units.get(s, q.n), *(x.n for x in splits if x))
+        _note_groups(st, splits)
         st.splits.mark(out, Split(q.dim, 1, q.n, q.inner, sources), "scaled_dot_product_attention")
         return out
+
+
+def _note_groups(st: Trackers, splits: list[Split | None]) -> None:
+    """Grouped-query attention (fewer key/value heads than query heads, the key and value
+    alike): which openers are its queries and which its keys and values, and how many heads
+    each side has. scaled_dot_product_attention (enable_gqa) repeats each key/value head
+    for H/K consecutive query heads (repeat_interleave), so the groups are contiguous."""
+    q, k, v = splits[:3]
+    assert q is not None and k is not None and v is not None  # _heads_split checked
+    if k.n != v.n or k.n >= q.n or q.n % k.n:
+        return
+    regions = st.trace.regions
+    kv = k.sources | v.sources
+    for s in kv - q.sources:
+        regions.kv_heads[s] = k.n
+    for s in q.sources - kv:
+        regions.query_heads[s] = (q.n, frozenset(kv))
 
 
 def _heads_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:

@@ -78,6 +78,14 @@ class RegionFacts:
     """Opener -> number of heads of the first view that split its features into heads."""
     units: dict[str, int] = field(default_factory=dict)
     """Opener -> gcd of every split size its features met; tp must divide it."""
+    kv_heads: dict[str, int] = field(default_factory=dict)
+    """Opener whose heads reached grouped-query attention as its keys or values -> their
+    number K, fewer than the query heads H: attention pairs query head i with key/value head
+    i // (H/K) (consecutive groups), so at a tp that is a multiple of K each rank's query
+    heads meet one key/value head, which tp/K ranks can share (`replicate_heads`)."""
+    query_heads: dict[str, tuple[int, frozenset[str]]] = field(default_factory=dict)
+    """Opener whose heads reached grouped-query attention as its queries -> (H, the openers
+    of its keys and values)."""
     links: set[frozenset[str]] = field(default_factory=set)
     """Groups of openers/closers that exchanged split tensors: one region each."""
     broken: dict[str, list[str]] = field(default_factory=dict)
