@@ -2,13 +2,14 @@
 `replicate_heads`, compile/shared_heads.py): each key/value head whole on the tp/heads ranks
 whose query heads it serves, the query and output projections split by query heads.
 
-Parity with the unsharded model forward and backward at tp 2 (heads split as plain colwise)
-and tp 4 (each of 2 key/value heads shared by 2 ranks); parameters' full tensors are the
-original weights; a checkpoint saved at tp 4 loads at tp 2 and 1; and on a fake process group,
-Llama-3-70B's attention at tp 16 holds 1/16 of q and o and 1/8 of k and v per rank, keeps 1/8
-of the KV cache, and runs one all-reduce per block with no all-gather.
-
-PROTOTYPE: the plans here are written by hand (infer does not write replicate_heads yet).
+What infer writes (from the trace: the heads' grouping in attention, the count that repeats
+them), parity of its plans with the unsharded model forward and backward at tp 2 (heads
+split as plain colwise) and tp 4 (each of 2 key/value heads shared by 2 ranks), down every
+path transformers takes (grouped attention, repeat_kv under a padding mask, eager); the
+parameters' full tensors are the original weights; a checkpoint saved at tp 4 loads at tp 2
+and 1; on a fake process group, Llama-3-70B's attention at tp 16 holds 1/16 of q and o and
+1/8 of k and v per rank, keeps 1/8 of the KV cache, and runs one all-reduce per block with
+no all-gather; and check's messages for the tp sizes it still cannot serve.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tpplan
@@ -43,44 +46,9 @@ TINY = {
 }
 
 
-def _kv_plan(head_dim: int, *, qk_norm: bool = False) -> Plan:
-    """The Llama/Qwen3 plan with k and v sharing their heads past tp 2 (tp-size free)."""
-    attn = "model.layers.*.self_attn"
-    rules: list[dict[str, Any]] = [
-        {"match": "model.embed_tokens", "style": "vocab_parallel", "why": "vocab rows"},
-        {"match": f"{attn}.q_proj", "style": "colwise", "head_dim": head_dim, "why": "q heads"},
-        *(
-            {
-                "match": f"{attn}.{kv}",
-                "style": "colwise",
-                "head_dim": head_dim,
-                "replicate_heads": True,
-                "why": "each kv head on the ranks of its query heads",
-            }
-            for kv in ("k_proj", "v_proj")
-        ),
-        {"match": f"{attn}.o_proj", "style": "rowwise", "head_dim": head_dim, "why": "closes"},
-        *(
-            {"match": f"{attn}.{n}", "style": "replicate_grad_sum", "why": "per-head norm"}
-            for n in (("q_norm", "k_norm") if qk_norm else ())
-        ),
-        {"match": "model.layers.*.mlp.gate_proj", "style": "colwise", "why": "mlp"},
-        {"match": "model.layers.*.mlp.up_proj", "style": "colwise", "why": "mlp"},
-        {"match": "model.layers.*.mlp.down_proj", "style": "rowwise", "why": "mlp"},
-        {"match": "lm_head", "style": "colwise", "output": "replicate", "why": "vocab"},
-    ]
-    attributes = [
-        {
-            "match": attn,
-            "divide": ["num_key_value_groups"],
-            "by": "replicas",
-            "of": "k_proj",
-            "why": "the query heads per key/value head each rank holds",
-        }
-    ]
-    return Plan.from_data(
-        {"tpplan": 11, "model": {"class": "any"}, "rules": rules, "attributes": attributes}
-    )
+def _kv_plan(spec: str = "llama", tp: int = 4, config: dict[str, Any] | None = None) -> Plan:
+    """The plan infer writes for a tiny model of `spec` (built on the meta device)."""
+    return tpplan.infer_plan(build_model(spec, config or TINY, device="meta"), tp_size=tp)
 
 
 def _tiny(spec: str) -> torch.nn.Module:
@@ -93,13 +61,103 @@ def _ids() -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 128, (2, 7), generator=g)}
 
 
+def _padded(ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same ids with a padding mask (the first sequence's first two tokens padding):
+    transformers then repeats the key/value heads by num_key_value_groups (repeat_kv)."""
+    mask = torch.ones_like(ids["input_ids"])
+    mask[0, :2] = 0
+    return {**ids, "attention_mask": mask}
+
+
+@pytest.mark.unit
+def test_infer_shares_the_kv_heads_past_their_count() -> None:
+    """2 key/value heads, 8 query heads: k and v take replicate_heads, q and o plain, and the
+    count repeat_kv reads is divided by the ranks sharing a head; the plan is the same at
+    tp 2 (it serves both) and check passes it at tp 2, 4 and 8."""
+    plan = _kv_plan(tp=4)
+    rules = {r.match.rpartition(".")[2]: r for r in plan.rules}
+    assert rules["k_proj"].replicate_heads and rules["v_proj"].replicate_heads
+    assert rules["q_proj"].replicate_heads is None and rules["q_proj"].output is None
+    assert rules["o_proj"].style == "rowwise"
+    (attr,) = plan.attributes
+    assert (attr.divide, attr.by, attr.of) == (["num_key_value_groups"], "replicas", "k_proj")
+    assert _kv_plan(tp=2).to_data()["rules"] == plan.to_data()["rules"]
+    model = build_model("llama", TINY, device="meta")
+    for tp in (2, 4, 8):
+        assert tpplan.check_plan(plan, model, tp_size=tp) == [], tp
+
+
 @pytest.mark.parametrize("spec", ["llama", "qwen3"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_shared_kv_heads_match_the_unsharded_model(spec: str, tp: int) -> None:
+@pytest.mark.parametrize("masked", [False, True], ids=["grouped", "repeat_kv"])
+def test_shared_kv_heads_match_the_unsharded_model(spec: str, tp: int, masked: bool) -> None:
     model = _tiny(spec)
-    plan = _kv_plan(8, qk_norm=spec == "qwen3")
+    plan = _kv_plan(spec, tp)
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
-    assert_parity(model, plan, tp, _ids())
+    assert_parity(model, plan, tp, _padded(_ids()) if masked else _ids())
+
+
+def test_eager_attention_shares_kv_heads_at_tp4() -> None:
+    """Eager attention always repeats the key/value heads (repeat_kv): infer proves the count
+    on that path too."""
+    model = _tiny("llama")
+    model.config._attn_implementation = "eager"
+    plan = tpplan.infer_plan(copy.deepcopy(model).to("meta"), tp_size=4)
+    assert [a.by for a in plan.attributes] == ["replicas"]
+    assert_parity(model, plan, 4, _padded(_ids()))
+
+
+class _Gqa(nn.Module):
+    """Hand-written grouped-query attention, torchtitan's way: its key/value heads repeated
+    by `self.n_rep` (or, with `literal`, by a number no attribute holds)."""
+
+    def __init__(self, literal: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd, self.literal = 8, 2, 8, literal
+        self.n_rep = self.n_heads // self.n_kv
+        self.wq = nn.Linear(32, 64, bias=False)
+        self.wk = nn.Linear(32, 16, bias=False)
+        self.wv = nn.Linear(32, 16, bias=False)
+        self.wo = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.hd)
+        k = self.wk(x).view(b, s, -1, self.hd)
+        v = self.wv(x).view(b, s, -1, self.hd)
+        rep = 4 if self.literal else self.n_rep
+        k, v = (
+            t.unsqueeze(3).expand(b, s, t.shape[2], rep, self.hd).reshape(b, s, -1, self.hd)
+            for t in (k, v)
+        )
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_repeat_by_an_attribute_is_divided_for_shared_heads() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Gqa())
+    plan = tpplan.infer_plan(model, tp_size=4)
+    rules = {r.match: r for r in plan.rules}
+    assert rules["0.wk"].replicate_heads and rules["0.wv"].replicate_heads
+    assert [(a.match, a.divide, a.by, a.of) for a in plan.attributes] == [
+        ("0", ["n_rep"], "replicas", "wk")
+    ]
+    assert_parity(model, plan, 4, torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2)))
+
+
+@pytest.mark.unit
+def test_a_repeat_by_a_number_no_attribute_holds_is_not_shared() -> None:
+    """Repeated by a literal 4, each rank's one head would still be repeated 4 times past the
+    count: the heads stay split and gathered at tp 4, with the reason; at tp 2 they split."""
+    model = nn.Sequential(_Gqa(literal=True))
+    plan = tpplan.infer_plan(model, tp_size=4)
+    rules = {r.match: r for r in plan.rules}
+    assert rules["0.wk"].output == "replicate" and not rules["0.wk"].replicate_heads
+    assert "an expand repeats the heads 4, and no module attribute read in forward holds it" in (
+        rules["0.wk"].why
+    )
+    assert tpplan.infer_plan(model, tp_size=2).rules[1].output is None
 
 
 def test_a_shared_heads_gradient_is_summed_over_the_ranks_sharing_it() -> None:
@@ -109,8 +167,9 @@ def test_a_shared_heads_gradient_is_summed_over_the_ranks_sharing_it() -> None:
     ref = copy.deepcopy(model)
     ref(**ids).logits.pow(2).sum().backward()
     want = ref.model.layers[0].self_attn.k_proj.weight.grad
+    plan = _kv_plan()
     with simulated_ranks(4) as mesh:
-        tpplan.apply_plan(model, mesh, _kv_plan(8))
+        tpplan.apply_plan(model, mesh, plan)
         model(**ids).logits.pow(2).sum().backward()
         w = model.model.layers[0].self_attn.k_proj.weight
         assert isinstance(w, DTensor) and isinstance(w.grad, DTensor)
@@ -127,8 +186,9 @@ def test_a_shared_heads_gradient_is_summed_over_the_ranks_sharing_it() -> None:
 def test_full_tensors_are_the_original_weights() -> None:
     model = _tiny("llama")
     want = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = _kv_plan()
     with simulated_ranks(4) as mesh:
-        tpplan.apply_plan(model, mesh, _kv_plan(8))
+        tpplan.apply_plan(model, mesh, plan)
         got = {
             k: rank_values(v.full_tensor() if isinstance(v, DTensor) else v)[0]
             for k, v in model.state_dict().items()
@@ -141,15 +201,16 @@ def test_full_tensors_are_the_original_weights() -> None:
 def test_a_checkpoint_saved_at_tp4_loads_at_another_tp(tmp_path: Path, load_tp: int) -> None:
     model = _tiny("llama")
     want = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = _kv_plan()
     with simulated_ranks(4) as mesh:
-        save_checkpoint(tpplan.apply_plan(model, mesh, _kv_plan(8)), tmp_path, sharded=False)
+        save_checkpoint(tpplan.apply_plan(model, mesh, plan), tmp_path, sharded=False)
     fresh = build_model("llama", TINY, device="cpu").float()
     if load_tp == 1:
         load_checkpoint(fresh, tmp_path)
         got = fresh.state_dict()
     else:
         with simulated_ranks(load_tp) as mesh:
-            tpplan.apply_plan(fresh, mesh, _kv_plan(8))
+            tpplan.apply_plan(fresh, mesh, plan)
             load_checkpoint(fresh, tmp_path)
             got = {
                 k: rank_values(v.full_tensor() if isinstance(v, DTensor) else v)[0]
@@ -169,8 +230,9 @@ LLAMA3_70B = {
 
 
 def test_llama3_70b_at_tp16_shares_kv_heads_with_one_all_reduce_per_block() -> None:
+    """The plan infer writes at tp 16 for 64 query heads and 8 key/value heads."""
     model = build_model("llama", LLAMA3_70B, device="meta")
-    plan = _kv_plan(128)
+    plan = tpplan.infer_plan(model, tp_size=16)
     assert tpplan.check_plan(plan, model, tp_size=16) == []
     stats = plan_stats(model, plan, tp_size=16)
     fwd = stats.collectives["forward"]
@@ -179,3 +241,25 @@ def test_llama3_70b_at_tp16_shares_kv_heads_with_one_all_reduce_per_block() -> N
     assert fwd["all_gather_into_tensor"]["count"] == 1
     assert stats.kv_cache_bytes_per_token_total is not None
     assert stats.kv_cache_bytes_per_token == stats.kv_cache_bytes_per_token_total / 8
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("tp", "said"),
+    [
+        (3, "2 heads (of head_dim 8) do not split evenly over tp size 3"),
+        (16, "8 heads (of head_dim 8) do not split evenly over tp size 16"),
+    ],
+)
+def test_check_names_the_tp_sizes_sharing_cannot_serve(tp: int, said: str) -> None:
+    """tp 3 neither divides the 2 key/value heads nor is a multiple of them; tp 16 splits 8
+    query heads in halves. Each gets one message naming the layer and the sizes to use."""
+    model = build_model("llama", TINY, device="meta")
+    problems = tpplan.check_plan(_kv_plan(), model, tp_size=tp)
+    assert problems and all(said in p.message or p.kind != "heads" for p in problems)
+    text = "\n".join(str(p) for p in problems)
+    assert said in text
+    if tp == 3:
+        assert "k_proj" in text and "or a multiple of 2 dividing the query heads" in text
+    else:
+        assert "q_proj" in text and "use a tp size among" in text

@@ -19,7 +19,7 @@ from ..trace import Trace, trace_model
 from .attention import decide_attention
 from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
 from .context import Context, Decided
-from .decision import Attributes, Decision
+from .decision import Attributes, Decision, Divided
 from .dtensor_regions import try_dtensor_regions
 from .embeddings import decide_embeddings, decide_head
 from .experts import decide_experts, keep_inside_experts, keep_unsplit_experts, pool_experts
@@ -185,12 +185,17 @@ def _rules(model: nn.Module, decisions: dict[str, Decision]) -> list[Rule]:
 def _attribute_rules(model: nn.Module, attributes: Attributes) -> list[AttributeRule]:
     """One attribute rule per group of modules dividing the same attributes for one reason."""
     names = [n for n, _ in model.named_modules() if n]
-    groups: dict[tuple[tuple[str, ...], str], list[str]] = {}
+    groups: dict[Divided, list[str]] = {}
     for n in names:
-        if n in attributes:
-            groups.setdefault(attributes[n], []).append(n)
+        for entry in attributes.get(n, ()):
+            groups.setdefault(entry, []).append(n)
     return [
-        AttributeRule(match=p, divide=list(attrs), why=why)
-        for (attrs, why), members in groups.items()
+        AttributeRule(
+            match=p,
+            divide=list(d.attrs),
+            why=d.why,
+            **({} if d.by is None else {"by": d.by, "of": d.of}),
+        )
+        for d, members in groups.items()
         for p in collapse(members, names)
     ]

@@ -11,12 +11,25 @@ from typing import Any
 
 from ..plan.schema import Rule
 
-__all__ = ["NOT_CALLED", "Attributes", "Decision"]
+__all__ = ["NOT_CALLED", "Attributes", "Decision", "Divided"]
 
 NOT_CALLED = "kept whole: it was not called in the traced forward"
 
-# module -> (its integer attributes a plan divides by the tp size, why)
-Attributes = dict[str, tuple[tuple[str, ...], str]]
+
+@dataclass(frozen=True)
+class Divided:
+    """Integer attributes of one module a plan divides, by one divisor, and why (an
+    attribute rule less its pattern)."""
+
+    attrs: tuple[str, ...]
+    why: str
+    by: str | None = None
+    """None: the tp size; "replicas" or "shards": of the heads of the layer `of`."""
+    of: str | None = None
+
+
+# module -> what its plan divides, one entry per divisor
+Attributes = dict[str, tuple[Divided, ...]]
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,7 @@ class Decision:
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # experts: (parameter, pieces)
     after_sum: tuple[str, ...] = ()  # experts
     added_whole: tuple[str, ...] = ()  # experts: submodules whose output is scaled 1/tp
+    replicate_heads: bool = False  # colwise: key/value heads shared past their count
     sum_at: str | None = None  # vocab_parallel: "lookup"
     written: tuple[str, ...] = ()  # vocab_parallel: parameters written over rows, split
 
@@ -57,6 +71,8 @@ class Decision:
             extra["local_input"] = True
         if self.head_dim is not None:
             extra["head_dim"] = self.head_dim
+        if self.replicate_heads:
+            extra["replicate_heads"] = True
         if self.output is not None:
             extra["output"] = self.output
         if self.parts is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from .context import Context, Decided
-from .decision import Decision
+from .decision import Decision, Divided
 from .names import PLAIN_OPS, join
 from .regions import split_unit
 
@@ -167,9 +167,11 @@ def _split_by_experts(
     if counts:
         ((attr_module, attr, value),) = counts
         out.attributes[attr_module] = (
-            (attr,),
-            f"its forward reads {attr} = {value} (its number of experts); each rank holds "
-            f"{value // ctx.tp} of them, so it is divided by the tp size",
+            Divided(
+                (attr,),
+                f"its forward reads {attr} = {value} (its number of experts); each rank "
+                f"holds {value // ctx.tp} of them, so it is divided by the tp size",
+            ),
         )
     else:
         (value,) = {own[r.short(m)].shape[0] for m in r.members}

@@ -12,8 +12,9 @@ from torch import nn
 
 from ..trace import Trace
 from .context import Context, Decided
-from .decision import Decision
+from .decision import Decision, Divided
 from .names import PLAIN_OPS, join, join_names, own_params, relative
+from .shared_heads import Sharing, kv_sharing
 
 __all__ = ["decide_region", "find_regions", "split_unit"]
 
@@ -65,21 +66,35 @@ def decide_region(ctx: Context, out: Decided, members: list[str]) -> None:
     if openers and not closers and not reasons:
         reasons.append("no Linear contracts its output features")
     units = split_unit(t, openers)
-    if openers and units % ctx.tp:
+    counts = {c for o in openers for c in t.reads.counts.get(o, ())}
+    sharing = kv_sharing(ctx, openers, counts)
+    shared = sharing is not None and sharing.refused is None
+    if openers and units % ctx.tp and not (shared and sharing is not None and sharing.fits(ctx.tp)):
+        unshared = (
+            f"; its key/value heads cannot be shared among ranks ({sharing.refused})"
+            if sharing is not None and sharing.refused
+            else ""
+        )
         reasons.append(
-            f"its features split into {units} indivisible blocks (heads), which tp {ctx.tp} does not divide"
+            f"its features split into {units} indivisible blocks (heads), which tp {ctx.tp} "
+            f"does not divide{unshared}"
         )
     holders = _param_holders(ctx, set(openers), reasons)
-    counts = {c for o in openers for c in t.reads.counts.get(o, ())}
+    if shared and sharing is not None:
+        # key/value counts are divided by the heads' shards, not the tp size
+        counts = {c for c in counts if c[:2] not in sharing.divided()}
     reasons += _count_reasons(ctx, counts)
     if reasons:
         for m in members:
             out.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
         return
     out.split_regions.append((openers, closers))
-    _open(ctx, out, openers, closers, short, units)
+    _open(ctx, out, openers, closers, short, units, sharing if shared else None)
     _close(ctx, out, openers, closers, short)
     _divide_counts(out, counts, openers, short)
+    if shared and sharing is not None:
+        for module, entries in sharing.attributes.items():
+            out.attributes[module] = (*out.attributes.get(module, ()), *entries)
     _style_param_holders(ctx, out, holders, openers, short)
 
 
@@ -166,8 +181,11 @@ def _open(
     closers: list[str],
     short: dict[str, str],
     units: int,
+    sharing: Sharing | None = None,
 ) -> None:
-    """Openers colwise; `why` names the ops the split passed and the closers that end it."""
+    """Openers colwise; `why` names the ops the split passed and the closers that end it.
+    With `sharing`, the key/value openers of grouped-query attention share their heads
+    among ranks past their count."""
     t = ctx.trace
     to = join_names([short[c] for c in closers])
     # `to` names the closers: the evidence a reviewer checks against the model's forward
@@ -185,13 +203,31 @@ def _open(
             if heads and units < heads
             else ""
         )
+        kv = sharing.kv.get(o) if sharing is not None else None
+        if sharing is not None:
+            need = _shared_need(sharing, kv)
         out.decisions[o] = Decision(
             "colwise",
             f"{what} {path}{with_partners}, which {verb} {it} on its input dim (rowwise){need}",
             head_dim=head_dim,
             parts=t.regions.parts.get(o),
             transposed=o in t.layers.linears and t.layers.linears[o][2],
+            replicate_heads=kv is not None,
         )
+
+
+def _shared_need(sharing: Sharing, kv: int | None) -> str:
+    """What tp sizes a region with shared key/value heads takes, for one opener's `why`."""
+    if kv is None:
+        return (
+            f"; tp must divide {sharing.query_unit} (its query heads; the key/value heads "
+            "are shared past their count)"
+        )
+    return (
+        f"; its {kv} key/value heads each serve consecutive query heads: tp must divide {kv}, "
+        f"or be a multiple of it, each head then whole on the tp/{kv} ranks holding its "
+        "query heads, its gradient summed over them"
+    )
 
 
 def _output_features(ctx: Context, o: str, inners: set[int]) -> tuple[str, str, int | None]:
@@ -252,13 +288,16 @@ def _divide_counts(
 ) -> None:
     """The head counts (and fused cut sizes) the region's views read are divided by tp."""
     for module, attr, _ in sorted(counts):
-        attrs = tuple(sorted({*out.attributes.get(module, ((), ""))[0], attr}))
-        out.attributes[module] = (
+        entries = out.attributes.get(module, ())
+        by_tp = [d for d in entries if d.by is None]
+        attrs = tuple(sorted({*(by_tp[0].attrs if by_tp else ()), attr}))
+        divided = Divided(
             attrs,
             f"its forward reads {', '.join(attrs)} to view or cut the split features of "
             f"{join(sorted(short[o] for o in openers))} (with -1 or the rest for other "
             "dims); each rank must use its own share, so it is divided by the tp size",
         )
+        out.attributes[module] = (divided, *(d for d in entries if d.by is not None))
 
 
 def _style_param_holders(

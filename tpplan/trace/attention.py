@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .rules import side_input
+from .rules import note_grouped, side_input
 from .split import Split, SplitEnds, check_broadcast, norm_dim
 from .trackers import Trackers
 
@@ -140,28 +140,24 @@ class AttentionMode(TorchFunctionMode):
         if mask_split is not None:
             sources |= mask_split.sources  # a per-head bias joins the heads' region
         units = st.trace.regions.units
+        sides = _grouped(st, splits)
         for s in sources:
-            units[s] = math.gcd(units.get(s, q.n), *(x.n for x in splits if x))
-        _note_groups(st, splits)
+            # grouped-query attention: each side's heads on their own (the pairing of query
+            # head i with key/value head i // (H/K) is kept by `_grouped`'s facts instead)
+            n = sides.get(s) if sides else None
+            units[s] = math.gcd(units.get(s, q.n), *((n,) if n else (x.n for x in splits if x)))
         st.splits.mark(out, Split(q.dim, 1, q.n, q.inner, sources), "scaled_dot_product_attention")
         return out
 
 
-def _note_groups(st: Trackers, splits: list[Split | None]) -> None:
-    """Grouped-query attention (fewer key/value heads than query heads, the key and value
-    alike): which openers are its queries and which its keys and values, and how many heads
-    each side has. scaled_dot_product_attention (enable_gqa) repeats each key/value head
-    for H/K consecutive query heads (repeat_interleave), so the groups are contiguous."""
+def _grouped(st: Trackers, splits: list[Split | None]) -> dict[str, int]:
+    """Grouped-query attention, the key and the value alike (rules.py's `note_grouped`):
+    opener -> its own side's head count; empty for any other attention."""
     q, k, v = splits[:3]
     assert q is not None and k is not None and v is not None  # _heads_split checked
-    if k.n != v.n or k.n >= q.n or q.n % k.n:
-        return
-    regions = st.trace.regions
-    kv = k.sources | v.sources
-    for s in kv - q.sources:
-        regions.kv_heads[s] = k.n
-    for s in q.sources - kv:
-        regions.query_heads[s] = (q.n, frozenset(kv))
+    if k.n != v.n or k.inner != v.inner:
+        return {}
+    return note_grouped(st, q, [k, v])
 
 
 def _heads_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:

@@ -86,6 +86,13 @@ class RegionFacts:
     query_heads: dict[str, tuple[int, frozenset[str]]] = field(default_factory=dict)
     """Opener whose heads reached grouped-query attention as its queries -> (H, the openers
     of its keys and values)."""
+    repeats: dict[str, tuple[int, AttributeRead | None]] = field(default_factory=dict)
+    """Key/value opener whose heads were repeated side by side to meet the query heads ->
+    (times, the attribute holding that count, or None where none does or none is needed).
+    Where tp/K ranks share a head, each rank repeats its one head by (H/K)/(tp/K): the
+    attribute is divided by the ranks sharing it."""
+    unshared: dict[str, str] = field(default_factory=dict)
+    """Key/value opener whose heads cannot be shared among ranks -> why."""
     links: set[frozenset[str]] = field(default_factory=set)
     """Groups of openers/closers that exchanged split tensors: one region each."""
     broken: dict[str, list[str]] = field(default_factory=dict)

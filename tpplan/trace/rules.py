@@ -140,7 +140,65 @@ def _expanded(st: Trackers, op: Op) -> Followed:
     d = s.dim + out.dim() - x.dim()
     if out.shape[d] != x.shape[s.dim]:
         raise SplitEnds("it expands the split dim")
+    after = s.dim + 1
+    if after < x.dim() and x.shape[after] == 1 and out.shape[d + 1] > 1:
+        # each head repeated side by side (`repeat_kv`), if a merge follows
+        note_repeat(st, s.sources, out.shape[d + 1], "an expand repeats the heads")
     return [(out, s.at(d))]
+
+
+def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
+    """Query heads (`q`, H of them) meeting fewer key/value heads (`kvs`, K each, K < H):
+    grouped-query attention, which pairs query head i with key/value head i // (H/K),
+    consecutive groups, whether the model repeats the key/value heads first (`repeat_kv`:
+    an expand then a merge, seen as K units of H/K) or leaves it to attention's
+    `enable_gqa`. Records which openers are which side and the count a rank's repeat needs
+    when tp/K ranks share each key/value head (record.py's `kv_heads`, `query_heads`,
+    `repeats`, `unshared`); returns opener -> its own side's head count, empty where this
+    is not such a pairing."""
+    regions = st.trace.regions
+    k = kvs[0]
+    kv = frozenset().union(*(x.sources for x in kvs))
+    # eager attention meets the values with weights of the queries and the keys: the keys
+    # are a key/value side already
+    queries = q.sources - regions.kv_heads.keys()
+    if k.n >= q.n or q.n % k.n or kv & queries or not queries:
+        return {}
+    group = q.n // k.n
+    if k.inner == 1:
+        # `enable_gqa`: the model's code may still repeat by an attribute on other paths
+        # (transformers does under a mask); one that holds the group size, read by the
+        # running forward, is divided with the sharing, as that repeat would need
+        note_repeat(st, kv, group, "attention groups its heads by")
+    elif k.inner != group or any(regions.repeats.get(s, (0,))[0] != group for s in kv):
+        for s in kv:
+            regions.unshared.setdefault(s, "its heads are repeated other than by the groups")
+    for s in kv:
+        regions.kv_heads[s] = k.n
+    for s in queries:
+        regions.query_heads[s] = (q.n, kv | regions.query_heads.get(s, (0, frozenset()))[1])
+    return {**dict.fromkeys(kv, k.n), **dict.fromkeys(queries, q.n)}
+
+
+def note_repeat(st: Trackers, sources: frozenset[str], times: int, doing: str) -> None:
+    """Heads of `sources` repeated `times` times each (or grouped so, by attention): the
+    attribute of the running forward holding `times` must shrink with the heads' sharing
+    among ranks (record.py's `repeats`); none or several make that sharing unproven."""
+    regions = st.trace.regions
+    held = {(m, a) for m, a, v in st.reads.frames[-1] if v == times}
+    for src in sources:
+        if len(held) == 1:
+            ((module, attr),) = held
+            regions.repeats[src] = (times, (module, attr, times))
+            continue
+        regions.repeats.setdefault(src, (times, None))
+        if held or doing.startswith("an expand"):
+            which = (
+                f"several attributes read in forward hold it ({', '.join(sorted(a for _, a in held))})"
+                if held
+                else "no module attribute read in forward holds it"
+            )
+            regions.unshared.setdefault(src, f"{doing} {times}, and {which}")
 
 
 @rule("slice", "select", "narrow")
@@ -306,6 +364,11 @@ def _multiplied(st: Trackers, op: Op) -> Followed:
         if not (batched and sx.dim == 0 and sy.dim == 0):
             raise SplitEnds("it contracts split operands outside a Linear")
         result = merge([sx, sy], [0, 0])
+        if sx.n != sy.n and sx.same_cut(sy):
+            # eager grouped-query attention: heads against repeated key/value heads
+            wide, narrow = (sx, sy) if sx.n > sy.n else (sy, sx)
+            if narrow.inner > 1:
+                note_grouped(st, wide, [narrow])
     elif sx is not None and sx.dim == row:
         result = sx
         side_input(st, a[y], sx, "it")

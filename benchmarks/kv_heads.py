@@ -1,0 +1,144 @@
+"""More tp than key/value heads: what each rank holds and sends in attention.
+
+Builds Llama-3-70B's and Qwen3-30B-A3B's shapes (2 layers, on the meta device), infers a
+plan at a tp size above their key/value head counts (16 for 8 heads, 8 for 4), applies it
+on a fake process group and prints, per rank: the attention parameters (query and output
+projections, key and value projections) and the KV cache as fractions of the model's, and
+the collectives of each block's attention in the forward. Run it at two commits to compare.
+
+    python benchmarks/kv_heads.py
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+import tpplan
+from tpplan._runtime.local import fake_ranks
+from tpplan._runtime.models import build_model
+from tpplan._runtime.tree import local_bytes
+
+LAYERS = 2
+CASES: dict[str, tuple[str, dict[str, Any], int]] = {
+    "Llama-3-70B": (
+        "llama",
+        {
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+        },
+        16,
+    ),
+    "Qwen3-30B-A3B": (
+        "qwen3_moe",
+        {
+            "hidden_size": 2048,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "vocab_size": 151936,
+        },
+        8,
+    ),
+}
+SEQ = 32
+
+
+def _attention(model: torch.nn.Module) -> dict[str, list[str]]:
+    """{"q, o": [...], "k, v": [...]}: the projections' parameter names of every block."""
+    out: dict[str, list[str]] = {"q, o": [], "k, v": []}
+    for name, _ in model.named_parameters():
+        if ".self_attn." in name:
+            side = "k, v" if any(f".{p}." in name for p in ("k_proj", "v_proj")) else "q, o"
+            if any(f".{p}." in name for p in ("q_proj", "o_proj", "k_proj", "v_proj")):
+                out[side].append(name)
+    return out
+
+
+def _cache(out: Any) -> int:
+    """Bytes of the key/value cache a forward returned (transformers' DynamicCache)."""
+    cache = out.past_key_values
+    return sum(
+        local_bytes(t)
+        for layer in cache.layers
+        for t in (layer.keys, layer.values)
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def measure(label: str) -> dict[str, Any]:
+    spec, config, tp = CASES[label]
+    model = build_model(spec, {**config, "num_hidden_layers": LAYERS}, device="meta")
+    model = model.to(torch.bfloat16)  # the meta grouped matmul of experts runs in bf16 only
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    shared = any(getattr(r, "replicate_heads", None) for r in plan.rules)
+    gathered = any(r.output == "replicate" and ".self_attn." in r.match for r in plan.rules)
+    sides = _attention(model)
+    params = dict(model.named_parameters())
+    total = {k: sum(local_bytes(params[n]) for n in v) for k, v in sides.items()}
+    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    with torch.no_grad():
+        whole_cache = _cache(model(input_ids=ids, use_cache=True))
+    sharded = copy.deepcopy(model)
+    with fake_ranks(tp) as mesh:
+        tpplan.apply_plan(sharded, mesh, plan)
+        mine = dict(sharded.named_parameters())
+        held = {k: sum(local_bytes(mine[n]) for n in v) for k, v in sides.items()}
+        with torch.no_grad(), CommDebugMode() as comm:
+            cache = _cache(sharded(input_ids=ids, use_cache=True))
+        # the collectives inside each block's attention module (its fqn ends in self_attn)
+        attn = [
+            counts.get("forward", {})
+            for fqn, counts in comm.comm_module_counts.items()
+            if fqn.endswith("self_attn")
+        ]
+    reduce = sum(v for c in attn for k, v in c.items() if "all_reduce" in str(k))
+    gather = sum(v for c in attn for k, v in c.items() if "all_gather" in str(k))
+    return {
+        "model": label,
+        "tp": tp,
+        "kv heads": config["num_key_value_heads"],
+        "plan": "shared" if shared else "gathered" if gathered else "split",
+        "q, o per rank": held["q, o"] / total["q, o"],
+        "k, v per rank": held["k, v"] / total["k, v"],
+        "attention per rank": sum(held.values()) / sum(total.values()),
+        "KV cache per rank": cache / whole_cache,
+        "attention all-reduces per block": reduce / LAYERS,
+        "attention all-gathers per block": gather / LAYERS,
+    }
+
+
+def main() -> None:
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
+    rows = [measure(label) for label in CASES]
+    print(f"tpplan {head}; torch {torch.__version__}; {LAYERS} layers, fake process group.\n")
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        cells = [f"1/{1 / v:.3g}" if isinstance(v, float) and 0 < v < 1 else str(v) for v in r.values()]
+        cells = [
+            f"{v:g}" if isinstance(v, float) and k.endswith("per block") else c
+            for (k, v), c in zip(r.items(), cells, strict=True)
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Grouped-query attention past its key/value heads: whether a region's key/value openers may
+give each head whole to the tp/K ranks whose query heads it serves (colwise
+`replicate_heads`, compile/shared_heads.py), and what the plan then divides.
+
+Start at `kv_sharing`. The trace (trace/attention.py) records a region's grouped-query
+attention: K key/value heads for H query heads, each key/value head paired with H/K
+consecutive query heads. Split by query heads over tp ranks, a tp that is a multiple of K
+gives each rank query heads of one key/value head, so that head can live whole on those
+ranks: attention and its cache shrink by tp, one all-reduce per block as before. What must
+hold for it, each checked on the trace:
+
+- the key/value openers are plain Linears of K whole heads, not fused with other features;
+- no parameter holds one entry per key/value head (it would be split, not shared);
+- each count the forward reads to size the split features sizes one side only: a
+  key/value count shrinks to the heads a rank holds (`by: shards`), a query count by tp;
+- each count that repeats a key/value head to its query heads (`repeat_kv`'s n_rep) is an
+  attribute read in forward, divided by the ranks sharing a head (`by: replicas`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .context import Context
+from .decision import Divided
+from .names import inside, relative
+
+__all__ = ["Sharing", "kv_sharing"]
+
+
+@dataclass
+class Sharing:
+    """A region's grouped-query attention: its key/value openers and whether they may share
+    their heads among ranks."""
+
+    kv: dict[str, int]
+    """Key/value opener -> its K heads."""
+    refused: str | None = None
+    """Why the heads cannot be shared (None: they can)."""
+    query_unit: int = 0
+    """The gcd of the other openers' split units: tp must divide it in any case."""
+    attributes: dict[str, list[Divided]] = field(default_factory=dict)
+    """Module -> the counts sharing divides by a head's replicas or shards."""
+
+    def divided(self) -> set[tuple[str, str]]:
+        """(module, attribute) of each count sharing divides."""
+        return {(m, a) for m, entries in self.attributes.items() for d in entries for a in d.attrs}
+
+    def fits(self, tp: int) -> bool:
+        """Whether the region splits at `tp` with the key/value heads shared past K."""
+        return (
+            self.refused is None
+            and self.query_unit % tp == 0
+            and all(k % tp == 0 or tp % k == 0 for k in self.kv.values())
+        )
+
+
+def kv_sharing(
+    ctx: Context, openers: list[str], counts: set[tuple[str, str, int]]
+) -> Sharing | None:
+    """The grouped-query attention of the region with these openers (None where it has none),
+    with the counts its views read (`counts`)."""
+    regions = ctx.trace.regions
+    kv = {o: regions.kv_heads[o] for o in openers if o in regions.kv_heads}
+    if not kv:
+        return None
+    others = [o for o in openers if o not in kv]
+    unit = math.gcd(*(regions.units.get(o, regions.openers[o]) for o in others)) if others else 0
+    sharing = Sharing(kv, query_unit=unit)
+    sharing.refused = _refusal(ctx, openers, kv) or _divide(ctx, sharing, openers, counts)
+    return sharing
+
+
+def _refusal(ctx: Context, openers: list[str], kv: dict[str, int]) -> str | None:
+    """Why the key/value openers cannot share their heads, by the trace."""
+    t = ctx.trace
+    short = relative(sorted(kv))
+    for o in sorted(kv):
+        if o in t.regions.unshared:
+            return f"{short[o]}: {t.regions.unshared[o]}"
+        if o not in t.layers.linears or t.layers.linears[o][2] or o in t.regions.parts:
+            return f"{short[o]} is not a Linear of whole key/value heads alone"
+        if t.regions.openers[o] % kv[o]:
+            return f"{short[o]}'s {t.regions.openers[o]} features are not {kv[o]} whole heads"
+    for o in openers:
+        pairs = t.regions.query_heads.get(o)
+        if pairs is not None and not pairs[1] <= kv.keys():
+            return "a query's key/value heads come from outside the region"
+    for p, sources in t.params.in_region.items():
+        if sources & kv.keys() and p in t.params.split_vectors:
+            return f"{p} holds one entry per head and meets the key/value heads"
+    return None
+
+
+def _divide(
+    ctx: Context, sharing: Sharing, openers: list[str], counts: set[tuple[str, str, int]]
+) -> str | None:
+    """Fill `sharing.attributes` with the counts sharing divides; why it cannot, if so."""
+    t = ctx.trace
+    for module, attr, value in sorted(counts):
+        sized = {o for o in openers if (module, attr, value) in t.reads.counts.get(o, ())}
+        if not sized <= sharing.kv.keys():
+            if sized & sharing.kv.keys():
+                return f"{attr} = {value} sizes both the query and the key/value heads"
+            continue  # a query count: divided by the tp size, as any
+        why = (
+            f"its forward reads {attr} = {value} to view the key/value heads of "
+            f"{_label(sharing.kv, module)}; each rank holds min(tp, {value}) of them "
+            "(the shards of the heads), so it is divided by that"
+        )
+        refused = _add(sharing, module, attr, "shards", why)
+        if refused:
+            return refused
+    repeats = {t.regions.repeats[o] for o in sharing.kv if o in t.regions.repeats}
+    for times, read in sorted(repeats, key=str):
+        if read is None:
+            continue
+        module, attr, _ = read
+        why = (
+            f"its forward reads {attr} = {times}, the query heads each key/value head of "
+            f"{_label(sharing.kv, module)} serves (it repeats the heads by it or groups "
+            f"them); past {min(sharing.kv.values())} ranks each head is shared by tp/heads "
+            "ranks, each with its own share of the query heads, so it is divided by those"
+        )
+        refused = _add(sharing, module, attr, "replicas", why)
+        if refused:
+            return refused
+    return None
+
+
+def _add(sharing: Sharing, module: str, attr: str, by: str, why: str) -> str | None:
+    """One count divided by `by` of the key/value opener under `module`."""
+    under = sorted(o for o in sharing.kv if inside(o, module) and o != module)
+    if not module or not under:
+        return (
+            f"{attr} is read by {module or 'the model'}, which holds no key/value layer "
+            "to name whose heads it counts"
+        )
+    of = under[0][len(module) + 1 :]
+    entries = sharing.attributes.setdefault(module, [])
+    entries.append(Divided((attr,), why, by=by, of=of))
+    return None
+
+
+def _label(kv: dict[str, int], module: str) -> str:
+    names = sorted(o[len(module) + 1 :] if module else o for o in kv if inside(o, module))
+    return " and ".join(names) or "the region"
