@@ -132,7 +132,9 @@ def main() -> None:
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for r in rows:
-        cells = [f"1/{1 / v:.3g}" if isinstance(v, float) and 0 < v < 1 else str(v) for v in r.values()]
+        cells = [
+            f"1/{1 / v:.3g}" if isinstance(v, float) and 0 < v < 1 else str(v) for v in r.values()
+        ]
         cells = [
             f"{v:g}" if isinstance(v, float) and k.endswith("per block") else c
             for (k, v), c in zip(r.items(), cells, strict=True)

@@ -8,18 +8,18 @@ instead.
 
 The loop is an ordinary one with two tp-specific lines. Every tp rank must read the same
 batches, so the loader shuffles with a generator of its own and does not split the data
-between them (no DistributedSampler over the tp ranks). And clip_grad_norm_ runs under
-`implicit_replication()`: the split layers' parameters are DTensors, the replicated ones
-(norms) plain tensors, and torch refuses to mix the two in one norm unless told that the plain
-ones hold the same values on every rank, which is what the plan makes true. The norm it
-computes is that of the whole, unsplit gradients, the same as the unsharded model's.
+between them (no DistributedSampler over the tp ranks). And gradients are clipped with
+`tpplan.clip_grad_norm_`: the split layers' parameters are DTensors (key/value heads shared
+past their count on a 2-D view of the tp mesh), the replicated ones (norms) plain tensors,
+and torch's own clip_grad_norm_ refuses to mix them in one norm. tpplan's takes each mesh's
+norm with torch's code and combines them: the norm of the whole, unsplit gradients, the same
+as the unsharded model's.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -66,8 +66,7 @@ def train(model: LlamaForCausalLM) -> list[float]:
             break
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
-        with implicit_replication():  # see the module docstring
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # norms 1.5-2.5: clips
+        tpplan.clip_grad_norm_(model.parameters(), max_norm=1.0)  # norms 1.5-2.5: clips
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -263,3 +263,39 @@ def test_check_names_the_tp_sizes_sharing_cannot_serve(tp: int, said: str) -> No
         assert "k_proj" in text and "or a multiple of 2 dividing the query heads" in text
     else:
         assert "q_proj" in text and "use a tp size among" in text
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_clip_grad_norm_over_the_meshes_is_the_unsharded_models(tp: int) -> None:
+    """Shared key/value heads live on a 2-D view of the tp mesh, where torch's
+    clip_grad_norm_ refuses to stack norms across meshes: tpplan.clip_grad_norm_ gives the
+    unsharded model's total norm and clipped gradients, on every rank."""
+    model, ids = _tiny("llama"), _ids()
+    ref = copy.deepcopy(model)
+    ref(**ids).logits.pow(2).sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1.0)
+    assert want > 10  # so the clipping scales every gradient
+    plan = _kv_plan()
+    with simulated_ranks(tp) as mesh:
+        tpplan.apply_plan(model, mesh, plan)
+        model(**ids).logits.pow(2).sum().backward()
+        total = rank_values(tpplan.clip_grad_norm_(model.parameters(), max_norm=1.0))
+        grads = {
+            n: rank_values(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+            for n, p in model.named_parameters()
+        }
+    assert all(abs(t.item() - want.item()) <= 1e-4 * want.item() for t in total)
+    for name, p in ref.named_parameters():
+        for rank, g in enumerate(grads[name]):
+            assert (g - p.grad).abs().max().item() <= 1e-6, (name, rank)
+
+
+def test_verify_compares_a_shared_heads_outputs_with_its_heads_share() -> None:
+    """verify_plan compares each module's output on each rank with its share of the
+    unsharded one: a shared key/value projection's output is one head of K, the same on the
+    tp/K ranks that share it, not a 1/tp chunk."""
+    model = _tiny("llama")
+    report = tpplan.verify_plan(model, _kv_plan(), tp_size=4, backward=True)
+    assert report.ok, report.rows
+    k_proj = [err for (name, _), err in report.rows.items() if name.endswith("self_attn.k_proj")]
+    assert k_proj and max(k_proj) <= report.tol

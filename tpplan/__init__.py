@@ -25,7 +25,7 @@ from .plan import SCHEMA_VERSION, Plan, Rule, load_plan
 
 if TYPE_CHECKING:
     from ._runtime.launch import LaunchError, launch
-    from .apply import InputMismatchError, apply_plan, parallelize
+    from .apply import InputMismatchError, apply_plan, clip_grad_norm_, parallelize
     from .check import check_plan
     from .checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
     from .diagnose import plan_stats, verify_plan
@@ -46,6 +46,7 @@ __all__ = [
     "TpplanError",
     "apply_plan",
     "check_plan",
+    "clip_grad_norm_",
     "full_state_dict",
     "infer_plan",
     "launch",
@@ -63,6 +64,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "apply_plan": ".apply",
     "check_plan": ".check",
+    "clip_grad_norm_": ".apply",
     "infer_plan": ".infer",
     "CheckpointError": ".checkpoint",
     "full_state_dict": ".checkpoint",
