@@ -3,7 +3,9 @@
 `save FOLDER` (tp 2): shard the seeded tiny Llama, check full_state_dict against the unsharded
 state dict, then write FOLDER/dcp (sharded=True) and FOLDER/safetensors (sharded=False).
 `load FOLDER` (any tp): build the model on the meta device, shard, materialize, load each of
-the two and compare logits with the unsharded model. Each rank prints one line the test counts.
+the two and compare logits with the unsharded model. `fused-*` and `shared-*` do the same for
+GPT-2's fused q|k|v and for key/value heads shared past their count. Each rank prints one
+line the test counts.
 """
 
 from __future__ import annotations
@@ -82,6 +84,27 @@ def fused(folder: Path, rank: int, world: int, *, saving: bool, legacy: bool = F
         return (model(x).logits - want).abs().max().item()
 
 
+def shared(folder: Path, rank: int, world: int, *, saving: bool) -> float:
+    """Key/value heads shared past their count through DCP: 2 heads saved at tp 4 (each on
+    two ranks, the weight a DTensor on a 2-D view of the mesh), loaded at tp 2 (split)."""
+    x = token_batch()
+    ref = tiny_llama(kv_heads=2)
+    want = ref(x).logits
+    mesh = init_device_mesh("cpu", (world,))
+    if saving:
+        model = tpplan.apply_plan(ref, mesh)  # the plan inferred at this tp
+        k = model.model.layers[0].self_attn.k_proj.weight
+        if k.device_mesh.ndim != 2:
+            sys.exit(f"rank {rank}: k_proj is not shared at tp {world}: {k.placements}")
+        save_checkpoint(model, folder / "shared-dcp", sharded=True)
+    else:
+        model = tpplan.apply_plan(tiny_llama(kv_heads=2, device="meta"), mesh)
+        model.to_empty(device="cpu")
+        load_checkpoint(model, folder / "shared-dcp")
+    with torch.no_grad():
+        return (model(x).logits - want).abs().max().item()
+
+
 def _save_by_pieces(model: torch.nn.Module, folder: Path) -> None:
     """DCP with each fused parameter stored as one tensor per piece (`NAME.tpplan_part0`,
     ...), each split over the ranks by Shard: the layout earlier tpplan versions wrote."""
@@ -114,6 +137,8 @@ def main() -> None:
         worst = fused(
             folder, rank, world, saving=mode == "fused-save", legacy=mode == "fused-legacy"
         )
+    elif mode.startswith("shared-"):
+        worst = shared(folder, rank, world, saving=mode == "shared-save")
     else:
         worst = (save if mode == "save" else load)(folder, rank, world)
     print(f"rank {rank}/{world} {mode} worst {worst:.2e}", flush=True)

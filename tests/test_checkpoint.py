@@ -8,6 +8,8 @@ tp 1 needs no process group at all and runs here.
 
 from __future__ import annotations
 
+import math
+
 import copy
 import io
 import json
@@ -730,6 +732,22 @@ def test_fused_layers_through_dcp_load_at_another_tp(tmp_path: Path) -> None:
     keys = _stored_chunks(tmp_path / "fused-dcp")
     assert "transformer.h.0.attn.c_attn.weight" in keys
     assert not [k for k in keys if "tpplan_part" in k]
+
+
+def test_shared_kv_heads_through_dcp_load_at_another_tp(tmp_path: Path) -> None:
+    """A DCP checkpoint saved by 4 gloo ranks where each of 2 key/value heads is shared by
+    two (replicate_heads) holds each head once, in the unsharded layout, and loads on 2
+    with the unsharded logits."""
+    for mode, nproc in (("shared-save", 4), ("shared-load", 2)):
+        run = _torchrun(nproc, mode, str(tmp_path))
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert run.stdout.count(f"/{nproc} {mode} worst") == nproc, run.stdout
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(tmp_path / "shared-dcp").read_metadata().state_dict_metadata
+    k = meta["model.layers.0.self_attn.k_proj.weight"]
+    assert tuple(k.size) == (16, 64)  # 2 heads of 8, whole
+    assert sum(math.prod(c.sizes) for c in k.chunks) == 16 * 64  # each row stored once
 
 
 def _stored_chunks(folder: Path) -> dict[str, int]:

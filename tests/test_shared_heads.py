@@ -199,6 +199,8 @@ def test_full_tensors_are_the_original_weights() -> None:
 
 @pytest.mark.parametrize("load_tp", [1, 2])
 def test_a_checkpoint_saved_at_tp4_loads_at_another_tp(tmp_path: Path, load_tp: int) -> None:
+    """Saved whole (safetensors, each key/value head once) where two ranks share each head,
+    loaded exactly where none does; through DCP on gloo ranks in test_checkpoint.py."""
     model = _tiny("llama")
     want = {k: v.clone() for k, v in model.state_dict().items()}
     plan = _kv_plan()
@@ -299,3 +301,16 @@ def test_verify_compares_a_shared_heads_outputs_with_its_heads_share() -> None:
     assert report.ok, report.rows
     k_proj = [err for (name, _), err in report.rows.items() if name.endswith("self_attn.k_proj")]
     assert k_proj and max(k_proj) <= report.tol
+
+
+def test_sequence_parallel_with_shared_heads_matches_the_unsharded_model() -> None:
+    """With the stream split over the sequence, the shared key/value projections gather
+    their input as the query's does."""
+    plan = tpplan.infer_plan(
+        build_model("llama", TINY, device="meta"), tp_size=4, sequence_parallel=True
+    )
+    assert {r.match.rpartition(".")[2] for r in plan.rules if r.replicate_heads} == {
+        "k_proj",
+        "v_proj",
+    }
+    assert_parity(_tiny("llama"), plan, 4, _ids())
