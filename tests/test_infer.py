@@ -523,17 +523,18 @@ def test_positional_embeddings_given_the_ids_are_not_token_lookups() -> None:
 
 
 # ---- tp sizes -------------------------------------------------------------------------------
-def test_tp_that_does_not_divide_kv_heads_gathers_attention() -> None:
-    """4 key/value heads cannot split 8 ways: attention keeps whole heads per rank by
-    gathering each projection's output, so only the weights are split."""
+def test_tp_past_the_kv_heads_shares_them() -> None:
+    """4 key/value heads cannot split 8 ways: each goes whole to the 2 ranks holding its
+    query heads (replicate_heads), the query heads split 8 ways, so attention is split the
+    Megatron way with no gather."""
     model = llama_gqa()
     plan = tpplan.infer_plan(model, tp_size=8)
     sharded = styles(plan, model)
-    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        assert sharded[f"model.layers.0.self_attn.{p}"] == ("colwise", "replicate")
+    for p, style in (("q_proj", "colwise"), ("k_proj", "colwise"), ("o_proj", "rowwise")):
+        assert sharded[f"model.layers.0.self_attn.{p}"] == (style, None)
+    k_proj = rule_for(plan, model, "model.layers.0.self_attn.k_proj")
+    assert k_proj.replicate_heads and "or be a multiple of it" in k_proj.why
     assert sharded["model.layers.0.mlp.down_proj"] == ("rowwise", None)
-    why = rule_for(plan, model, "model.layers.0.self_attn.k_proj").why
-    assert "tp 8 does not divide" in why and "gathered" in why
     assert_parity(model, plan, 8, _tokens())
 
 
