@@ -11,11 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = [
     "fake_ranks",
@@ -73,12 +76,7 @@ def solo_fake_mesh(world_size: int) -> Iterator[DeviceMesh]:
     Built from torch's private pieces (a DeviceMesh without backend init, a registered
     FakeProcessGroup); a torch that changes them raises here, and callers give up the run.
     """
-    from torch._C._distributed_c10d import (
-        FakeProcessGroup,
-        ProcessGroup,
-        _register_process_group,
-        _unregister_process_group,
-    )
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
     from torch.distributed.distributed_c10d import GroupName
 
     # One name per size, and one axis name no user mesh has: DTensor caches sharding
@@ -86,12 +84,7 @@ def solo_fake_mesh(world_size: int) -> Iterator[DeviceMesh]:
     # equal this one, and a cached decision that names an earlier solo mesh of this size
     # must find its group registered again.
     name = GroupName(f"tpplan-solo-fake-{world_size}")
-    group = ProcessGroup(dist.HashStore(), 0, world_size)
-    backend = FakeProcessGroup._create_internal(0, world_size)
-    for device in ("cpu", "meta"):
-        group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
-    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-    group._set_group_name(name)
+    group = _fake_group_of(name, world_size)
     mesh = DeviceMesh(
         "cpu",
         torch.arange(world_size),
@@ -112,16 +105,25 @@ def solo_fake_mesh(world_size: int) -> Iterator[DeviceMesh]:
 SOLO_AXIS = "tpplan-solo"
 
 
+def _fake_group_of(name: GroupName, size: int) -> Any:
+    """A fake process group of `size` ranks named `name` (this process rank 0), on CPU and
+    meta tensors; not yet registered."""
+    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
+
+    group = ProcessGroup(dist.HashStore(), 0, size)
+    backend = FakeProcessGroup._create_internal(0, size)
+    for device in ("cpu", "meta"):
+        group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    group._set_group_name(name)
+    return group
+
+
 def solo_fake_grid(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """A mesh of `shape` fake ranks (this process is rank 0), one fake group per axis, beside
     any process group: what `solo_fake_mesh` is for a 1-D mesh, for a view of one as several
     axes (compile/shared_heads.py). Its groups stay registered (one per shape and axis)."""
-    from torch._C._distributed_c10d import (
-        FakeProcessGroup,
-        ProcessGroup,
-        _register_process_group,
-        _unregister_process_group,
-    )
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
     from torch.distributed.distributed_c10d import GroupName
 
     mesh = DeviceMesh(
@@ -134,12 +136,7 @@ def solo_fake_grid(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh
     groups = []
     for axis, size in enumerate(shape):
         name = GroupName(f"tpplan-solo-fake-{'x'.join(map(str, shape))}-{axis}")
-        group = ProcessGroup(dist.HashStore(), 0, size)
-        backend = FakeProcessGroup._create_internal(0, size)
-        for device in ("cpu", "meta"):
-            group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
-        group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-        group._set_group_name(name)
+        group = _fake_group_of(name, size)
         mesh._pg_registry[name] = group
         _unregister_process_group(name)
         _register_process_group(name, group)

@@ -10,6 +10,7 @@ layer, inside a region the colwise layers around it split:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .strided import equal_parts, split_parts, teach_checkpoint_chunks
 
-__all__ = ["ReplicateGradSum", "SplitParams", "changeable", "own_start", "split_param"]
+__all__ = [
+    "ReplicateGradSum",
+    "SplitParams",
+    "changeable",
+    "local_during_calls",
+    "own_start",
+    "split_param",
+]
 
 
 def changeable(t: torch.Tensor) -> torch.Tensor:
@@ -113,19 +121,29 @@ class SplitParams(ParallelStyle):
         for name, dim in self.shard.items():
             split_param(module, name, device_mesh, dim, None, 0)
 
-        def before(mod: nn.Module, args: Any) -> None:
-            for name in self.shard:
-                p = mod._parameters[name]
-                assert isinstance(p, DTensor)  # made one at apply
-                mod.__dict__[name] = p.to_local()
-
-        def after(mod: nn.Module, args: Any, out: Any) -> None:
-            for name in self.shard:
-                mod.__dict__.pop(name, None)
-
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after, always_call=True)
+        local_during_calls(module, tuple(self.shard), DTensor.to_local)
         return module
 
     def __repr__(self) -> str:
         return f"SplitParams(shard={self.shard})"
+
+
+def local_during_calls(
+    module: nn.Module, names: tuple[str, ...], local: Callable[[DTensor], torch.Tensor]
+) -> None:
+    """Each call of `module` sees its DTensor parameters `names` as the tensors `local` makes
+    of them (the rank's shard), put in its `__dict__` for the call, where attribute lookup
+    finds them before the parameters; gradients flow back through `local` into the shard."""
+
+    def before(mod: nn.Module, args: Any) -> None:
+        for name in names:
+            p = mod._parameters.get(name)
+            if isinstance(p, DTensor):
+                mod.__dict__[name] = local(p)
+
+    def after(mod: nn.Module, args: Any, out: Any) -> None:
+        for name in names:
+            mod.__dict__.pop(name, None)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after, always_call=True)

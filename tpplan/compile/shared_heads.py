@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from .._runtime.local import SOLO_AXIS, solo_fake_grid
 from ..errors import TpplanError
+from .params import local_during_calls
 
 __all__ = ["SharedHeadsColwise", "head_replicas", "heads_grid"]
 
@@ -125,12 +126,12 @@ class SharedHeadsColwise(ParallelStyle):
                 module.register_parameter(name, nn.Parameter(data, p.requires_grad))
         layout = self.input_layouts
 
-        def before(mod: nn.Module, args: Any) -> Any:
-            # this rank's head, its gradient summed over the ranks sharing it
-            for name in ("weight", "bias"):
-                p = mod._parameters.get(name)
-                if isinstance(p, DTensor):
-                    mod.__dict__[name] = _SumOver.apply(p.to_local(), grid, 1)
+        # this rank's head, its gradient summed over the ranks sharing it
+        local_during_calls(
+            module, ("weight", "bias"), lambda p: _SumOver.apply(p.to_local(), grid, 1)
+        )
+
+        def replicated(mod: nn.Module, args: Any) -> Any:
             x = args[0]
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [layout], run_check=False)
@@ -139,12 +140,7 @@ class SharedHeadsColwise(ParallelStyle):
             # each rank's heads give a part of the input's gradient: summed over tp
             return (x.to_local(grad_placements=[Partial()]), *args[1:])
 
-        def after(mod: nn.Module, args: Any, out: Any) -> None:
-            for name in ("weight", "bias"):
-                mod.__dict__.pop(name, None)
-
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after, always_call=True)
+        module.register_forward_pre_hook(replicated)
         return module
 
     def __repr__(self) -> str:

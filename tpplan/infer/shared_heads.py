@@ -98,32 +98,41 @@ def _divide(
 ) -> str | None:
     """Fill `sharing.attributes` with the counts sharing divides; why it cannot, if so."""
     t = ctx.trace
+    divided: list[tuple[str, str, str, str]] = []  # (module, attribute, by, why)
     for module, attr, value in sorted(counts):
         sized = {o for o in openers if (module, attr, value) in t.reads.counts.get(o, ())}
         if not sized <= sharing.kv.keys():
             if sized & sharing.kv.keys():
                 return f"{attr} = {value} sizes both the query and the key/value heads"
             continue  # a query count: divided by the tp size, as any
-        why = (
-            f"its forward reads {attr} = {value} to view the key/value heads of "
-            f"{_label(sharing.kv, module)}; each rank holds min(tp, {value}) of them "
-            "(the shards of the heads), so it is divided by that"
+        divided.append(
+            (
+                module,
+                attr,
+                "shards",
+                f"its forward reads {attr} = {value} to view the key/value heads of "
+                f"{_label(sharing.kv, module)}; each rank holds min(tp, {value}) of them "
+                "(the shards of the heads), so it is divided by that",
+            )
         )
-        refused = _add(sharing, module, attr, "shards", why)
-        if refused:
-            return refused
     repeats = {t.regions.repeats[o] for o in sharing.kv if o in t.regions.repeats}
     for times, read in sorted(repeats, key=str):
-        if read is None:
-            continue
-        module, attr, _ = read
-        why = (
-            f"its forward reads {attr} = {times}, the query heads each key/value head of "
-            f"{_label(sharing.kv, module)} serves (it repeats the heads by it or groups "
-            f"them); past {min(sharing.kv.values())} ranks each head is shared by tp/heads "
-            "ranks, each with its own share of the query heads, so it is divided by those"
-        )
-        refused = _add(sharing, module, attr, "replicas", why)
+        if read is not None:
+            module, attr, _ = read
+            divided.append(
+                (
+                    module,
+                    attr,
+                    "replicas",
+                    f"its forward reads {attr} = {times}, the query heads each key/value "
+                    f"head of {_label(sharing.kv, module)} serves (it repeats the heads by "
+                    f"it or groups them); past {min(sharing.kv.values())} ranks each head is "
+                    "shared by tp/heads ranks, each with its own share of the query heads, "
+                    "so it is divided by those",
+                )
+            )
+    for module, attr, by, why in divided:
+        refused = _add(sharing, module, attr, by, why)
         if refused:
             return refused
     return None
