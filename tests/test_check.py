@@ -93,9 +93,10 @@ def test_heads_that_do_not_divide_list_the_legal_sizes() -> None:
     assert k.kind == "divisibility"
     assert "4 heads (of head_dim 8) do not split evenly over tp size 8" in k.message
     assert "use a tp size among 1, 2, 4," in k.fix
-    # 8 q heads divide by 8, but each pair shares a k/v head: the trace keeps pairs together
-    q = next(p for p in problems if p.module == "model.layers.*.self_attn.q_proj")
-    assert "as 8 heads of 8, which must stay together in 4 groups: tp size 8" in q.message
+    # 4 key/value heads for 8 query heads: sharing them would serve tp 8, and the fix says so
+    assert "replicate_heads: true gives each whole to tp/heads ranks" in k.fix
+    # the 8 query heads divide by 8 on their own
+    assert not [p for p in problems if p.module == "model.layers.*.self_attn.q_proj"]
 
 
 def test_a_region_left_open(llama) -> None:  # type: ignore[no-untyped-def]
@@ -238,8 +239,12 @@ def test_a_head_dim_smaller_than_the_models_heads_is_caught_by_the_trace() -> No
     )  # fmt: skip
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    plan = infer_plan(model)
-    wrong = Plan.from_yaml(plan.to_yaml().replace("head_dim: 8", "head_dim: 4"))
+    # the plan without key/value heads shared past their count (which would serve tp 4)
+    data = infer_plan(model).to_data()
+    data.pop("attributes")
+    for rule in data["rules"]:
+        rule.pop("replicate_heads", None)
+    wrong = Plan.from_yaml(Plan.from_data(data).to_yaml().replace("head_dim: 8", "head_dim: 4"))
     # 2 divides every count: only the wrong head_dim itself is a problem at tp 2
     assert {p.kind for p in check_plan(wrong, model, tp_size=2)} == {"head_dim"}
     problems = [p for p in check_plan(wrong, model, tp_size=4) if p.module.endswith("k_proj")]

@@ -8,11 +8,10 @@ tp 1 needs no process group at all and runs here.
 
 from __future__ import annotations
 
-import math
-
 import copy
 import io
 import json
+import math
 import os
 import subprocess
 import sys

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 
+from ..compile.shard import attribute_divisor
 from ..errors import Problem, TpplanError
 from ..plan.patterns import match_names
 from ..plan.schema import Plan
@@ -43,6 +44,9 @@ def check_flow(
     from ..trace import idle_roots, trace_model
 
     targets = _targets(plan, by_rule, [n for n, _ in model.named_modules() if n])
+    # an attribute divided by the ranks sharing a head where none share one is left as it is
+    divided = [(i, n) for i, n in targets.divided if _divisor(plan, model, i, n, tp) != 1]
+    targets = targets._replace(divided=divided)
     if not any(targets):
         return []
     try:
@@ -82,6 +86,18 @@ def _targets(plan: Plan, by_rule: dict[int, list[str]], names: list[str]) -> _Ta
             (i, n) for i, a in enumerate(plan.attributes) for n in match_names(a.match, names)
         ],
     )
+
+
+def _divisor(plan: Plan, model: nn.Module, i: int, name: str, tp: int) -> int:
+    """What attribute rule `i` divides module `name`'s attributes by at `tp` (0 where it
+    names no layer whose heads it counts: check_attributes says so)."""
+    rule = plan.attributes[i]
+    if rule.of is None:
+        return tp
+    try:
+        return attribute_divisor(plan, model, rule, name, tp)
+    except TpplanError:
+        return 0
 
 
 def _check_trace(
