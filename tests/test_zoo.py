@@ -166,3 +166,22 @@ def test_every_attention_block_is_split_the_megatron_way(name: str, tp: int) -> 
     DeepSeek-V3's latent attention with its latent projection whole) to the output
     projections, closed by all-reduces, no gather."""
     assert _not_megatron(_measured(name, tp), ATTENTION_KINDS, name) == []
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_torchtitan_shares_its_kv_heads_past_their_count(name: str) -> None:
+    """torchtitan's attention with 2 key/value heads at tp 4: each head whole on the two
+    ranks holding its query heads (the plan infer writes), at parity forward and backward."""
+    import copy
+
+    from model_zoo.models import _titan
+
+    sizes = {"qwen3": {"head_dim": 16, "hidden_dim": 96}}.get(name, {})
+    model, tokens = _titan(
+        name, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=128, max_seq_len=64, **sizes
+    )
+    plan = tpplan.infer_plan(copy.deepcopy(model), example_inputs=tokens, tp_size=4)
+    shared = {r.match.rpartition(".")[2] for r in plan.rules if r.replicate_heads}
+    assert shared == {"wk", "wv"}
+    assert not [r for r in plan.rules if ".attention." in r.match and r.output]
+    assert_parity(model, plan, 4, tokens)
