@@ -94,7 +94,7 @@ def test_heads_that_do_not_divide_list_the_legal_sizes() -> None:
     assert "4 heads (of head_dim 8) do not split evenly over tp size 8" in k.message
     assert "use a tp size among 1, 2, 4," in k.fix
     # 4 key/value heads for 8 query heads: sharing them would serve tp 8, and the fix says so
-    assert "replicate_heads: true gives each whole to tp/heads ranks" in k.fix
+    assert "add replicate_heads: true to the rule: each goes whole to the tp/4 ranks" in k.fix
     # the 8 query heads divide by 8 on their own
     assert not [p for p in problems if p.module == "model.layers.*.self_attn.q_proj"]
 
@@ -252,7 +252,11 @@ def test_a_head_dim_smaller_than_the_models_heads_is_caught_by_the_trace() -> No
     assert problems[0].message == (
         "the model views its 16 output features as 2 heads of 8: tp size 4 would cut them."
     )
-    assert problems[0].fix == "use a tp size among 1, 2, or keep this module replicated."
+    assert problems[0].fix == (
+        "use a tp size among 1, 2, or keep this module replicated; or, as its 2 heads are "
+        "key/value heads the query heads share, add replicate_heads: true to the rule: each "
+        "goes whole to the tp/2 ranks holding its query heads (`tpplan infer` writes it)."
+    )
 
 
 def test_a_head_dim_other_than_the_models_names_both() -> None:

@@ -55,9 +55,10 @@ def test_check_fails_with_every_problem(capsys: pytest.CaptureFixture[str]) -> N
     assert code == 1
     assert "problem: rules[2] (match: model.layers.*.self_attn.k_proj)" in out
     assert "4 heads (of head_dim 8) do not split evenly over tp size 8" in out
-    # k_proj and v_proj, and q_proj: its 8 heads divide by 8, but pairs share a k/v head
-    assert "problem: rules[1] (match: model.layers.*.self_attn.q_proj)" in out
-    assert out.strip().endswith("3 problem(s) at tp 8.")
+    # and v_proj; q_proj's 8 heads divide by 8. Sharing the 4 key/value heads would serve
+    assert "problem: rules[3] (match: model.layers.*.self_attn.v_proj)" in out
+    assert out.count("add replicate_heads: true to the rule") == 2
+    assert out.strip().endswith("2 problem(s) at tp 8.")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -44,13 +44,16 @@ def test_check_a_shipped_plan_by_name(capsys: pytest.CaptureFixture[str]) -> Non
 def test_check_a_shipped_plan_by_name_finds_its_problems(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The same plan at tp 4 on a model of 2 key/value heads: the name resolves and the check
-    still runs, naming the layers and the tp sizes that would work."""
+    """The same plan at tp 8 on a model of 4 query heads: the name resolves and the check
+    still runs, naming the layers and the tp sizes that would work. (At tp 4 the plan is
+    sound: its 2 key/value heads are each shared by 2 ranks.)"""
     code, out, _ = run(capsys, "check", "llama", "llama", "--tp", "4", *SHIPPED_LLAMA_SIZES)
+    assert code == 0 and out.startswith("llama: sound at tp 4")
+    code, out, _ = run(capsys, "check", "llama", "llama", "--tp", "8", *SHIPPED_LLAMA_SIZES)
     assert code == 1
-    assert "(match: model.layers.*.self_attn.k_proj)" in out
-    assert "2 heads (of head_dim 128) do not split evenly over tp size 4" in out
-    assert out.strip().endswith("problem(s) at tp 4.")
+    assert "(match: model.layers.*.self_attn.q_proj)" in out
+    assert "4 heads (of head_dim 128) do not split evenly over tp size 8" in out
+    assert out.strip().endswith("problem(s) at tp 8.")
 
 
 def test_verify_takes_a_shipped_plan_by_name(capsys: pytest.CaptureFixture[str]) -> None:

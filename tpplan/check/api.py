@@ -15,6 +15,8 @@ device, of any size.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from ..errors import Problem
@@ -54,7 +56,14 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     # after the rules' own checks: the heads check by flow names no module whose sizes
     # already failed, so that one mistake is told once
     undivided = {p.module for p in problems if p.kind == "divisibility" and p.module}
-    problems += check_flow(plan, matches.by_rule, model, tp_size, undivided)
+    hints: dict[str, str] = {}
+    problems += check_flow(plan, matches.by_rule, model, tp_size, undivided, hints)
+    problems = [
+        replace(p, fix=p.fix.removesuffix(".") + hints[p.module] + ".")
+        if p.kind == "divisibility" and p.module in hints
+        else p
+        for p in problems
+    ]
     problems += check_attributes(plan, names, modules, tp_size)
     problems += check_fingerprint(plan, model)
     problems += check_regions(plan, names)

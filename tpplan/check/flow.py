@@ -29,14 +29,20 @@ __all__ = ["check_flow"]
 
 
 def check_flow(
-    plan: Plan, by_rule: dict[int, list[str]], model: nn.Module, tp: int, undivided: set[str]
+    plan: Plan,
+    by_rule: dict[int, list[str]],
+    model: nn.Module,
+    tp: int,
+    undivided: set[str],
+    hints: dict[str, str] | None = None,
 ) -> list[Problem]:
     """A column-parallel output must reach row-parallel layers only (and the reverse), and
     split into whole heads as the model itself views them; the heads and fused pieces a
     rule states must be the model's; a vocab-parallel embedding must sum where its rows are.
 
     `by_rule` is each rule's matched modules; `undivided`, the modules whose split sizes a
-    divisibility problem already names (the heads check does not name them again). The
+    divisibility problem already names (the heads check does not name them again; `hints`
+    gets what to add to their fix where sharing key/value heads would serve). The
     model is traced (tpplan/trace/) to see where each layer's output goes; a model that
     cannot be traced (its inputs cannot be guessed) gets the structural check instead.
     Idle parts are traced on their own, as infer_plan splits them.
@@ -53,7 +59,7 @@ def check_flow(
         trace = trace_model(model)
     except TpplanError:
         return check_by_structure(plan, targets.openers, targets.closers, model)
-    out = _check_trace(plan, targets, trace, tp, undivided)
+    out = _check_trace(plan, targets, trace, tp, undivided, hints)
     named = (name for pairs in targets for _, name in pairs)
     for root in idle_roots(named, trace.layers.ran, lambda n: traced_name(trace, n)):
         out += _check_part(plan, targets, model, root, tp, undivided)
@@ -101,12 +107,17 @@ def _divisor(plan: Plan, model: nn.Module, i: int, name: str, tp: int) -> int:
 
 
 def _check_trace(
-    plan: Plan, targets: _Targets, trace: Trace, tp: int, undivided: set[str]
+    plan: Plan,
+    targets: _Targets,
+    trace: Trace,
+    tp: int,
+    undivided: set[str],
+    hints: dict[str, str] | None = None,
 ) -> list[Problem]:
     """Every check of one trace, in the order their problems are reported."""
     return (
         check_regions(plan, targets.openers, targets.closers, trace)
-        + check_heads(plan, targets.openers, trace, tp, undivided)
+        + check_heads(plan, targets.openers, trace, tp, undivided, hints)
         + check_widths(plan, targets.widths, trace)
         + check_lookups(plan, targets.vocab_parallel, trace)
         + check_divided(plan, targets.openers, targets.divided, trace)

@@ -128,18 +128,40 @@ def shared_units(trace: Trace, t: str, tp: int, shared: set[str]) -> int | None:
     return regions.units.get(t)
 
 
+def sharing_hint(trace: Trace, t: str, tp: int, shared: set[str]) -> str:
+    """The end of a divisibility fix for traced opener `t`: where its heads are key/value
+    heads that query heads share and tp is a multiple of them, replicate_heads would serve."""
+    kv = trace.regions.kv_heads.get(t)
+    if kv is None or t in shared or tp % kv or t in trace.regions.unshared:
+        return ""
+    return (
+        f"; or, as its {kv} heads are key/value heads the query heads share, add "
+        f"replicate_heads: true to the rule: each goes whole to the tp/{kv} ranks holding its "
+        "query heads (`tpplan infer` writes it)"
+    )
+
+
 def check_heads(
-    plan: Plan, openers: list[Match], trace: Trace, tp: int, undivided: set[str]
+    plan: Plan,
+    openers: list[Match],
+    trace: Trace,
+    tp: int,
+    undivided: set[str],
+    hints: dict[str, str] | None = None,
 ) -> list[Problem]:
     """Each split output must give every rank whole heads as the model's own views cut them
     (the trace's units), whatever head_dim the plan states: a plan whose head_dim is too
     small (or missing) would pass the rule's own check and cut heads in half mid-forward.
-    A module in `undivided` has had its divisibility problem told already."""
+    A module in `undivided` has had its divisibility problem told already; where sharing
+    its key/value heads would serve, `hints` gets the words to add to that problem's fix."""
     out: list[Problem] = []
     shared = {traced_name(trace, n) for i, n in openers if plan.rules[i].replicate_heads}
     for i, name in openers:
         t = traced_name(trace, name)
         units = shared_units(trace, t, tp, shared)
+        hint = sharing_hint(trace, t, tp, shared)
+        if name in undivided and hint and hints is not None:
+            hints[name] = hint
         if name in undivided or t not in trace.regions.openers or units is None or units % tp == 0:
             continue
         features, heads = trace.regions.openers[t], trace.regions.heads.get(t)
@@ -155,7 +177,7 @@ def check_heads(
                 name,
                 f"the model views its {features} output features as {what}: tp size {tp} "
                 "would cut them.",
-                f"use a tp size among {legal_sizes(units)}, or keep this module replicated.",
+                f"use a tp size among {legal_sizes(units)}, or keep this module replicated{hint}.",
             )
         )
     return out

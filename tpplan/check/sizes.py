@@ -61,17 +61,6 @@ def _legal(heads: int, shared: bool) -> str:
     return f"{legal_sizes(heads)} or a multiple of {heads} dividing the query heads"
 
 
-def _sharing_hint(rule: Rule, heads: int, tp: int) -> str:
-    """The end of the fix for key/value heads fewer than tp, which sharing would serve."""
-    if rule.style != "colwise" or rule.replicate_heads or tp % heads or rule.parts:
-        return "."
-    return (
-        "; if they are key/value heads that the query heads share (grouped-query attention), "
-        "replicate_heads: true gives each whole to tp/heads ranks (`tpplan infer` writes it "
-        "where the trace proves the grouping)."
-    )
-
-
 def check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> list[Problem]:
     """The problem of a split dim (`what`, of `size`) tp does not divide; with a head_dim
     in the rule, the dim must be whole heads, and tp must divide their number."""
@@ -99,7 +88,7 @@ def check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> 
                     f"{heads} heads (of head_dim {rule.head_dim}) do not split evenly over tp size {tp}; "
                     "every rank must hold whole heads.",
                     f"use a tp size among {_legal(heads, bool(rule.replicate_heads))}, or keep "
-                    "this module replicated" + _sharing_hint(rule, heads, tp),
+                    "this module replicated.",
                 )
             )
     elif size % tp:
