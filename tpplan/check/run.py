@@ -286,11 +286,9 @@ def collectives_inside(
     not run gets the counts of the block it repeats (`_shortened` runs the first blocks
     for the rest); a module that did not run otherwise is left out. `args` and `kwargs`
     are meta tensors, as `region_inputs` makes them. None when the run fails."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     with outside_simulation(), quiet_fake_tensor_log(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        counting = CommDebugMode()
+        counting = _comm_counting()
         cut = _shortened(plan, model)
         try:
             failed = _run_sharded(plan, model, tp_size, kwargs, cut, args=args, counting=counting)
@@ -324,6 +322,27 @@ def collectives_inside(
             sum(kinds["forward"].values()), {op: n for op, n in kinds["backward"].items() if n}
         )
     return out
+
+
+def _comm_counting() -> Any:
+    """torch's CommDebugMode, its module tracker mended for a module called more than once
+    in one forward (T5's stack runs its one dropout before and after its blocks): torch's
+    tracker adds a hook that leaves the module at each call and never removes the earlier
+    ones, so the second call leaves twice and the forward fails (an IndexError) on any
+    such model, sharded or not. Here each call's hook replaces the one before."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+
+    class _Tracker(_CommModeModuleTracker):
+        def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+            old = self.register_forward_hook_handles.pop(self._get_mod_name(mod), None)
+            if old is not None:
+                old.remove()
+            super()._fw_pre_hook(mod, input)
+
+    counting = CommDebugMode()
+    counting.advanced_module_tracker = _Tracker()
+    return counting
 
 
 def _ran_as(model: nn.Module, cut: dict[int, int]) -> Any:
