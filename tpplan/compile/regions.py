@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -116,6 +116,19 @@ def _new_alike(func: Any, source: DTensor, *args: Any, **kwargs: Any) -> Any:
         shape=torch.Size(size),
         stride=_contiguous(size),
     )
+
+
+def _used_whole(t: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """A whole tensor (plain, or a replicated DTensor) used as it is beside each rank's own
+    heads: the local tensor, whose gradient on each rank is its heads' share only, so it is
+    summed over the ranks in the backward (one all-reduce, as DTensor's `from_local` does
+    for a plain tensor lifted elsewhere in a region). Without that sum each rank would keep
+    its share as the whole gradient, a wrong number with no error."""
+    if not t.requires_grad:
+        return t.to_local() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        t = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return t.to_local(grad_placements=[Partial()] * mesh.ndim)
 
 
 def _without_empty(tensors: Any) -> Any:
@@ -264,10 +277,10 @@ def _heads_attention(
     if isinstance(attn_mask, DTensor) and attn_mask.placements == p:
         mask = attn_mask.to_local()  # split alike: each rank's own heads' mask
     else:
-        if isinstance(attn_mask, DTensor):
-            if any(not isinstance(x, Replicate) for x in attn_mask.placements):
-                return None
-            attn_mask = attn_mask.to_local()
+        if isinstance(attn_mask, DTensor) and any(
+            not isinstance(x, Replicate) for x in attn_mask.placements
+        ):
+            return None
         mask = _own_part(attn_mask, query, dims) if isinstance(attn_mask, torch.Tensor) else None
         if isinstance(attn_mask, torch.Tensor) and mask is None:
             return None
@@ -286,10 +299,11 @@ def _heads_attention(
 
 
 def _own_part(mask: torch.Tensor, query: DTensor, dims: list[int]) -> torch.Tensor | None:
-    """A whole mask as each rank's query heads meet it: as it is where it broadcasts over
-    the split dim; cut to the rank's part where it is of the full size there (Doge's mask,
-    one per head), a local slice whose gradient, if any, is gathered back. DTensor's own
-    attention fails on such a mask. None where it is neither."""
+    """A whole mask (plain or replicated) as each rank's query heads meet it: as it is
+    where it broadcasts over the split dim (a gradient it needs summed over the ranks);
+    cut to the rank's part where it is of the full size there (Doge's mask, one per head;
+    T5's zero position bias), a local slice whose gradient, if any, is gathered back.
+    DTensor's own attention fails on such a mask. None where it is neither."""
     cut = []
     for d in dims:
         md = d - (query.ndim - mask.dim())
@@ -299,8 +313,10 @@ def _own_part(mask: torch.Tensor, query: DTensor, dims: list[int]) -> torch.Tens
             return None
         cut.append(md)
     if not cut:
-        return mask
-    whole = DTensor.from_local(mask, query.device_mesh, [Replicate()], run_check=False)
+        return _used_whole(mask, query.device_mesh)
+    whole = mask
+    if not isinstance(whole, DTensor):
+        whole = DTensor.from_local(mask, query.device_mesh, [Replicate()], run_check=False)
     return whole.redistribute(placements=[Shard(cut[0])]).to_local()
 
 
