@@ -45,6 +45,10 @@ class _ReplicatePlain(TorchFunctionMode):
             found = _heads_attention(*args, **kwargs)
             if found is not None:
                 return found
+        if func in _BATCHED:
+            found = _batched_alike(func, *args, **kwargs)
+            if found is not None:
+                return found
         if func in _NEW and args and isinstance(args[0], DTensor):
             found = _new_alike(func, *args, **kwargs)
             if found is not None:
@@ -75,6 +79,7 @@ class _ReplicatePlain(TorchFunctionMode):
 
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
+_BATCHED = (torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm)
 _NEW = (
     torch.Tensor.new_empty,
     torch.Tensor.new_zeros,
@@ -116,6 +121,73 @@ def _new_alike(func: Any, source: DTensor, *args: Any, **kwargs: Any) -> Any:
         shape=torch.Size(size),
         stride=_contiguous(size),
     )
+
+
+def _batched_alike(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """`bmm(a, b)` or `bias.baddbmm(a, b)` of batches split alike as a `_StridedShard` on
+    the batch dim (heads merged into it, `(B * heads, q, d)` with heads split: BLOOM's
+    attention): each rank multiplies its own batches, and a whole bias of one row per batch
+    (BLOOM's ALiBi, `(B * heads, 1, k)`) is cut to the rank's rows first (a local slice,
+    no collective; a gradient it needs is gathered back). DTensor itself gathers the
+    batches. None where that does not hold."""
+    if kwargs.get("out") is not None:
+        return None
+    adds = func in (torch.baddbmm, torch.Tensor.baddbmm)
+    names = ("input", "batch1", "batch2") if adds else ("input", "mat2")
+    given = dict(zip(names, args, strict=False))
+    given.update({n: kwargs[n] for n in names if n in kwargs})
+    if len(given) != len(names) or len(args) > len(names):
+        return None
+    a, b = (given[n] for n in names[-2:])
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor) and a.placements == b.placements):
+        return None
+    p = a.placements[0]
+    if len(a.placements) != 1 or not isinstance(p, _StridedShard) or p.dim % a.ndim != 0:
+        return None
+    if a.ndim != 3 or b.ndim != 3 or a.device_mesh != b.device_mesh:
+        return None
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    if not adds:
+        out = torch.bmm(a.to_local(), b.to_local())
+    else:
+        bias = _own_rows(given["input"], a, int(p.split_factor))
+        if bias is None:
+            return None
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        out = torch.baddbmm(bias, a.to_local(), b.to_local(), beta=beta, alpha=alpha)
+    return DTensor.from_local(
+        out, a.device_mesh, [p], run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
+    )
+
+
+def _own_rows(bias: Any, batches: DTensor, k: int) -> torch.Tensor | None:
+    """A bias added to batches split as `_StridedShard(0, k)` as the rank's own batches
+    meet it: split alike, its local part; whole and broadcast over the batch dim, as it is;
+    whole with one row per batch, the rank's rows (the batch dim seen as (k, n), each rank
+    its slice of n). None where it is neither."""
+    if isinstance(bias, DTensor):
+        if bias.placements == batches.placements and bias.shape[0] == batches.shape[0]:
+            return bias.to_local()
+        if any(not isinstance(x, Replicate) for x in bias.placements):
+            return None
+    if not isinstance(bias, torch.Tensor) or bias.dim() > 3:
+        return None
+    if bias.dim() < 3 or bias.shape[0] == 1:
+        return _used_whole(bias, batches.device_mesh)
+    if isinstance(bias, DTensor):
+        bias = bias.to_local()
+    tp = batches.device_mesh.size()
+    rows = batches.shape[0]
+    if bias.shape[0] != rows or rows % (k * tp):
+        return None
+    whole = DTensor.from_local(
+        bias.reshape(k, rows // k, *bias.shape[1:]),
+        batches.device_mesh,
+        [Replicate()],
+        run_check=False,
+    )
+    mine = whole.redistribute(placements=[Shard(1)]).to_local()
+    return mine.reshape(-1, *bias.shape[1:])
 
 
 def _used_whole(t: torch.Tensor, mesh: Any) -> torch.Tensor:
