@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,9 +24,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 import tpplan
 from tpplan import Plan
 from tpplan._runtime.local import simulated_ranks
+from tpplan._runtime.models import build_model
+from tpplan.diagnose.stats import plan_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
-from blocks import assert_parity
+from blocks import assert_parity, expand_rules
 
 
 # ---- whole tensors beside split heads ------------------------------------------------------
@@ -116,3 +119,82 @@ def test_batches_of_merged_heads_take_each_rank_s_rows_of_a_whole_bias(tp: int) 
         with CommDebugMode() as comms:
             sharded(x)
     assert {str(k).split(".")[-1] for k in comms.get_comm_counts()} == {"all_reduce"}
+
+
+# ---- BLOOM and T5 ----------------------------------------------------------------------------
+# two layers of 4 heads: tp 4 leaves one head per rank
+_BLOOM = {"hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 128}
+_T5 = {
+    "d_model": 64, "d_kv": 16, "num_heads": 4, "num_layers": 2, "num_decoder_layers": 2,
+    "d_ff": 128, "vocab_size": 128,
+}  # fmt: skip
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def _bloom() -> tuple[nn.Module, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = build_model("bloom", _BLOOM, device="cpu").eval()
+    return model, {"input_ids": _ids(), "use_cache": False}
+
+
+def _t5() -> tuple[nn.Module, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = build_model("t5", _T5, device="cpu").eval()
+    return model, {"input_ids": _ids(), "decoder_input_ids": _ids(2), "use_cache": False}
+
+
+_MODELS = {
+    # name: (build, the attention modules' pattern, the first of them, openers, closer)
+    "bloom": (
+        _bloom,
+        "transformer.h.*.self_attention",
+        "transformer.h.0.self_attention",
+        ["query_key_value"],
+        "dense",
+    ),
+    "t5": (
+        _t5,
+        "decoder.block.*.layer.*.EncDecAttention",
+        "decoder.block.0.layer.1.EncDecAttention",
+        ["q", "k", "v"],
+        "o",
+    ),
+}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", sorted(_MODELS))
+def test_attention_meeting_a_whole_per_head_tensor_is_a_region(name: str, tp: int) -> None:
+    """Its openers colwise handing DTensors on, its output projection rowwise, the module a
+    region; the plan checks clean and runs at parity, forward and backward."""
+    build, region, first, opens, close = _MODELS[name]
+    model, x = build()
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    assert [r.match for r in plan.regions] == [region]
+    rules = expand_rules(plan, model)
+    for o in opens:
+        rule = rules[f"{first}.{o}"]
+        assert (rule.style, rule.output, rule.local_output) == ("colwise", None, False)
+    assert rules[f"{first}.{close}"].style == "rowwise"
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, x)
+
+
+@pytest.mark.parametrize("name", sorted(_MODELS))
+def test_attention_region_gathers_nothing(name: str) -> None:
+    """Megatron's count, forward and backward, on fake ranks: one all-reduce per attention
+    and per MLP, the vocab-parallel lookups' sums, and one all-gather, of the logits."""
+    build, *_ = _MODELS[name]
+    model, _ = build()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    stats = plan_stats(model, plan, tp_size=2, backward=True, batch=2, seq=8)
+    forward = {k: v["count"] for k, v in stats.collectives["forward"].items()}
+    if name == "bloom":  # 2 layers: attention + MLP each; one lookup
+        assert forward == {"all_reduce": 2 * 2 + 1, "all_gather_into_tensor": 1}
+    else:  # 2 encoder layers (self-attention + MLP), 2 decoder layers (+ cross-attention);
+        # two lookups; the logits' gather
+        assert forward == {"all_reduce": 2 * 2 + 3 * 2 + 2, "all_gather_into_tensor": 1}
+    assert "all_gather_into_tensor" not in stats.collectives["backward"]
