@@ -12,10 +12,9 @@ the collectives of each block's attention in the forward. Run it at two commits 
 from __future__ import annotations
 
 import copy
-import subprocess
-from pathlib import Path
 from typing import Any
 
+import _common
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -119,27 +118,20 @@ def measure(label: str) -> dict[str, Any]:
     }
 
 
+def _cell(key: str, value: object) -> str:
+    if isinstance(value, float) and key.endswith("per block"):
+        return f"{value:g}"
+    if isinstance(value, float) and 0 < value < 1:
+        return f"1/{1 / value:.3g}"
+    return str(value)
+
+
 def main() -> None:
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent,
-    ).stdout.strip()
     rows = [measure(label) for label in CASES]
-    print(f"tpplan {head}; torch {torch.__version__}; {LAYERS} layers, fake process group.\n")
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for r in rows:
-        cells = [
-            f"1/{1 / v:.3g}" if isinstance(v, float) and 0 < v < 1 else str(v) for v in r.values()
-        ]
-        cells = [
-            f"{v:g}" if isinstance(v, float) and k.endswith("per block") else c
-            for (k, v), c in zip(r.items(), cells, strict=True)
-        ]
-        print("| " + " | ".join(cells) + " |")
+    print(
+        f"tpplan {_common.revision()}; torch {torch.__version__}; {LAYERS} layers, fake process group.\n"
+    )
+    print(_common.markdown(list(rows[0]), [[_cell(k, v) for k, v in r.items()] for r in rows]))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ no all-gather.
 from __future__ import annotations
 
 import shlex
-import subprocess
 from pathlib import Path
 
+import _common
 import torch
 
 import tpplan
@@ -70,23 +70,12 @@ def measure(name: str, path: Path) -> dict[str, object]:
 
 
 def main() -> None:
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent,
-    ).stdout.strip()
     rows = [measure(name, path) for name, path in sorted(shipped_plans().items())]
-    print(f"tpplan {head}; torch {torch.__version__}; tp {TP}, fake process group, 32 tokens.\n")
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for r in rows:
-        print(
-            "| "
-            + " | ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in r.values())
-            + " |"
-        )
+    print(
+        f"tpplan {_common.revision()}; torch {torch.__version__}; tp {TP}, fake process group, 32 tokens.\n"
+    )
+    cells = [[f"{v:g}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
+    print(_common.markdown(list(rows[0]), cells))
 
 
 if __name__ == "__main__":
