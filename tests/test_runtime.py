@@ -19,11 +19,15 @@ def test_a_launch_puts_the_callers_signal_handlers_back() -> None:
         raise AssertionError("not called")
 
     old = signal.signal(signal.SIGTERM, mine)
+    # the caller's own SIGINT handler: Python's default, or SIG_IGN where the process was
+    # started in the background of a shell without job control
+    old_int = signal.signal(signal.SIGINT, mine)
     try:
         with _signal_handlers_kept():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what the launcher does
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         assert signal.getsignal(signal.SIGTERM) is mine
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
