@@ -97,11 +97,8 @@ def _targets(plan: Plan, by_rule: dict[int, list[str]], names: list[str]) -> _Ta
 def _divisor(plan: Plan, model: nn.Module, i: int, name: str, tp: int) -> int:
     """What attribute rule `i` divides module `name`'s attributes by at `tp` (0 where it
     names no layer whose heads it counts: check_attributes says so)."""
-    rule = plan.attributes[i]
-    if rule.of is None:
-        return tp
     try:
-        return attribute_divisor(plan, model, rule, name, tp)
+        return attribute_divisor(plan, model, plan.attributes[i], name, tp)
     except TpplanError:
         return 0
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from .._runtime.facts import tied_groups
 from ..errors import TpplanError
-from ..plan.patterns import match_names
+from ..plan.patterns import match_names, matches
 from ..plan.schema import AttributeRule, Plan
 from .regions import hold_dtensors
 from .rules import plan_to_torch
@@ -93,10 +93,18 @@ def attribute_divisor(
 
 def shared_heads(plan: Plan, model: nn.Module, name: str) -> int:
     """The head count of the module `name`, split by a colwise rule with replicate_heads."""
-    names = [n for n, _ in model.named_modules()]
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        module = None
     for rule in plan.rules:
-        if rule.replicate_heads and rule.head_dim and name in match_names(rule.match, names):
-            weight = model.get_submodule(name)._parameters["weight"]
+        if (
+            module is not None
+            and rule.replicate_heads
+            and rule.head_dim
+            and matches(rule.match, name)
+        ):
+            weight = module._parameters["weight"]
             assert weight is not None
             return int(weight.shape[0]) // rule.head_dim
     raise TpplanError(

@@ -68,8 +68,8 @@ def decide_region(ctx: Context, out: Decided, members: list[str]) -> None:
     units = split_unit(t, openers)
     counts = {c for o in openers for c in t.reads.counts.get(o, ())}
     sharing = kv_sharing(ctx, openers, counts)
-    shared = sharing is not None and sharing.refused is None
-    if openers and units % ctx.tp and not (shared and sharing is not None and sharing.fits(ctx.tp)):
+    shared = sharing if sharing is not None and sharing.refused is None else None
+    if openers and units % ctx.tp and not (shared is not None and shared.fits(ctx.tp)):
         unshared = (
             f"; its key/value heads cannot be shared among ranks ({sharing.refused})"
             if sharing is not None and sharing.refused
@@ -80,20 +80,20 @@ def decide_region(ctx: Context, out: Decided, members: list[str]) -> None:
             f"does not divide{unshared}"
         )
     holders = _param_holders(ctx, set(openers), reasons)
-    if shared and sharing is not None:
+    if shared is not None:
         # key/value counts are divided by the heads' shards, not the tp size
-        counts = {c for c in counts if c[:2] not in sharing.divided()}
+        counts = {c for c in counts if c[:2] not in shared.divided()}
     reasons += _count_reasons(ctx, counts)
     if reasons:
         for m in members:
             out.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
         return
     out.split_regions.append((openers, closers))
-    _open(ctx, out, openers, closers, short, units, sharing if shared else None)
+    _open(ctx, out, openers, closers, short, units, shared)
     _close(ctx, out, openers, closers, short)
     _divide_counts(out, counts, openers, short)
-    if shared and sharing is not None:
-        for module, entries in sharing.attributes.items():
+    if shared is not None:
+        for module, entries in shared.attributes.items():
             out.attributes[module] = (*out.attributes.get(module, ()), *entries)
     _style_param_holders(ctx, out, holders, openers, short)
 

@@ -143,7 +143,7 @@ def _expanded(st: Trackers, op: Op) -> Followed:
     after = s.dim + 1
     if after < x.dim() and x.shape[after] == 1 and out.shape[d + 1] > 1:
         # each head repeated side by side (`repeat_kv`), if a merge follows
-        note_repeat(st, s.sources, out.shape[d + 1], "an expand repeats the heads")
+        note_repeat(st, s.sources, out.shape[d + 1], "an expand repeats the heads", needed=True)
     return [(out, s.at(d))]
 
 
@@ -169,7 +169,7 @@ def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
         # `enable_gqa`: the model's code may still repeat by an attribute on other paths
         # (transformers does under a mask); one that holds the group size, read by the
         # running forward, is divided with the sharing, as that repeat would need
-        note_repeat(st, kv, group, "attention groups its heads by")
+        note_repeat(st, kv, group, "attention groups its heads by", needed=False)
     elif k.inner != group or any(regions.repeats.get(s, (0,))[0] != group for s in kv):
         for s in kv:
             regions.unshared.setdefault(s, "its heads are repeated other than by the groups")
@@ -180,10 +180,13 @@ def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
     return {**dict.fromkeys(kv, k.n), **dict.fromkeys(queries, q.n)}
 
 
-def note_repeat(st: Trackers, sources: frozenset[str], times: int, doing: str) -> None:
+def note_repeat(
+    st: Trackers, sources: frozenset[str], times: int, doing: str, *, needed: bool
+) -> None:
     """Heads of `sources` repeated `times` times each (or grouped so, by attention): the
     attribute of the running forward holding `times` must shrink with the heads' sharing
-    among ranks (record.py's `repeats`); none or several make that sharing unproven."""
+    among ranks (record.py's `repeats`). Several make that sharing unproven, and so does
+    none where the count is `needed` (an expand's; attention groups by the shapes)."""
     regions = st.trace.regions
     held = {(m, a) for m, a, v in st.reads.frames[-1] if v == times}
     for src in sources:
@@ -192,7 +195,7 @@ def note_repeat(st: Trackers, sources: frozenset[str], times: int, doing: str) -
             regions.repeats[src] = (times, (module, attr, times))
             continue
         regions.repeats.setdefault(src, (times, None))
-        if held or doing.startswith("an expand"):
+        if held or needed:
             which = (
                 f"several attributes read in forward hold it ({', '.join(sorted(a for _, a in held))})"
                 if held
