@@ -84,6 +84,7 @@ def apply_plan(
     plan: Plan | str | Path | None = None,
     *,
     check_inputs: bool | None = None,
+    local_shards: bool = True,
 ) -> nn.Module:
     """Shard `model` in place over the 1-D tensor-parallel `mesh` and return it.
 
@@ -95,6 +96,12 @@ def apply_plan(
     `check_inputs` (default: the TPPLAN_CHECK_INPUTS environment variable) makes every
     forward verify that the model's tensor inputs are identical on all tp ranks, raising
     InputMismatchError naming the input and the ranks that differ.
+
+    `local_shards` (default True): colwise, rowwise and vocab-parallel layers whose sizes the
+    plan makes local run on their local shards and call their collectives directly, which
+    saves DTensor's dispatch on every call; their parameters stay DTensors either way.
+    False runs every split layer on DTensors (the reference path). Layers inside DTensor
+    regions run on DTensors on both paths (`torch.compile` removes their dispatch cost).
     """
     _check_unsharded(model)
     mesh = tp_mesh(mesh)
@@ -112,7 +119,7 @@ def apply_plan(
             UserWarning,
             stacklevel=2,
         )
-    shard_model(model, mesh, plan)
+    shard_model(model, mesh, plan, local_shards=local_shards)
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers

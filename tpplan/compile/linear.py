@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import TpplanError
+from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
 from .strided import equal_parts, fused_order
 
@@ -60,11 +61,30 @@ class Colwise(ColwiseParallel):
     """
 
     def __init__(
-        self, *, parts: list[int] | None = None, transposed: bool = False, **kwargs: Any
+        self,
+        *,
+        parts: list[int] | None = None,
+        transposed: bool = False,
+        local_shards: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.parts = tuple(parts) if parts else None
         self.transposed = transposed
+        self.local_shards = local_shards
+
+    def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
+        """Why `module` cannot run on its local shards (local_run.py); None: it can."""
+        return local_run_reason(
+            module,
+            "colwise",
+            transposed=self.transposed,
+            parts=self.parts,
+            input_layout=self.input_layouts[0],
+            output_layout=self.output_layouts[0],
+            local_output=self.use_local_output,
+            tp=tp,
+        )
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         src = self.src_data_rank
@@ -110,13 +130,17 @@ class Colwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding):
             return super()._apply(module, device_mesh)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._own_output, self.output_layouts, self.use_local_output, self.parts),
+        input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        output_fn = partial(
+            self._own_output, self.output_layouts, self.use_local_output, self.parts
         )
+        if self.local_shards and self.local_run_reason(module, device_mesh.size()) is None:
+            distribute_module(module, device_mesh, self._partition)
+            gather = isinstance(self.output_layouts[0], Replicate)
+            run = LocalRun("colwise", device_mesh, self.transposed, gather, input_fn, output_fn)
+            install(module, run)
+            return module
+        return distribute_module(module, device_mesh, self._partition, input_fn, output_fn)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"
@@ -151,7 +175,12 @@ class Rowwise(RowwiseParallel):
     """
 
     def __init__(
-        self, *, parts: list[int] | None = None, transposed: bool = False, **kwargs: Any
+        self,
+        *,
+        parts: list[int] | None = None,
+        transposed: bool = False,
+        local_shards: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if parts and not equal_parts(parts):
@@ -160,6 +189,20 @@ class Rowwise(RowwiseParallel):
             )
         self.parts = tuple(parts) if parts else None
         self.transposed = transposed
+        self.local_shards = local_shards
+
+    def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
+        """Why `module` cannot run on its local shards (local_run.py); None: it can."""
+        return local_run_reason(
+            module,
+            "lookup" if isinstance(module, nn.Embedding) else "rowwise",
+            transposed=self.transposed,
+            parts=self.parts,
+            input_layout=self.input_layouts[0],
+            output_layout=self.output_layouts[0],
+            local_output=self.use_local_output,
+            tp=tp,
+        )
 
     def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         dim = 0 if self.transposed else 1
@@ -190,20 +233,30 @@ class Rowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Embedding):
-            return super()._apply(module, device_mesh)
+            if not self.local_shards or self.local_run_reason(module, device_mesh.size()):
+                return super()._apply(module, device_mesh)
+            # a vocab-parallel lookup (torch's RowwiseParallel on an Embedding)
+            self.desired_input_layouts = (Replicate(),)
+            distribute_module(module, device_mesh, self._partition_embedding_fn)
+            input_fn = partial(
+                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
+            )
+            output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+            install(module, LocalRun("lookup", device_mesh, False, False, input_fn, output_fn))
+            return module
         self.desired_input_layouts = (Shard(-1),)
         prepare = (
             partial(self._pieces_input, len(self.parts))
             if self.parts
             else partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
         )
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_linear_fn,
-            prepare,
-            partial(self._own_output, self.output_layouts, self.use_local_output),
-        )
+        output_fn = partial(self._own_output, self.output_layouts, self.use_local_output)
+        if self.local_shards and self.local_run_reason(module, device_mesh.size()) is None:
+            distribute_module(module, device_mesh, self._partition_linear_fn)
+            run = LocalRun("rowwise", device_mesh, self.transposed, False, prepare, output_fn)
+            install(module, run)
+            return module
+        return distribute_module(module, device_mesh, self._partition_linear_fn, prepare, output_fn)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"

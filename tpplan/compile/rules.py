@@ -26,12 +26,10 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
-    RowwiseParallel,
     SequenceParallel,
 )
 
@@ -53,13 +51,18 @@ if TYPE_CHECKING:
 __all__ = ["placement", "plan_to_torch", "rule_to_style"]
 
 
-def plan_to_torch(plan: Plan, model: nn.Module) -> dict[str, ParallelStyle]:
-    """{full module name: style} in the model's module order, every rule expanded."""
+def plan_to_torch(
+    plan: Plan, model: nn.Module, *, local_shards: bool = True
+) -> dict[str, ParallelStyle]:
+    """{full module name: style} in the model's module order, every rule expanded.
+
+    `local_shards`: colwise, rowwise and vocab-parallel layers whose sizes are local run on
+    their shards with direct collectives (local_run.py); False runs every one on DTensors."""
     modules = dict(model.named_modules())
     names = [n for n in modules if n]
     by_name: dict[str, ParallelStyle] = {}
     for rule in plan.rules:
-        style = rule_to_style(rule)
+        style = rule_to_style(rule, local_shards=local_shards)
         if style is None:
             continue
         conv = None
@@ -72,10 +75,10 @@ def plan_to_torch(plan: Plan, model: nn.Module) -> dict[str, ParallelStyle]:
     return {n: by_name[n] for n in names if n in by_name}
 
 
-def rule_to_style(rule: Rule) -> ParallelStyle | None:
+def rule_to_style(rule: Rule, *, local_shards: bool = True) -> ParallelStyle | None:
     """The style object for one rule; None for `replicate` (the module is left alone)."""
     if rule.style in ("colwise", "rowwise", "vocab_parallel"):
-        return _split_style(rule)
+        return _split_style(rule, local_shards)
     if rule.style == "sequence_parallel":
         _, dim = parse_layout(rule.input or "shard(1)")
         return SequenceParallel(sequence_dim=dim if dim is not None else 1, **_local_output(rule))
@@ -120,10 +123,10 @@ def _local_output(rule: Rule) -> dict[str, Any]:
     return {} if rule.local_output is None else {"use_local_output": rule.local_output}
 
 
-def _split_style(rule: Rule) -> ParallelStyle:
-    """colwise, rowwise and vocab_parallel: torch's own styles where they serve, tpplan's
-    where the weight is fused or stored (in, out), or the embedding's forward does more than
-    look up."""
+def _split_style(rule: Rule, local_shards: bool) -> ParallelStyle:
+    """colwise, rowwise and vocab_parallel: tpplan's Colwise and Rowwise (torch's, extended
+    to fused and (in, out) weights and to running on local shards), and the vocab-parallel
+    styles for an embedding whose forward does more than look up."""
     kw = _local_output(rule)
     if rule.input is not None:
         kw["input_layouts"] = placement(rule.input)
@@ -133,8 +136,13 @@ def _split_style(rule: Rule) -> ParallelStyle:
         kw["output_layouts"] = placement(rule.output)
     if rule.style == "colwise" and rule.replicate_heads:
         assert rule.head_dim is not None  # the rule's validator requires it
-        return SharedHeadsColwise(head_dim=rule.head_dim, input_layouts=kw.get("input_layouts"))
-    if rule.style == "colwise" and (rule.parts or rule.transposed or rule.output):
+        return SharedHeadsColwise(
+            head_dim=rule.head_dim,
+            input_layouts=kw.get("input_layouts"),
+            local_shards=local_shards,
+        )
+    kw["local_shards"] = local_shards
+    if rule.style == "colwise":
         return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
     if rule.style == "rowwise":
         return Rowwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
@@ -146,8 +154,9 @@ def _split_style(rule: Rule) -> ParallelStyle:
             output_layouts=kw.get("output_layouts"),
             use_local_output=kw.get("use_local_output", True),
         )
-    # a plain colwise layer, or a vocab_parallel embedding (torch's Rowwise on an Embedding)
-    return ColwiseParallel(**kw) if rule.style == "colwise" else RowwiseParallel(**kw)
+    # a vocab_parallel embedding: torch's RowwiseParallel on an Embedding, or its lookup on
+    # the local rows
+    return Rowwise(**kw)
 
 
 def _conv_style(rule: Rule) -> PointwiseConv:

@@ -30,16 +30,17 @@ def shard_model(
     plan: Plan,
     *,
     on_module: Callable[[str], None] | None = None,
+    local_shards: bool = True,
 ) -> None:
     """Apply a checked plan's styles, attribute fixes and DTensor regions to `model` in
     place, no check.
 
     `on_module` is told each module's name before its style is applied (the dry run names
     the module a failure came from). Styles are applied one module at a time, which is what
-    parallelize_module does with a dict of full names.
+    parallelize_module does with a dict of full names. `local_shards`: as `plan_to_torch`.
     """
     tied = _tied(model)
-    for name, style in plan_to_torch(plan, model).items():
+    for name, style in plan_to_torch(plan, model, local_shards=local_shards).items():
         if on_module is not None:
             on_module(name)
         parallelize_module(model, mesh, {name: style})

@@ -32,10 +32,12 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._runtime.local import SOLO_AXIS, solo_fake_grid
 from ..errors import TpplanError
+from .linear import Colwise
+from .local_run import copy_to_ranks, group_name
 from .params import local_during_calls
 
 __all__ = ["SharedHeadsColwise", "head_replicas", "heads_grid"]
@@ -103,16 +105,30 @@ class SharedHeadsColwise(ParallelStyle):
         >>> parallelize_module(attn, mesh, {"k_proj": SharedHeadsColwise(head_dim=128)})
     """
 
-    def __init__(self, *, head_dim: int, input_layouts: Placement | None = None) -> None:
+    def __init__(
+        self, *, head_dim: int, input_layouts: Placement | None = None, local_shards: bool = True
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.input_layouts = input_layouts or Replicate()
+        self.local_shards = local_shards
+
+    def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
+        """Why `module` cannot run on its local shards (local_run.py); None: it can."""
+        heads = int(module._parameters["weight"].shape[0]) // self.head_dim  # type: ignore[union-attr]
+        if heads % tp == 0:
+            plain = Colwise(input_layouts=self.input_layouts, local_shards=self.local_shards)
+            return plain.local_run_reason(module, tp)
+        if self.input_layouts != Replicate():
+            return f"its input arrives as {self.input_layouts} (sequence parallel)"
+        return None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         weight = module.get_parameter("weight")
         heads, tp = int(weight.shape[0]) // self.head_dim, device_mesh.size()
         if heads % tp == 0:
-            return ColwiseParallel(input_layouts=self.input_layouts)._apply(module, device_mesh)
+            plain = Colwise(input_layouts=self.input_layouts, local_shards=self.local_shards)
+            return plain._apply(module, device_mesh)
         if tp % heads:
             raise TpplanError(
                 f"{heads} heads neither divide by nor divide tp size {tp}; replicate_heads "
@@ -124,7 +140,8 @@ class SharedHeadsColwise(ParallelStyle):
             if isinstance(p, nn.Parameter):
                 data = distribute_tensor(p, grid, [Shard(0), Replicate()], src_data_rank=0)
                 module.register_parameter(name, nn.Parameter(data, p.requires_grad))
-        layout = self.input_layouts
+        layout, fast = self.input_layouts, self.local_shards and self.input_layouts == Replicate()
+        group = group_name(device_mesh)
 
         # this rank's head, its gradient summed over the ranks sharing it
         local_during_calls(
@@ -133,6 +150,9 @@ class SharedHeadsColwise(ParallelStyle):
 
         def replicated(mod: nn.Module, args: Any) -> Any:
             x = args[0]
+            if fast and not isinstance(x, DTensor):
+                # a plain replicated input (local_run.py): its gradient summed over tp
+                return (copy_to_ranks(x, group, tp), *args[1:])
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [layout], run_check=False)
             if x.placements != (Replicate(),):

@@ -1,0 +1,308 @@
+"""The run-time fast path: sharded layers computed on their local shards, the collectives
+called directly.
+
+A layer split by torch's styles runs its forward on DTensors: every call goes through
+DTensor's dispatch (sharding propagation, wrapping, unwrapping), host work that costs more
+than the matmul itself when a decode step's matmuls are small. Where the plan's sizes are
+local (a colwise layer's output handed on as a plain tensor, a rowwise layer's input one),
+nothing inside the layer needs DTensor: rank r's output is its weight shard times its input,
+and the only communication is the one Megatron's layers make (the f and g of its paper):
+
+- colwise: the input passes as it is; its gradient is summed over the tp ranks (`_Copy`);
+  an output gathered whole (`output: replicate`) is all-gathered on its last dim (`_Gather`);
+- rowwise: the partial outputs are summed over the ranks (`_Sum`), then the bias is added
+  once;
+- vocab-parallel lookup: each rank looks up the ids in its share of the rows, zeroes the
+  others' rows, and the rows are summed over the ranks (`_Sum`).
+
+The parameters stay DTensors (state dicts, optimizers, checkpoints and FSDP see the same
+model as on the DTensor path); each call reads their local shards (`to_local`, whose
+gradient flows back into the DTensor's). The layer's forward is replaced by one that does
+the above (`install`), for the forwards whose computation is known: nn.Linear's, nn.Embedding's
+and GPT-2's Conv1D (weight stored (in, out)). A call that is handed a DTensor (a layer inside
+a DTensor region) takes the DTensor path for that call, through the style's own input and
+output functions. `local_run_reason` says why a layer cannot take this path at all; stats
+shows it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+
+from .params import own_start
+
+__all__ = ["LocalRun", "copy_to_ranks", "install", "local_run_reason", "runs_locally"]
+
+Kind = Literal["colwise", "rowwise", "lookup"]
+
+
+def _all_reduce(t: torch.Tensor, group: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(t.contiguous(), "sum", group))
+
+
+def _all_gather(t: torch.Tensor, group: str) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), t.dim() - 1, group))
+
+
+# The functions take the process group's name, not the mesh: torch.compile traces a string
+# argument of an autograd Function, and a DeviceMesh one would break the graph at every layer.
+
+
+class _Copy(torch.autograd.Function):
+    """Identity forward; the gradient summed over the tp ranks (each rank's colwise shard
+    contributes its part of the input's gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _Sum(torch.autograd.Function):
+    """Partial results summed over the tp ranks; the gradient (the same on every rank, the
+    sum being replicated) passes as it is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _Gather(torch.autograd.Function):
+    """Each rank's equal slice of the last dim, gathered whole; the gradient (the same on
+    every rank) cut back to the rank's own slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str, rank: int) -> torch.Tensor:
+        ctx.start = rank * x.shape[-1]
+        ctx.size = x.shape[-1]
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.narrow(-1, ctx.start, ctx.size), None, None
+
+
+def copy_to_ranks(x: torch.Tensor, group: str, tp: int) -> torch.Tensor:
+    """A replicated input that colwise shards consume: itself, its gradient (where one is
+    recorded) summed over the `tp` ranks of `group` (a name as `group_name` gives it)."""
+    if tp > 1 and torch.is_grad_enabled() and x.requires_grad:
+        return _Copy.apply(x, group)
+    return x
+
+
+def group_name(mesh: DeviceMesh) -> str:
+    """The name funcol knows a 1-D mesh's process group by (also a fake mesh's, check's)."""
+    return funcol._resolve_group_name(mesh)
+
+
+def _sum(x: torch.Tensor, group: str) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Sum.apply(x, group)
+    return _all_reduce(x, group)
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """How one layer runs on its local shards."""
+
+    kind: Kind
+    mesh: DeviceMesh
+    transposed: bool = False
+    """The weight is stored (in, out) (GPT-2's Conv1D)."""
+    gather: bool = False
+    """A colwise output gathered whole on every rank."""
+    input_fn: Callable[..., Any] | None = None
+    output_fn: Callable[..., Any] | None = None
+    """The style's own functions, for a call handed a DTensor (the DTensor path)."""
+    group: str = ""
+    """The name funcol knows the mesh's process group by (set by `install`)."""
+    rank: Any = 0
+    """This rank's index on the mesh (set by `install`): an int, or on simulated ranks each
+    rank's own."""
+
+
+def _conv1d() -> type | None:
+    """transformers' Conv1D (a Linear storing its weight (in, out)), if transformers is
+    imported: a model of it has imported it already."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return getattr(utils, "Conv1D", None)
+
+
+def _forward_of(module: nn.Module) -> str | None:
+    """'linear', 'conv1d' or 'embedding' when the module's forward is one of those this
+    path knows the computation of, else None."""
+    forward = type(module).forward
+    if forward is nn.Linear.forward:
+        return "linear"
+    if forward is nn.Embedding.forward:
+        return "embedding"
+    conv1d = _conv1d()
+    if conv1d is not None and forward is conv1d.forward:
+        return "conv1d"
+    return None
+
+
+def local_run_reason(
+    module: nn.Module,
+    kind: Kind,
+    *,
+    transposed: bool,
+    parts: tuple[int, ...] | None,
+    input_layout: Any,
+    output_layout: Any,
+    local_output: bool,
+    tp: int,
+) -> str | None:
+    """Why `module` cannot run on its local shards under this rule (None: it can)."""
+    forward = _forward_of(module)
+    want = {
+        "lookup": ("embedding",),
+        "colwise": ("linear", "conv1d"),
+        "rowwise": ("linear", "conv1d"),
+    }
+    if forward not in want[kind]:
+        return f"its forward ({type(module).__name__}.forward) is not one whose computation tpplan knows"
+    if (forward == "conv1d") != transposed:
+        return "the rule's `transposed` does not match the layer's weight layout"
+    if any(isinstance(getattr(type(module), n, None), property) for n in ("weight", "bias")):
+        return "its weight is computed (a parametrization), not a parameter"
+    if kind == "lookup" and getattr(module, "max_norm", None) is not None:
+        return "its lookup renormalizes rows in place (max_norm)"
+    if kind == "lookup" and (module.scale_grad_by_freq or module.sparse):
+        return "its gradient is scaled by id counts or sparse"
+    if parts is not None and len(set(parts)) > 1:
+        return "its fused pieces are of unequal sizes (no local layout)"
+    if not local_output:
+        return "its output stays a DTensor (a DTensor region)"
+    want_in = Shard(-1) if kind == "rowwise" else Replicate()
+    if input_layout not in (None, want_in) and not (kind == "rowwise" and _last_dim(input_layout)):
+        return f"its input arrives as {input_layout} (sequence parallel)"
+    if kind == "colwise":
+        if output_layout not in (None, Shard(-1)) and not _last_dim(output_layout):
+            if not isinstance(output_layout, Replicate):
+                return f"its output is laid out as {output_layout}"
+            if parts is not None:
+                return "its fused output is gathered whole"
+    elif output_layout not in (None, Replicate()):
+        return f"its output is laid out as {output_layout} (sequence parallel)"
+    return None
+
+
+def _last_dim(layout: Any) -> bool:
+    return isinstance(layout, Shard) and layout.dim == -1
+
+
+def install(module: nn.Module, run: LocalRun) -> None:
+    """Replace `module`'s forward by its local-shard one (its parameters already split)."""
+    # the group and rank are read once here: torch.compile traces neither lookup
+    run = replace(run, group=group_name(run.mesh), rank=_rank(run.mesh))
+    module._tpplan_local_run = run  # type: ignore[assignment]
+    forward = {"colwise": _colwise, "rowwise": _rowwise, "lookup": _lookup}[run.kind]
+    module.forward = forward.__get__(module)  # type: ignore[method-assign]
+
+
+def runs_locally(module: nn.Module) -> bool:
+    """Whether `module` was given the local-shard forward."""
+    return getattr(module, "_tpplan_local_run", None) is not None
+
+
+def _dtensor_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The DTensor path for one call: the style's input function, the class's own forward
+    on the DTensor parameters, the style's output function (what distribute_module's hooks
+    would do)."""
+    run: LocalRun = module._tpplan_local_run
+    if run.input_fn is not None:
+        args = run.input_fn(module, args, run.mesh)
+        args = args if isinstance(args, tuple) else (args,)
+    out = type(module).forward(module, *args, **kwargs)
+    return out if run.output_fn is None else run.output_fn(module, out, run.mesh)
+
+
+def _local(p: Any) -> Any:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _matmul(module: nn.Module, run: LocalRun, x: torch.Tensor, bias: Any) -> torch.Tensor:
+    w = _local(module._parameters["weight"])
+    return F.linear(x, w.t() if run.transposed else w, bias)
+
+
+def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    run: LocalRun = self._tpplan_local_run
+    x = args[0] if len(args) == 1 and not kwargs else None
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        return _dtensor_call(self, args, kwargs)
+    tp = run.mesh.size()
+    x = copy_to_ranks(x, run.group, tp)
+    out = _matmul(self, run, x, _local(self._parameters.get("bias")))
+    if not run.gather or tp == 1:
+        return out
+    if torch.is_grad_enabled() and out.requires_grad:
+        return _Gather.apply(out, run.group, run.rank)
+    return _all_gather(out, run.group)
+
+
+def _rowwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    run: LocalRun = self._tpplan_local_run
+    x = args[0] if len(args) == 1 and not kwargs else None
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        return _dtensor_call(self, args, kwargs)
+    bias = _local(self._parameters.get("bias"))
+    if run.mesh.size() == 1:
+        return _matmul(self, run, x, bias)
+    out = _sum(_matmul(self, run, x, None), run.group)
+    # the bias is whole on every rank: added once, to the sum
+    return out if bias is None else out + bias
+
+
+def _lookup(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    run: LocalRun = self._tpplan_local_run
+    ids = args[0] if len(args) == 1 and not kwargs else None
+    if not isinstance(ids, torch.Tensor) or isinstance(ids, DTensor):
+        return _dtensor_call(self, args, kwargs)
+    weight = _local(self._parameters["weight"])
+    emb: nn.Embedding = self  # type: ignore[assignment]
+    if run.mesh.size() == 1:
+        return F.embedding(ids, weight, emb.padding_idx)
+    # this rank's rows are [start, start + rows): others' ids look up row 0, zeroed after
+    local = ids - _start(run, weight.shape[0], ids.device)
+    outside = (local < 0) | (local >= weight.shape[0])
+    found = F.embedding(local.masked_fill(outside, 0), weight)
+    if emb.padding_idx is not None:
+        # padding_idx's row is looked up as it is but gets no gradient, as in nn.Embedding
+        found = torch.where((ids == emb.padding_idx).unsqueeze(-1), found.detach(), found)
+    return _sum(found.masked_fill(outside.unsqueeze(-1), 0), run.group)
+
+
+def _start(run: LocalRun, rows: int, device: torch.device) -> Any:
+    """The first of this rank's `rows` rows (the plan splits them evenly): on a real process
+    group a number; on simulated ranks, whose ranks differ within one process, a tensor
+    holding each rank's own (own_start)."""
+    if isinstance(run.rank, int):
+        return run.rank * rows
+    return own_start(rows * run.mesh.size(), run.mesh, device)
+
+
+def _rank(mesh: DeviceMesh) -> int:
+    """This rank's index on the 1-D mesh: its coordinate, which the mesh also gives on fake
+    meshes (check's) and, rank by rank, on simulated ones."""
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # a rank applying a plan is on its mesh
+    return coordinate[0]
