@@ -12,13 +12,23 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from .._runtime.inputs import example_inputs
 from .._runtime.local import fake_ranks
 from .._runtime.tree import first_tensor, local_bytes
 from ..apply.api import apply_plan
 from ..check.run import meta_copy
+from ..compile.params import ReplicateGradSum, SplitParams
+from ..compile.rules import plan_to_torch
+from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan
 from ..trace import run_op
 
@@ -45,6 +55,9 @@ class Stats:
     returned it (`past_key_values`); None for a model that returns no cache."""
     kv_cache_bytes_per_token_total: float | None = None
     """The same for the unsharded model."""
+    execution: dict[str, str] = field(default_factory=dict)
+    """{module pattern: how its split layers ran in the forward}: "local shards", or
+    "DTensor: <why>" (local_run.py)."""
 
     @property
     def param_fraction(self) -> float:
@@ -59,6 +72,7 @@ class Stats:
             "tokens": self.tokens,
             "activation_bytes_per_token": round(self.activation_bytes_per_token, 3),
             "collectives": self.collectives,
+            "execution": self.execution,
             **(
                 {}
                 if self.kv_cache_bytes_per_token is None
@@ -73,6 +87,14 @@ class Stats:
 
 
 _NOT_TRAFFIC = {"wait_tensor", "_wrap_tensor_autograd"}
+# styles that split no layer's computation (execution paths are about layers)
+_NOT_LAYERS = (
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    PrepareModuleInputOutput,
+    ReplicateGradSum,
+    SplitParams,
+)
 
 
 class _Collectives(TorchDispatchMode):
@@ -120,6 +142,8 @@ def plan_stats(
                 act += local_bytes(out)
 
         handles = [m.register_forward_hook(count) for m in meta.modules()]
+        paths: dict[str, str] = {}
+        handles += _record_paths(meta, plan, mesh.size(), paths)
         collectives: dict[str, dict[str, dict[str, int]]] = {}
         fwd = _Collectives()
         with fwd, torch.set_grad_enabled(backward):
@@ -145,7 +169,43 @@ def plan_stats(
         collectives=collectives,
         kv_cache_bytes_per_token=None if cache is None else cache / tokens,
         kv_cache_bytes_per_token_total=None if cache_total is None else cache_total / tokens,
+        execution=_by_pattern(paths, [n for n, _ in meta.named_modules()]),
     )
+
+
+def _record_paths(
+    model: nn.Module, plan: Plan, tp: int, paths: dict[str, str]
+) -> list[RemovableHandle]:
+    """Hooks that note, for every split module, the path its forward takes: on its local
+    shards (a layer given the local forward, handed a plain tensor) or on DTensors, why."""
+    styles = plan_to_torch(plan, model)
+    handles = []
+    for name, module in model.named_modules():
+        style = styles.get(name)
+        if style is None or isinstance(style, _NOT_LAYERS):
+            continue
+
+        def note(mod: nn.Module, args: Any, name: str = name, style: Any = style) -> None:
+            why = getattr(style, "local_run_reason", None)
+            reason = why(mod, tp) if why else f"{type(style).__name__} runs on DTensors"
+            if reason is None and isinstance(first_tensor(args), DTensor):
+                reason = "its input is a DTensor (inside a DTensor region)"
+            paths[name] = "local shards" if reason is None else f"DTensor: {reason}"
+
+        handles.append(module.register_forward_pre_hook(note))
+    return handles
+
+
+def _by_pattern(paths: dict[str, str], names: list[str]) -> dict[str, str]:
+    """The paths with layer indices collapsed where every layer took the same one."""
+    by_path: dict[str, list[str]] = {}
+    for name, path in paths.items():
+        by_path.setdefault(path, []).append(name)
+    out: dict[str, str] = {}
+    for path, members in by_path.items():
+        for pattern in collapse(members, names):
+            out[pattern] = path
+    return dict(sorted(out.items(), key=lambda kv: names.index(match_names(kv[0], names)[0])))
 
 
 def _cache_bytes(out: Any) -> int | None:
