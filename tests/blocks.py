@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan.compile.local_run import runs_locally
 from tpplan.plan import Plan
 from tpplan.plan.patterns import match_names
 
@@ -388,16 +389,37 @@ def assert_parity(
     tol: float = TOL,
 ) -> None:
     """Forward output and every parameter's gradient equal the unsharded model's, on each
-    simulated rank. `x` (one input, or keyword inputs) is made before the ranks exist, so
-    every rank gets the same input."""
+    simulated rank, on both execution paths: layers on their local shards (apply_plan's
+    default) and every layer on DTensors (`local_shards=False`; skipped where the plan gave
+    no layer the local path, the two then being the same run). `x` (one input, or keyword
+    inputs) is made before the ranks exist, so every rank gets the same input."""
     ref = copy.deepcopy(ref)
     want = _run(ref, x)
     want.float().pow(2).mean().backward()
     params = dict(ref.named_parameters())
+    local = _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=True)
+    if local:
+        _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=False)
+
+
+def _assert_path_parity(
+    ref: nn.Module,
+    plan: Plan,
+    tp: int,
+    x: torch.Tensor | dict[str, torch.Tensor],
+    want: torch.Tensor,
+    params: dict[str, nn.Parameter],
+    tol: float,
+    *,
+    local_shards: bool,
+) -> bool:
+    """assert_parity on one execution path; whether any layer ran on its local shards."""
+    path = "local shards" if local_shards else "DTensor path"
     with simulated_ranks(tp) as mesh:
         model = copy.deepcopy(ref)
         model.zero_grad(set_to_none=True)
-        tpplan.apply_plan(model, mesh, plan)
+        tpplan.apply_plan(model, mesh, plan, local_shards=local_shards)
+        local = any(runs_locally(m) for m in model.modules())
         got = _run(model, x)
         outputs = rank_values(got)
         got.float().pow(2).mean().backward()
@@ -408,15 +430,18 @@ def assert_parity(
         }
     for rank, value in enumerate(outputs):
         err = (value - want).abs().max().item()
-        assert err <= tol, f"tp {tp}: rank {rank}'s output is off by {err:.3g}"
+        assert err <= tol, f"tp {tp}, {path}: rank {rank}'s output is off by {err:.3g}"
     assert set(grads) == set(params), "sharding changed the model's parameters"
     for name, p in params.items():
         got_grads = grads[name]
         if p.grad is None:
             assert got_grads is None, f"tp {tp}: {name} got a gradient the unsharded model has not"
             continue
-        assert got_grads is not None, f"tp {tp}: {name} got no gradient"
+        assert got_grads is not None, f"tp {tp}, {path}: {name} got no gradient"
         back = _layout(stored[name], p.detach())
         for rank, value in enumerate(got_grads):
             err = (back(value) - p.grad).abs().max().item()
-            assert err <= tol, f"tp {tp}: rank {rank}'s gradient of {name} is off by {err:.3g}"
+            assert err <= tol, (
+                f"tp {tp}, {path}: rank {rank}'s gradient of {name} is off by {err:.3g}"
+            )
+    return local

@@ -886,9 +886,9 @@ def test_placement(layout: str | None, want: Any) -> None:
 
 # every style of the schema, each with the fields that pick another class or setting
 RULES: list[tuple[str, dict[str, Any], type | None, dict[str, Any]]] = [
-    ("colwise", {}, ColwiseParallel, {"output_layouts": (Shard(-1),)}),
-    ("colwise", {"input": "shard(1)"}, ColwiseParallel, {"input_layouts": (Shard(1),)}),
-    ("colwise", {"local_output": False}, ColwiseParallel, {"use_local_output": False}),
+    ("colwise", {}, Colwise, {"output_layouts": (Shard(-1),), "local_shards": True}),
+    ("colwise", {"input": "shard(1)"}, Colwise, {"input_layouts": (Shard(1),)}),
+    ("colwise", {"local_output": False}, Colwise, {"use_local_output": False}),
     ("colwise", {"parts": [4, 4]}, Colwise, {"parts": (4, 4), "transposed": False}),
     ("colwise", {"transposed": True}, Colwise, {"parts": None, "transposed": True}),
     ("colwise", {"output": "replicate"}, Colwise, {"output_layouts": (Replicate(),)}),
@@ -896,8 +896,8 @@ RULES: list[tuple[str, dict[str, Any], type | None, dict[str, Any]]] = [
     ("rowwise", {"transposed": True}, Rowwise, {"transposed": True}),
     ("rowwise", {"output": "shard(1)"}, Rowwise, {"output_layouts": (Shard(1),)}),
     ("rowwise", {"input": "replicate"}, Rowwise, {"input_layouts": (Replicate(),)}),
-    ("vocab_parallel", {}, RowwiseParallel, {"input_layouts": (Replicate(),)}),
-    ("vocab_parallel", {"output": "shard(1)"}, RowwiseParallel, {"output_layouts": (Shard(1),)}),
+    ("vocab_parallel", {}, Rowwise, {"input_layouts": (Replicate(),), "local_shards": True}),
+    ("vocab_parallel", {"output": "shard(1)"}, Rowwise, {"output_layouts": (Shard(1),)}),
     ("vocab_parallel", {"sum_at": "lookup"}, SumAtLookup, {}),
     (
         "vocab_parallel",
@@ -984,7 +984,7 @@ def test_rule_to_style(
     if cls is None:
         assert got is None
         return
-    assert type(got) is cls  # exactly: torch's own where it serves
+    assert type(got) is cls  # exactly
     for name, want in attrs.items():
         assert getattr(got, name) == want, name
 
@@ -1039,7 +1039,7 @@ def test_plan_to_torch_expands_patterns_in_the_models_module_order() -> None:
         "head",
     ]
     assert isinstance(got["layers.1.2"], Rowwise)
-    assert type(got["layers.2.0"]) is ColwiseParallel
+    assert type(got["layers.2.0"]) is Colwise
     # one style object per rule, shared by the modules it matches
     assert got["layers.0.0"] is got["layers.2.0"]
 
@@ -1057,4 +1057,4 @@ def test_plan_to_torch_later_rules_win_and_replicate_does_not_undo() -> None:
     plan = _plan(("layers.*.0", "colwise"), ("layers.0.0", "rowwise"), ("layers.1.0", "replicate"))
     got = plan_to_torch(plan, _Layers())
     assert isinstance(got["layers.0.0"], Rowwise)
-    assert type(got["layers.1.0"]) is ColwiseParallel
+    assert type(got["layers.1.0"]) is Colwise
