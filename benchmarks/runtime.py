@@ -138,9 +138,9 @@ def load_methods(folder: Path, mesh: Any, names: list[str], *, dtype: Any, mode:
     device = mesh.device_type
 
     def load(**kw: Any) -> Any:
-        if "tp_plan" in kw:
-            return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).eval()
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        # at world size 1 transformers' tp_plan applies nothing and leaves the model on the
+        # CPU: it goes to the device like the plain model (a no-op where it is there)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).to(device).eval()
 
     def compiled(model: Any) -> Any:
         return torch.compile(model, mode=None if mode == "default" else mode)
@@ -168,6 +168,14 @@ def load_methods(folder: Path, mesh: Any, names: list[str], *, dtype: Any, mode:
         call = compiled(model) if is_compiled else model
         methods[name] = Method(name, model, call, is_compiled)
     return methods, errors
+
+
+def dtensor_params(model: Any) -> str:
+    """How many of the model's parameters are DTensors ("0 of 39": nothing sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    return f"{sum(isinstance(p, DTensor) for p in params)} of {len(params)}"
 
 
 def one_line(e: BaseException) -> str:
@@ -410,6 +418,7 @@ def measure_all(
         "methods": names,
         "local_shards": has_local_shards(),
         "load_errors": errors,
+        "dtensor_params": {name: dtensor_params(m.model) for name, m in methods.items()},
         "loadavg_before": list(os.getloadavg()),
         "cases": {},
     }
@@ -478,6 +487,15 @@ def save_model(folder: Path, fields: dict[str, Any], dtype: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def meta() -> dict[str, str]:
+    """Versions; TPPLAN_BENCH_REVISION names the tpplan measured where git cannot (a copy of
+    the package carried to a GPU machine, inside a checkout whose work tree differs)."""
+    found = _common.versions()
+    if os.environ.get("TPPLAN_BENCH_REVISION"):
+        found["tpplan"] = os.environ["TPPLAN_BENCH_REVISION"]
+    return found
+
+
 def machine() -> dict[str, Any]:
     """What says which machine the numbers come from."""
     import platform
@@ -497,7 +515,7 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, Any]:
     try:
         params = save_model(folder, CPU_CONFIG, torch.float32)
         results: dict[str, Any] = {
-            "meta": _common.versions(),
+            "meta": meta(),
             "machine": machine(),
             "params": params,
         }
@@ -525,7 +543,7 @@ def measure_gpu(args: argparse.Namespace, name: str) -> dict[str, Any]:
     try:
         params = save_model(folder, GPU_CONFIG, torch.bfloat16)
         results: dict[str, Any] = {
-            "meta": _common.versions(),
+            "meta": meta(),
             "machine": machine(),
             "params": params,
         }
@@ -636,6 +654,10 @@ def render(results: dict[str, Any]) -> str:
         for case_name, case in run["cases"].items():
             for name, d in sorted(case["diff"].items()):
                 diffs.append(f"{CASE_LABELS[case_name]} tp {run['tp']} {name} {d:.1e}")
+    for run in runs:
+        if run.get("dtensor_params"):
+            counts = ", ".join(f"{n} {c}" for n, c in run["dtensor_params"].items())
+            notes.append(f"- tp {run['tp']}, parameters that are DTensors: {counts}")
     for run in results["runs"]:
         if "error" in run:
             notes.append(f"- tp {run['tp']}: {run['error']}")
@@ -721,9 +743,8 @@ def main() -> None:
     if args.render:
         results = _common.load(name)
     elif args.gpu and not cuda_available():
-        sys.exit(
-            "--gpu measures on a CUDA GPU, and torch sees none here (torch.cuda.is_available())"
-        )
+        print("--gpu measures on a CUDA GPU; torch sees none here", file=sys.stderr)
+        sys.exit(2)
     else:
         results = measure_gpu(args, name) if args.gpu else measure_cpu(args)
         _common.save(name, results)
