@@ -642,18 +642,23 @@ def render(results: dict[str, Any]) -> str:
             rows.append(row)
             for name, err in sorted(case["errors"].items()):
                 notes.append(f"- {CASE_LABELS[case_name]}, tp {run['tp']}, {name}: {err}")
-            for name, count in sorted(case["recompiles"].items()):
-                made = case["graphs"].get(name, 0)
-                notes.append(
-                    f"- {CASE_LABELS[case_name]}, tp {run['tp']}, {name}: {made} graph(s) "
-                    f"compiled before the timed rounds, {count} during them"
-                    + (" (recompiles)" if count else " (no recompile)")
-                )
-    diffs = []
-    for run in runs:
-        for case_name, case in run["cases"].items():
-            for name, d in sorted(case["diff"].items()):
-                diffs.append(f"{CASE_LABELS[case_name]} tp {run['tp']} {name} {d:.1e}")
+            if case["recompiles"]:
+                made = [
+                    f"{n} {case['graphs'].get(n, 0)} graph(s) before the timed rounds, {k} "
+                    f"during them{' (recompiles)' if k else ''}"
+                    for n, k in sorted(case["recompiles"].items())
+                ]
+                notes.append(f"- {CASE_LABELS[case_name]}, tp {run['tp']}: " + "; ".join(made))
+    diff_rows = [
+        [CASE_LABELS[c], run["tp"]]
+        + [
+            f"{run['cases'][c]['diff'][n]:.1e}" if n in run["cases"][c]["diff"] else ""
+            for n in names[1:]
+        ]
+        for c in CASES
+        for run in runs
+        if c in run["cases"]
+    ]
     for run in runs:
         if run.get("dtensor_params"):
             counts = ", ".join(f"{n} {c}" for n, c in run["dtensor_params"].items())
@@ -676,7 +681,11 @@ def render(results: dict[str, Any]) -> str:
         _common.markdown(headers, rows),
     ]
     parts += ["", "Targets (issue 22):", *lines] if lines else []
-    parts += ["", "Largest logits difference from the plain model: " + "; ".join(diffs) + "."]
+    parts += [
+        "",
+        "Largest logits difference from the plain model (generate: over its steps' logits):",
+    ]
+    parts += ["", _common.markdown(["case", "tp", *names[1:]], diff_rows)]
     parts += ["", "Notes:", *notes] if notes else []
     return "\n".join(parts)
 
