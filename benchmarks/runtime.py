@@ -2,7 +2,7 @@
 tp 1 and tp 2, tpplan eager and compiled against transformers' `tp_plan="auto"` and the plain
 model, the methods taking turns in the same processes.
 
-Run: `python benchmarks/runtime.py` (about 8 minutes on 2 cores; `--rounds 15`, `--tp 1 2`,
+Run: `python benchmarks/runtime.py` (about 5 minutes on 2 cores; `--rounds 20`, `--tp 1 2`,
 `--only decode train`, `--methods plain transformers`, `--render` re-prints
 benchmarks/results/runtime.json and redraws benchmarks/plots/runtime.png). `--gpu` runs the
 same cases at tp 1 on one CUDA GPU instead (NCCL, world size 1, bf16, a wider model,
@@ -29,15 +29,18 @@ barrier and timed as the slower rank:
 - decode: one token through a 32-token KV cache, under no_grad. The cache is filled once by a
   32-token prefill (eager, also for the compiled rows), and cropped back to 32 after every
   step, so every step sees the same shapes and a compiled model compiles the step once (the
-  graphs compiled during the rounds are counted and printed). On the GPU the cache is a
-  StaticCache of 64 and the step writes position 32 each time, the shapes CUDA graphs need.
+  graphs compiled during the timed rounds are counted and printed). On the GPU the cache is
+  a StaticCache of 64 whose token count is rewound after each step, so every step writes
+  position 32: the static shapes and addresses CUDA graphs need.
 - generate: 16 new tokens, greedy, from an 8-token prompt. The compiled rows use
   transformers' own way to compile generate: a static cache, and its `compile_config`.
 - train: forward and backward of the loss over 1 x 128 tokens (gradients cleared between
   rounds, outside the time).
 
-Reported: the median over the timed rounds after warm-up, min-max, and the largest
-difference from the plain model's logits (generate: over the 16 steps' logits).
+Each case starts from a fresh torch._dynamo (`reset`), so each compiles its own graphs.
+Reported: the median over the timed rounds after warm-up, min-max, the largest difference
+from the plain model's logits (generate: over the 16 steps' logits), and how many
+parameters each method holds as DTensors.
 """
 
 from __future__ import annotations
