@@ -10,15 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import LLAMA_PLAN, SMALL
 
 from tpplan.cli import main
 from tpplan.cli.answers import answer_key, cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_PLAN = ROOT / "tests" / "plans" / "llama.yaml"
-SMALL = ["--set", "num_hidden_layers=1", "--set", "hidden_size=64", "--set", "intermediate_size=96"]
-SMALL += ["--set", "num_attention_heads=8", "--set", "num_key_value_heads=4"]
-SMALL += ["--set", "head_dim=8", "--set", "vocab_size=128"]
 CACHED = "(a cached result of the same check; --no-cache checks again)"
 
 

@@ -4,27 +4,16 @@ tpplan/diagnose/cost.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from test_cli import LLAMA_PLAN, SMALL, TINY_LLAMA_CONFIG
 
 import tpplan.cli.verify
 from tpplan._runtime.models import build_model
 from tpplan.cli import main
 from tpplan.diagnose.cost import verify_cost
 
-ROOT = Path(__file__).resolve().parents[1]
-LLAMA_PLAN = ROOT / "tests" / "plans" / "llama.yaml"
-SIZES = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 8,
-    "vocab_size": 128,
-}
-SMALL = [w for k, v in SIZES.items() for w in ("--set", f"{k}={v}")]
+# the small Llama of test_cli.py, as config fields for build_model
+SIZES = {k: v for k, v in TINY_LLAMA_CONFIG.items() if k not in ("model_type", "architectures")}
 
 
 def verify(capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str, str]:
