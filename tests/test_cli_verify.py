@@ -4,6 +4,8 @@ tpplan/diagnose/cost.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_cli import LLAMA_PLAN, SMALL, TINY_LLAMA_CONFIG
 
@@ -67,3 +69,27 @@ def test_verify_cost_counts_parameters_copies_and_activations() -> None:
     ranks = verify_cost(model, backward=False, processes=2)
     assert ranks.copies == 6 and ranks.activation_bytes == 2 * forward.activation_bytes
     assert forward.peak_bytes == forward.param_bytes * 3 + forward.activation_bytes
+
+
+def test_verify_of_a_model_that_cannot_be_built_on_meta_runs_without_an_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "on_cpu_only.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb, self.up, self.down = nn.Embedding(64, 8), nn.Linear(8, 32), nn.Linear(32, 8)\n"
+        "        self.scale = float(torch.ones(1).item())  # reads a value: fails on meta\n"
+        "    def forward(self, input_ids):\n"
+        "        return self.down(self.up(self.emb(input_ids)).relu()) * self.scale\n"
+        "def build():\n"
+        "    return Net()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["verify", "on_cpu_only:build", "--tp", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "matches the unsharded one" in out
+    assert "verify: on_cpu_only:build cannot be built on the meta device" in err
+    assert "its memory is not estimated" in err and "expected peak memory" not in err

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import PlanProblemsError
+from ..errors import PlanProblemsError, TpplanError
 
 __all__ = ["LARGE_BYTES", "cmd_verify"]
 
@@ -24,17 +24,20 @@ def _stage(text: str) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Print the per-module errors and return 0 when all are within --tol, else 1."""
     from .._runtime.models import build_model, parse_overrides
-    from ..apply.api import resolve_plan
     from ..diagnose.cost import verify_cost
     from ..diagnose.verify import verify_in_processes, verify_plan
 
     overrides = parse_overrides(args.overrides)
     # on the meta device first: the estimate, and a plan (read or inferred), cost no memory
-    meta = build_model(args.model, overrides)
-    cost = verify_cost(meta, backward=args.backward, processes=args.tp if args.processes else 0)
-    _announce(args, type(meta).__name__, cost)
-    _stage("inferring the plan" if args.plan is None else f"reading the plan {args.plan}")
-    plan = resolve_plan(args.plan, meta, tp_size=args.tp)
+    meta = build_model(args.model, overrides) if args.processes else _on_meta(args, overrides)
+    if meta is not None:
+        processes = args.tp if args.processes else 0
+        _announce(
+            args,
+            type(meta).__name__,
+            verify_cost(meta, backward=args.backward, processes=processes),
+        )
+        plan = _resolve(args, meta)
     if args.processes:
         from ..check import check_plan
 
@@ -49,14 +52,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
             args.model, overrides, plan, tp_size=args.tp, backward=args.backward, tol=args.tol
         )
     else:
-        del meta
         _stage(f"building {args.model} with random weights")
         model = build_model(args.model, overrides, device="cpu")
+        if meta is None:
+            plan = _resolve(args, model)
+        del meta
         report = verify_plan(
             model, plan, tp_size=args.tp, backward=args.backward, tol=args.tol, on_stage=_stage
         )
     _print_report(args, report)
     return 0 if report.ok else 1
+
+
+def _on_meta(args: argparse.Namespace, overrides: dict[str, Any]) -> Any:
+    """The model on the meta device; None for one that cannot be built there (user code
+    that loads weights as it builds, say): verify then runs without an estimate."""
+    from .._runtime.models import build_model
+
+    try:
+        return build_model(args.model, overrides)
+    except TpplanError:
+        raise  # a MODEL or --set that is wrong anywhere: its own message
+    except Exception as e:
+        print(
+            f"verify: {args.model} cannot be built on the meta device ({type(e).__name__}), so "
+            "its memory is not estimated",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+
+
+def _resolve(args: argparse.Namespace, model: Any) -> Any:
+    """The plan given with --plan, or the one inferred for the model."""
+    from ..apply.api import resolve_plan
+
+    _stage("inferring the plan" if args.plan is None else f"reading the plan {args.plan}")
+    return resolve_plan(args.plan, model, tp_size=args.tp)
 
 
 def _size(n: int) -> str:
