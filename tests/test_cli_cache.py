@@ -4,13 +4,14 @@ model (a usage error, `schema`, a cached answer) never import torch."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_cli import LLAMA_PLAN, SMALL
+from test_cli import LLAMA_PLAN, SMALL, TINY_LLAMA_CONFIG
 
 from tpplan.cli import main
 from tpplan.cli.answers import answer_key, cache_dir
@@ -62,6 +63,19 @@ def test_a_change_checks_again(
         argv.append("--no-cache")
     code, out, cached = check(capsys, *argv)
     assert code == 0 and "sound" in out and not cached
+
+
+def test_a_model_folder_whose_config_changed_checks_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    argv = [str(LLAMA_PLAN), str(folder), "--tp", "2"]
+    _, out, _ = check(capsys, *argv)
+    assert check(capsys, *argv) == (0, out, True)
+    (folder / "config.json").write_text(json.dumps({**TINY_LLAMA_CONFIG, "num_hidden_layers": 3}))
+    assert check(capsys, *argv) == (0, out, False)
 
 
 def test_a_corrupt_cache_file_is_ignored(capsys: pytest.CaptureFixture[str]) -> None:
