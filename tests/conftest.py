@@ -1,4 +1,5 @@
-"""Shared test settings: no test may leave the process's signal handlers changed.
+"""Shared test settings: no test may leave the process's signal handlers changed, and each
+test has an answer cache of its own (tpplan/cli/answers.py).
 
 torch's elastic launcher (under tpplan.launch, `verify --processes`) sets handlers for
 SIGTERM and SIGINT; left in place, a SIGTERM to pytest only fails the running test and the
@@ -22,3 +23,12 @@ def _signal_handlers_unchanged() -> Iterator[None]:
     for s in _WATCHED:
         signal.signal(s, before[s])  # the next tests run with the handlers they expect
     assert not changed, f"the test left the handlers of {', '.join(changed)} changed"
+
+
+@pytest.fixture(autouse=True)
+def _own_answer_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every test computes its `tpplan check` answers: none is served from the cache of an
+    earlier run (the user's ~/.cache/tpplan) or of another test."""
+    monkeypatch.setenv("TPPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("tpplan-cache")))

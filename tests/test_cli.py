@@ -461,9 +461,11 @@ def test_verify_on_processes_refuses_an_unsound_plan_before_starting_them(
     """tp 8 does not divide the 4 key/value heads: the same exit 1 and message as without
     --processes (checked before any rank starts, not a "rank 0 of 8 failed")."""
     argv = ["verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "8", *SMALL]
-    expected = run(capsys, *argv)
+    want_code, want_out, want_err = run(capsys, *argv)
     code, out, err = run(capsys, *argv, "--processes")
-    assert (code, out, err) == expected
+    # the same verdict; the lines before it say where verify would run, which differs
+    assert (code, out) == (want_code, want_out)
+    assert err.splitlines()[-1] == want_err.splitlines()[-1]
     assert code == 1 and "the plan cannot be applied at tp size 8" in err
 
 

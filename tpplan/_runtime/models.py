@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import TpplanError, did_you_mean
 
-__all__ = ["ModelSpecError", "build_model", "parse_overrides"]
+__all__ = ["ModelSpecError", "build_model", "hub_cache", "hub_folder", "parse_overrides"]
 
 
 class ModelSpecError(TpplanError, ValueError):
@@ -45,7 +45,7 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _hub_cache() -> Path:
+def hub_cache() -> Path:
     """The Hugging Face hub cache folder, read from the environment now: huggingface_hub reads
     it once at import, so HF_HUB_CACHE or HF_HOME set later (by a test, a notebook) would
     otherwise be missed. Same precedence as huggingface_hub."""
@@ -58,9 +58,9 @@ def _hub_cache() -> Path:
     return Path(os.path.expandvars(home)).expanduser() / "hub"
 
 
-def _cache_folder(model_id: str) -> str:
-    """The hub cache's folder name for a model id: org/name -> models--org--name."""
-    return "models--" + model_id.replace("/", "--")
+def hub_folder(model_id: str) -> Path:
+    """The hub cache's folder of a model id: org/name -> HUB_CACHE/models--org--name."""
+    return hub_cache() / ("models--" + model_id.replace("/", "--"))
 
 
 # a Hugging Face model id: NAME or ORG/NAME (anything else is a path or a typo)
@@ -87,13 +87,13 @@ def _config(spec: str) -> Any:
         return AutoConfig.for_model(spec)
     if not _MODEL_ID.fullmatch(spec) or spec.endswith(".json"):
         raise ModelSpecError(f"'{spec}' is no file or folder. {_KINDS}")
-    cache = _hub_cache()
+    cache = hub_cache()
     try:
         return AutoConfig.from_pretrained(spec, cache_dir=str(cache), local_files_only=True)
     except (OSError, ValueError) as e:  # ValueError: huggingface_hub's refusal of an id
         cause = _one_line(e)
     hint = did_you_mean(spec, list(CONFIG_MAPPING))
-    if (cache / _cache_folder(spec)).is_dir():
+    if hub_folder(spec).is_dir():
         where = f"in the local Hugging Face cache ({cache}) but gives no config ({cause})"
     elif hint:  # most likely a misspelt model type ("lama"); the id is the second guess
         raise ModelSpecError(

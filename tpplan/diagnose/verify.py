@@ -122,17 +122,23 @@ def verify_plan(
     backward: bool = False,
     inputs: dict[str, Any] | None = None,
     tol: float = 1e-4,
+    on_stage: Callable[[str], None] | None = None,
 ) -> Verification:
     """Compare `model` with a copy sharded by `plan` over `tp_size` simulated ranks.
 
     `model` must hold real weights (not meta); it is left unsharded. Inputs default to
-    `example_inputs(model)`, identical on every rank.
+    `example_inputs(model)`, identical on every rank. `on_stage` is told each step as it
+    starts (a line for people: the command line prints it).
     """
+    stage = on_stage or (lambda text: None)
     inputs = inputs if inputs is not None else example_inputs(model)
     report = Verification(tp_size=tp_size, tol=tol)
+    stage("running the unsharded model" + (" forward and backward" if backward else ""))
     want, want_grads = _reference(model, inputs, backward)
     with simulated_ranks(tp_size) as mesh:
+        stage(f"applying the plan to a copy over {tp_size} simulated ranks")
         sharded = apply_plan(copy.deepcopy(model), mesh, plan)
+        stage("running the sharded copy and comparing every module's output")
         _compare(
             report, sharded, inputs, want, want_grads, backward, lambda t: enumerate(rank_values(t))
         )

@@ -1,9 +1,10 @@
 """The `tpplan` command line: infer, check, diff, verify, stats and schema.
 
-Each command is a `_cmd_*` function; `main` parses arguments and maps the errors a user can
+Each command is a `_cmd_*` function here, or `cmd_*` in a module of its own (check.py,
+verify.py) imported when it runs; `main` parses arguments and maps the errors a user can
 cause to one-line messages through `_ERRORS` (exit 2 for bad input, 1 for a failed check).
-torch is imported only by the commands that build a model, so `tpplan schema` and `--help`
-start instantly.
+torch is imported only by the commands that build a model, so `tpplan schema`, `--help`, a
+usage error and a check answered from the cache (answers.py) start instantly.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import MeshError, PlanFileError, PlanProblemsError, TpplanError
+from ..errors import MeshError, PlanFileError, PlanProblemsError, TpplanError
 
 __all__ = ["main"]
 
@@ -58,6 +59,17 @@ _EXAMPLES = {
     "--set hidden_size=256 --set intermediate_size=512 --set vocab_size=1024",
     "stats": "example:\n  tpplan stats llama --tp 8 --backward --set num_hidden_layers=2",
 }
+
+
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """A command that lives in a module of its own, imported when the command runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(getattr(importlib.import_module(f".{module}", __name__), name)(args))
+
+    return run
 
 
 _TP = _positive("the number of tensor-parallel ranks")
@@ -153,7 +165,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("plan", metavar="PLAN", help="plan file (YAML or JSON)")
     model_args(p)
     p.add_argument("--tp", type=_TP, required=True, help="tensor-parallel size")
-    p.set_defaults(func=_cmd_check)
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="check again instead of printing the stored answer of the same check (answers "
+        "are kept in $TPPLAN_CACHE_DIR, else $XDG_CACHE_HOME/tpplan or ~/.cache/tpplan)",
+    )
+    p.set_defaults(func=_lazy("check", "cmd_check"))
 
     p = command("diff", "Show how two plans shard differently (exit 1 when they do).")
     p.add_argument("a", metavar="A", help="a plan file, or a MODEL (its inferred plan)")
@@ -180,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run the ranks as real gloo processes (as torchrun would) instead of simulating "
         "them in this one",
     )
-    p.set_defaults(func=_cmd_verify)
+    p.set_defaults(func=_lazy("verify", "cmd_verify"))
 
     p = command("stats", "Per-rank parameter bytes and collectives of one forward (and backward).")
     measured(p, "count backward collectives too")
@@ -199,14 +217,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace, spec: str | None = None, *, device: str = "meta") -> Any:
-    from ._runtime.models import build_model, parse_overrides
+    from .._runtime.models import build_model, parse_overrides
 
     return build_model(spec or args.model, parse_overrides(args.overrides), device=device)
 
 
 def _plan_for(args: argparse.Namespace, model: Any, tp: int | None) -> Any:
     """The plan file given with --plan, else the plan inferred for the model."""
-    from .apply.api import resolve_plan
+    from ..apply.api import resolve_plan
 
     return resolve_plan(getattr(args, "plan", None), model, tp_size=tp)
 
@@ -238,9 +256,9 @@ def _infer_command(args: argparse.Namespace) -> str:
 def _cmd_infer(args: argparse.Namespace) -> int:
     from torch.utils._pytree import tree_map
 
-    from ._runtime.inputs import inputs_from_specs
-    from .infer import infer_plan
-    from .plan.shipped import shipped_for_class, shipped_plans
+    from .._runtime.inputs import inputs_from_specs
+    from ..infer import infer_plan
+    from ..plan.shipped import shipped_for_class, shipped_plans
 
     if args.output:
         _check_output(Path(args.output))  # before the model is built and traced
@@ -303,35 +321,11 @@ def _check_output(path: Path) -> None:
         )
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
-    from .check import check_plan, splits_nothing
-    from .plan.load import load_plan
-
-    plan = load_plan(args.plan)
-    # every problem apply_plan would refuse, a fingerprint of another model included: a
-    # plan that passes check in CI must apply
-    problems = check_plan(plan, _build(args), tp_size=args.tp)
-    for p in problems:
-        print(f"problem: {p}")
-    if problems:
-        print(f"{args.plan}: {len(problems)} problem(s) at tp {args.tp}.")
-        return 1
-    if splits_nothing(plan):
-        # sound, but most likely not what was meant: say so, and still pass
-        print(
-            f"{args.plan}: sound at tp {args.tp}, but it splits nothing ({len(plan.rules)} "
-            "rules, none splitting a module): every rank would hold and run the whole model."
-        )
-        return 0
-    print(f"{args.plan}: sound at tp {args.tp} ({len(plan.rules)} rules).")
-    return 0
-
-
 def _cmd_diff(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .plan.diff import diff_plans
-    from .plan.load import load_plan
+    from ..plan.diff import diff_plans
+    from ..plan.load import load_plan
 
     plans, names = [], None
     for spec in (args.a, args.b):
@@ -349,49 +343,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 1 if changes else 0
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
-    from .diagnose.verify import verify_in_processes, verify_plan
-
-    if args.processes:
-        from ._runtime.models import parse_overrides
-        from .check import check_plan
-
-        # The plan is resolved and checked here, on the meta device, so that a bad plan is
-        # the same one message (and exit 1) as without --processes, not a failed rank.
-        model = _build(args)
-        plan = _plan_for(args, model, args.tp)
-        problems = check_plan(plan, model, tp_size=args.tp)
-        if problems:
-            raise PlanProblemsError(problems, tp_size=args.tp)
-        _progress(args, f"starting {args.tp} gloo processes, each building {args.model} ...")
-        report = verify_in_processes(
-            args.model,
-            parse_overrides(args.overrides),
-            plan,
-            tp_size=args.tp,
-            backward=args.backward,
-            tol=args.tol,
-        )
-    else:
-        _progress(args, f"building {args.model} with random weights ...")
-        model = _build(args, device="cpu")
-        plan = _plan_for(args, model, args.tp)
-        _progress(args, f"running the unsharded model and {args.tp} simulated ranks ...")
-        report = verify_plan(model, plan, tp_size=args.tp, backward=args.backward, tol=args.tol)
-    width = max((len(name) for name, _ in report.rows), default=10)
-    print(f"{'module':<{width}}  {'what':<6}  {'max abs error':>13}")
-    for (name, what), err in report.rows.items():
-        flag = "" if err <= args.tol else "  <-- over tolerance"
-        print(f"{name:<{width}}  {what:<6}  {err:>13.3e}{flag}")
-    verdict = "matches" if report.ok else "DIFFERS from"
-    print(
-        f"tp {args.tp}: the sharded model {verdict} the unsharded one (worst {report.worst:.3e}, tol {args.tol:g})."
-    )
-    return 0 if report.ok else 1
-
-
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from .diagnose.stats import plan_stats
+    from ..diagnose.stats import plan_stats
 
     model = _build(args)
     plan = _plan_for(args, model, args.tp)
@@ -418,7 +371,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    from .plan.schema import plan_json_schema
+    from ..plan.schema import plan_json_schema
 
     sys.stdout.write(json.dumps(plan_json_schema(), indent=2) + "\n")
     return 0
@@ -451,7 +404,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"tpplan: error: {e}", file=sys.stderr)
         return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
