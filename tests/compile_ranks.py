@@ -1,13 +1,17 @@
 """Run by torchrun from test_processes.py: torch.compile (inductor, CPU) of an applied model
-runs forward and backward on real gloo ranks and matches the eager unsharded model."""
+runs forward and backward on real gloo ranks and matches the eager unsharded model, on both
+execution paths (local shards, and every layer on DTensors); on local shards the forward is
+one graph (no break at the layers' direct collectives)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._inductor.compile_fx import compile_fx
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -25,21 +29,45 @@ TOL = 1e-4
 def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    ref, model = tiny_llama(layers=1), tiny_llama(layers=1)
+    ref = tiny_llama(layers=1)
     x = token_batch()
     want = ref(x).logits
     want.square().mean().backward()
-    tpplan.apply_plan(model, mesh, Path(__file__).parent / "plans" / "llama.yaml")
-    compiled = torch.compile(model)
-    got = compiled(x).logits
-    got.square().mean().backward()
-    err = (got - want).abs().max().item()
-    g = model.model.layers[0].self_attn.q_proj.weight.grad
-    g = g.full_tensor() if isinstance(g, DTensor) else g
-    gerr = (g - ref.model.layers[0].self_attn.q_proj.weight.grad).abs().max().item()
-    print(f"rank {dist.get_rank()} compiled logits {err:.2e} grad {gerr:.2e}", flush=True)
-    bad = max(err, gerr) > TOL
-    finish(f"compiled model differs: logits {err:.2e}, q_proj grad {gerr:.2e}" if bad else None)
+    want_grad = ref.model.layers[0].self_attn.q_proj.weight.grad
+    failures = []
+    for local in (True, False):
+        torch._dynamo.reset()
+        model = tiny_llama(layers=1)
+        tpplan.apply_plan(
+            model, mesh, Path(__file__).parent / "plans" / "llama.yaml", local_shards=local
+        )
+        graphs: list[torch.fx.GraphModule] = []
+
+        def counting(
+            gm: torch.fx.GraphModule, inputs: list[torch.Tensor], graphs: list[Any] = graphs
+        ) -> Any:
+            graphs.append(gm)
+            return compile_fx(gm, inputs)
+
+        got = torch.compile(model, backend=counting)(x).logits
+        got.square().mean().backward()
+        err = (got - want).abs().max().item()
+        g = model.model.layers[0].self_attn.q_proj.weight.grad
+        g = g.full_tensor() if isinstance(g, DTensor) else g
+        gerr = (g - want_grad).abs().max().item()
+        path = "local shards" if local else "DTensor path"
+        print(
+            f"rank {dist.get_rank()} compiled {path}: logits {err:.2e} grad {gerr:.2e} "
+            f"graphs {len(graphs)}",
+            flush=True,
+        )
+        if max(err, gerr) > TOL:
+            failures.append(
+                f"{path}: compiled model differs: logits {err:.2e}, q_proj grad {gerr:.2e}"
+            )
+        if local and len(graphs) != 1:
+            failures.append(f"{path}: the forward compiled to {len(graphs)} graphs, not 1")
+    finish("; ".join(failures) or None)
 
 
 if __name__ == "__main__":

@@ -283,6 +283,17 @@ def test_stats_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_stats_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "stats", "llama", "--plan", str(LLAMA_PLAN), "--tp", "4", *SMALL)
     assert code == 0 and "at tp 4" in out and "forward   all_reduce" in out
+    # every split layer of a Llama runs on its local shards (none left on DTensors)
+    assert "split layers on local shards: model.embed_tokens, model.layers.*.self_attn.q_proj" in out
+    assert "on DTensors" not in out
+
+
+def test_stats_name_the_layers_a_dtensor_region_keeps_on_dtensors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "stats", "bloom", "--tp", "2", "--set", "n_layer=1")
+    assert code == 0
+    assert "on DTensors: transformer.h.0.self_attention.dense: its input is a DTensor" in out
 
 
 def test_infer_prints_a_plan_that_reads_back(capsys: pytest.CaptureFixture[str]) -> None:

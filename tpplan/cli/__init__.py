@@ -367,6 +367,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     for phase, kinds in stats.collectives.items():
         for kind, v in sorted(kinds.items()):
             print(f"  {phase:<9} {kind:<24} {v['count']:>6} {v['bytes'] / mib:>13.2f}")
+    local = [m for m, how in stats.execution.items() if how == "local shards"]
+    print(f"split layers on local shards: {', '.join(local) or 'none'}")
+    for pattern, how in stats.execution.items():
+        if how != "local shards":
+            print(f"  on DTensors: {pattern}: {how.removeprefix('DTensor: ')}")
     return 0
 
 
