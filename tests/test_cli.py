@@ -284,7 +284,9 @@ def test_stats_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "stats", "llama", "--plan", str(LLAMA_PLAN), "--tp", "4", *SMALL)
     assert code == 0 and "at tp 4" in out and "forward   all_reduce" in out
     # every split layer of a Llama runs on its local shards (none left on DTensors)
-    assert "split layers on local shards: model.embed_tokens, model.layers.*.self_attn.q_proj" in out
+    assert (
+        "split layers on local shards: model.embed_tokens, model.layers.*.self_attn.q_proj" in out
+    )
     assert "on DTensors" not in out
 
 
