@@ -46,11 +46,17 @@ Kind = Literal["colwise", "rowwise", "lookup"]
 
 
 def _all_reduce(t: torch.Tensor, group: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(t.contiguous(), "sum", group))
+    # torch's functional collective ops themselves: funcol's wrappers around them add a
+    # tensor subclass per call, host time a decode step pays at every layer
+    out = torch.ops._c10d_functional.all_reduce(t.contiguous(), "sum", group)
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
-def _all_gather(t: torch.Tensor, group: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), t.dim() - 1, group))
+def _all_gather(t: torch.Tensor, group: str, tp: int) -> torch.Tensor:
+    """The ranks' tensors joined on the last dim (gathered on dim 0, as the op does)."""
+    out = torch.ops._c10d_functional.all_gather_into_tensor(t.contiguous(), tp, group)
+    out = torch.ops._c10d_functional.wait_tensor(out)
+    return torch.cat(out.chunk(tp), dim=-1)
 
 
 # The functions take the process group's name, not the mesh: torch.compile traces a string
@@ -89,14 +95,14 @@ class _Gather(torch.autograd.Function):
     every rank) cut back to the rank's own slice."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str, rank: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: str, rank: int, tp: int) -> torch.Tensor:
         ctx.start = rank * x.shape[-1]
         ctx.size = x.shape[-1]
-        return _all_gather(x, group)
+        return _all_gather(x, group, tp)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad.narrow(-1, ctx.start, ctx.size), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad.narrow(-1, ctx.start, ctx.size), None, None, None
 
 
 def copy_to_ranks(x: torch.Tensor, group: str, tp: int) -> torch.Tensor:
@@ -133,6 +139,8 @@ class LocalRun:
     """The style's own functions, for a call handed a DTensor (the DTensor path)."""
     group: str = ""
     """The name funcol knows the mesh's process group by (set by `install`)."""
+    tp: int = 1
+    """The mesh's size (set by `install`)."""
     rank: Any = 0
     """This rank's index on the mesh (set by `install`): an int, or on simulated ranks each
     rank's own."""
@@ -212,7 +220,7 @@ def _last_dim(layout: Any) -> bool:
 def install(module: nn.Module, run: LocalRun) -> None:
     """Replace `module`'s forward by its local-shard one (its parameters already split)."""
     # the group and rank are read once here: torch.compile traces neither lookup
-    run = replace(run, group=group_name(run.mesh), rank=_rank(run.mesh))
+    run = replace(run, group=group_name(run.mesh), rank=_rank(run.mesh), tp=run.mesh.size())
     module._tpplan_local_run = run  # type: ignore[assignment]
     forward = {"colwise": _colwise, "rowwise": _rowwise, "lookup": _lookup}[run.kind]
     module.forward = forward.__get__(module)  # type: ignore[method-assign]
@@ -236,7 +244,13 @@ def _dtensor_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _local(p: Any) -> Any:
-    return p.to_local() if isinstance(p, DTensor) else p
+    """A parameter's local shard. Without grad, the DTensor's own local tensor: torch's
+    `to_local` makes a view of it for a parameter on every call, and torch.compile then
+    takes the plain tensor as the graph's input instead of unwrapping a DTensor per call.
+    With grad, `to_local`, whose gradient flows back into the DTensor parameter."""
+    if not isinstance(p, DTensor):
+        return p
+    return p.to_local() if torch.is_grad_enabled() else p._local_tensor
 
 
 def _matmul(module: nn.Module, run: LocalRun, x: torch.Tensor, bias: Any) -> torch.Tensor:
@@ -249,14 +263,13 @@ def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     x = args[0] if len(args) == 1 and not kwargs else None
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return _dtensor_call(self, args, kwargs)
-    tp = run.mesh.size()
-    x = copy_to_ranks(x, run.group, tp)
+    x = copy_to_ranks(x, run.group, run.tp)
     out = _matmul(self, run, x, _local(self._parameters.get("bias")))
-    if not run.gather or tp == 1:
+    if not run.gather or run.tp == 1:
         return out
     if torch.is_grad_enabled() and out.requires_grad:
-        return _Gather.apply(out, run.group, run.rank)
-    return _all_gather(out, run.group)
+        return _Gather.apply(out, run.group, run.rank, run.tp)
+    return _all_gather(out, run.group, run.tp)
 
 
 def _rowwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -265,7 +278,7 @@ def _rowwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return _dtensor_call(self, args, kwargs)
     bias = _local(self._parameters.get("bias"))
-    if run.mesh.size() == 1:
+    if run.tp == 1:
         return _matmul(self, run, x, bias)
     out = _sum(_matmul(self, run, x, None), run.group)
     # the bias is whole on every rank: added once, to the sum
@@ -279,7 +292,7 @@ def _lookup(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _dtensor_call(self, args, kwargs)
     weight = _local(self._parameters["weight"])
     emb: nn.Embedding = self  # type: ignore[assignment]
-    if run.mesh.size() == 1:
+    if run.tp == 1:
         return F.embedding(ids, weight, emb.padding_idx)
     # this rank's rows are [start, start + rows): others' ids look up row 0, zeroed after
     local = ids - _start(run, weight.shape[0], ids.device)
@@ -297,7 +310,7 @@ def _start(run: LocalRun, rows: int, device: torch.device) -> Any:
     holding each rank's own (own_start)."""
     if isinstance(run.rank, int):
         return run.rank * rows
-    return own_start(rows * run.mesh.size(), run.mesh, device)
+    return own_start(rows * run.tp, run.mesh, device)
 
 
 def _rank(mesh: DeviceMesh) -> int:
