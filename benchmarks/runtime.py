@@ -145,8 +145,13 @@ def load_methods(folder: Path, mesh: Any, names: list[str], *, dtype: Any, mode:
         # CPU: it goes to the device like the plain model (a no-op where it is there)
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).to(device).eval()
 
-    def compiled(model: Any) -> Any:
-        return torch.compile(model, mode=None if mode == "default" else mode)
+    def compiled(model: Any, name: str) -> Any:
+        how = None if mode == "default" else mode
+        if name.startswith("tpplan") and hasattr(tpplan, "compile_model"):
+            # tpplan's documented way: torch.compile less the layout guards its local-shard
+            # layers do not need
+            return tpplan.compile_model(model, mode=how)
+        return torch.compile(model, mode=how)
 
     build: dict[str, Callable[[], tuple[Any, bool]]] = {
         "plain": lambda: (load(), False),
@@ -168,7 +173,7 @@ def load_methods(folder: Path, mesh: Any, names: list[str], *, dtype: Any, mode:
         except Exception as e:  # a method that cannot load is a row that says why
             errors[name] = one_line(e)
             continue
-        call = compiled(model) if is_compiled else model
+        call = compiled(model, name) if is_compiled else model
         methods[name] = Method(name, model, call, is_compiled)
     return methods, errors
 
@@ -243,7 +248,17 @@ def generate_case(m: Method, vocab: int, device: Any) -> tuple[Any, Any]:
         attention_mask=prompt.new_ones(prompt.shape), pad_token_id=0,
     )  # fmt: skip
     if m.compiled:
-        config = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        config = CompileConfig(mode=mode)
+        guards = _layout_guard_filter(m)
+        if guards is not None:
+            # as tpplan.compile_model does: torch.compile takes a guard filter only in its
+            # options, and options only without a mode
+            from torch._inductor import list_mode_options
+
+            config = CompileConfig(
+                mode=None, options={**list_mode_options(mode), "guard_filter_fn": guards}
+            )
         config._compile_all_devices = True  # transformers' switch to compile off GPUs too
         kwargs |= dict(cache_implementation="static", compile_config=config)
 
@@ -257,6 +272,18 @@ def generate_case(m: Method, vocab: int, device: Any) -> tuple[Any, Any]:
         return torch.stack([_common.whole(x).float() for x in out.logits])
 
     return run, check
+
+
+def _layout_guard_filter(m: Method) -> Any:
+    """tpplan.compile_model's guard filter for a compiled tpplan row (None otherwise, or
+    with a tpplan that has none)."""
+    if not m.name.startswith("tpplan"):
+        return None
+    try:
+        from tpplan.apply.compiled import layout_guard_filter
+    except ImportError:
+        return None
+    return layout_guard_filter(m.model)
 
 
 def train_case(m: Method, vocab: int, device: Any) -> tuple[Any, Any]:

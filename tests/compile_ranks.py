@@ -1,7 +1,8 @@
 """Run by torchrun from test_processes.py: torch.compile (inductor, CPU) of an applied model
 runs forward and backward on real gloo ranks and matches the eager unsharded model, on both
-execution paths (local shards, and every layer on DTensors); on local shards the forward is
-one graph (no break at the layers' direct collectives)."""
+execution paths (local shards through tpplan.compile_model, and every layer on DTensors
+through torch.compile); on local shards the forward is one graph (no break at the layers'
+direct collectives)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def main() -> None:
             graphs.append(gm)
             return compile_fx(gm, inputs)
 
-        got = torch.compile(model, backend=counting)(x).logits
+        # the local path through tpplan.compile_model (its guard filter), the DTensor path
+        # through torch.compile itself
+        compiled = tpplan.compile_model if local else torch.compile
+        got = compiled(model, backend=counting)(x).logits
         got.square().mean().backward()
         err = (got - want).abs().max().item()
         g = model.model.layers[0].self_attn.q_proj.weight.grad

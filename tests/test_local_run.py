@@ -171,3 +171,28 @@ def test_a_rowwise_layer_handed_a_dtensor_takes_the_dtensor_path_for_that_call()
         "up": "DTensor: its output stays a DTensor (a DTensor region)",
         "down": "DTensor: its input is a DTensor (inside a DTensor region)",
     }
+
+
+def test_compile_drops_the_layout_guards_of_local_layers_only() -> None:
+    from types import SimpleNamespace
+
+    from tpplan.apply.compiled import layout_guard_filter
+
+    plan = _plan(("up", "colwise", {"local_output": False}), ("down", "rowwise", {}))
+    model = nn.Sequential()
+    model.add_module("up", nn.Linear(8, 16))
+    model.add_module("down", _OwnForward(16, 8))
+    model.add_module("last", nn.Sequential(nn.Linear(8, 8)))
+    plan.rules.append(Rule(match="last.0", style="colwise", output="replicate", why="test"))
+    with fake_ranks(2) as mesh:
+        tpplan.apply_plan(model, mesh, plan)
+        keep = layout_guard_filter(model)
+    root = "L['self']"
+    names = [
+        f"{root}._modules['last']._modules['0']._parameters['weight']._spec",  # local: dropped
+        f"{root}._modules['last']._modules['0']._parameters['weight']._local_tensor",
+        f"{root}._modules['up']._parameters['weight']._spec",  # a DTensor region: kept
+        f"{root}._modules['down']._parameters['weight']._spec",  # its own forward: kept
+    ]
+    got = keep([SimpleNamespace(name=n) for n in names])
+    assert got == [False, True, True, True]

@@ -25,7 +25,7 @@ from .plan import SCHEMA_VERSION, Plan, Rule, load_plan
 
 if TYPE_CHECKING:
     from ._runtime.launch import LaunchError, launch
-    from .apply import InputMismatchError, apply_plan, clip_grad_norm_, parallelize
+    from .apply import InputMismatchError, apply_plan, clip_grad_norm_, compile_model, parallelize
     from .check import check_plan
     from .checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
     from .diagnose import plan_stats, verify_plan
@@ -47,6 +47,7 @@ __all__ = [
     "apply_plan",
     "check_plan",
     "clip_grad_norm_",
+    "compile_model",
     "full_state_dict",
     "infer_plan",
     "launch",
@@ -65,6 +66,7 @@ _LAZY = {
     "apply_plan": ".apply",
     "check_plan": ".check",
     "clip_grad_norm_": ".apply",
+    "compile_model": ".apply",
     "infer_plan": ".infer",
     "CheckpointError": ".checkpoint",
     "full_state_dict": ".checkpoint",

@@ -222,6 +222,9 @@ def install(module: nn.Module, run: LocalRun) -> None:
     # the group and rank are read once here: torch.compile traces neither lookup
     run = replace(run, group=group_name(run.mesh), rank=_rank(run.mesh), tp=run.mesh.size())
     module._tpplan_local_run = run  # type: ignore[assignment]
+    for p in module.parameters(recurse=False):
+        if isinstance(p, DTensor):
+            _static(p._local_tensor)
     forward = {"colwise": _colwise, "rowwise": _rowwise, "lookup": _lookup}[run.kind]
     module.forward = forward.__get__(module)  # type: ignore[method-assign]
 
@@ -250,7 +253,20 @@ def _local(p: Any) -> Any:
     With grad, `to_local`, whose gradient flows back into the DTensor parameter."""
     if not isinstance(p, DTensor):
         return p
-    return p.to_local() if torch.is_grad_enabled() else p._local_tensor
+    if torch.is_grad_enabled():
+        return p.to_local()
+    local = p._local_tensor
+    if not hasattr(local, "_dynamo_static_input_type") and not torch.compiler.is_compiling():
+        _static(local)
+    return local
+
+
+def _static(t: torch.Tensor) -> None:
+    """Tell torch.compile a local weight keeps its address, as a parameter does: CUDA graphs
+    (`mode="reduce-overhead"`) then read it in place instead of copying every weight into
+    the graph's inputs at each replay. A tensor replaced later (moved, loaded into new
+    storage) is re-recorded, not read stale (torch's mark_static_address, unguarded)."""
+    torch._dynamo.mark_static_address(t)
 
 
 def _matmul(module: nn.Module, run: LocalRun, x: torch.Tensor, bias: Any) -> torch.Tensor:
