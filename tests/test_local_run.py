@@ -190,9 +190,10 @@ def test_compile_drops_the_layout_guards_of_local_layers_only() -> None:
     root = "L['self']"
     names = [
         f"{root}._modules['last']._modules['0']._parameters['weight']._spec",  # local: dropped
+        f"{root}._modules['last']._modules['0']._parameters['weight'].device_mesh",  # dropped
         f"{root}._modules['last']._modules['0']._parameters['weight']._local_tensor",
         f"{root}._modules['up']._parameters['weight']._spec",  # a DTensor region: kept
         f"{root}._modules['down']._parameters['weight']._spec",  # its own forward: kept
     ]
     got = keep([SimpleNamespace(name=n) for n in names])
-    assert got == [False, True, True, True]
+    assert got == [False, False, True, True, True]

@@ -2,11 +2,12 @@
 
 torch.compile re-checks, before every call of the compiled model, what the graph was traced
 under (its guards). For each DTensor parameter that includes a Python check of the
-parameter's layout (its DTensorSpec), a few microseconds each: over the 30 parameters of a
-small 4-layer model, 4% of a CPU decode step, and more where a CUDA graph makes the step
-itself short. A layer that runs on its local shards (compile/local_run.py) reads only the
-parameter's local tensor, whose own guards (shape, dtype, device, strides) stay; its code
-never reads the layout, so those layout checks are dropped, and only those. Layers on
+parameter's layout (its DTensorSpec), a few microseconds each, and one that its mesh is the
+other parameters' mesh: over the 30 parameters of a small 4-layer model, 4% of a CPU
+decode step, and more where a CUDA graph makes the step itself short. A layer that runs on
+its local shards (compile/local_run.py) reads only the parameter's local tensor, whose own
+guards (shape, dtype, device, strides) stay; its code never reads the layout or the mesh,
+so those checks are dropped, and only those. Layers on
 DTensors (regions) keep every guard. Start at `compile`.
 """
 
@@ -28,11 +29,12 @@ def layout_guard_filter(model: nn.Module) -> Any:
     parameters of `model`'s layers that run on local shards, keeping every other guard."""
     suffixes = tuple(
         "".join(f"._modules['{part}']" for part in name.split(".") if name)
-        + f"._parameters['{p_name}']._spec"
+        + f"._parameters['{p_name}'].{layout}"
         for name, module in model.named_modules()
         if runs_locally(module)
         for p_name, p in module.named_parameters(recurse=False)
         if isinstance(p, DTensor)
+        for layout in ("_spec", "device_mesh")
     )
 
     def keep(entries: list[Any]) -> list[bool]:
