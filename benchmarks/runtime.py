@@ -20,7 +20,8 @@ transformers can load it with its own plan. torchrun starts tp ranks on gloo, on
 - tpplan (DTensor path): `apply_plan(..., local_shards=False)`, every sharded layer through
   DTensor dispatch; before `local_shards` existed this was what `apply_plan` did, and the
   only tpplan row;
-- tpplan compiled: `torch.compile` of the applied model (its default path);
+- tpplan compiled: `tpplan.compile_model` of the applied model (its default path;
+  `torch.compile` where the tpplan measured has no compile_model);
 - transformers: `from_pretrained(folder, tp_plan="auto")`, its hand-written plan.
 
 Cases, each a round of every method in turn (the order rotating), a round starting at a

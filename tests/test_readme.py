@@ -98,6 +98,8 @@ BENCHMARKS_README = (ROOT / "benchmarks" / "README.md").read_text()
         ("memory_tp", ["--no-plot"]),
         ("moe_bar", []),
         ("region_cost", []),
+        ("runtime", ["--no-plot"]),
+        ("runtime", ["--gpu", "--no-plot"]),
         ("zoo", []),
     ],
 )

@@ -75,16 +75,7 @@ class Colwise(ColwiseParallel):
 
     def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
         """Why `module` cannot run on its local shards (local_run.py); None: it can."""
-        return local_run_reason(
-            module,
-            "colwise",
-            transposed=self.transposed,
-            parts=self.parts,
-            input_layout=self.input_layouts[0],
-            output_layout=self.output_layouts[0],
-            local_output=self.use_local_output,
-            tp=tp,
-        )
+        return _local_run_reason(self, module, "colwise", tp)
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         src = self.src_data_rank
@@ -146,6 +137,20 @@ class Colwise(ColwiseParallel):
         return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"
 
 
+def _local_run_reason(style: Any, module: nn.Module, kind: Any, tp: int) -> str | None:
+    """local_run_reason for a Colwise or Rowwise style's settings."""
+    return local_run_reason(
+        module,
+        kind,
+        transposed=style.transposed,
+        parts=style.parts,
+        input_layout=style.input_layouts[0],
+        output_layout=style.output_layouts[0],
+        local_output=style.use_local_output,
+        tp=tp,
+    )
+
+
 def _own_parts(parts: tuple[int, ...], mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
     """The features of a whole fused output that make this rank's slice of each part, in
     order (each rank's own index, also on simulated ranks)."""
@@ -193,16 +198,8 @@ class Rowwise(RowwiseParallel):
 
     def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
         """Why `module` cannot run on its local shards (local_run.py); None: it can."""
-        return local_run_reason(
-            module,
-            "lookup" if isinstance(module, nn.Embedding) else "rowwise",
-            transposed=self.transposed,
-            parts=self.parts,
-            input_layout=self.input_layouts[0],
-            output_layout=self.output_layouts[0],
-            local_output=self.use_local_output,
-            tp=tp,
-        )
+        kind = "lookup" if isinstance(module, nn.Embedding) else "rowwise"
+        return _local_run_reason(self, module, kind, tp)
 
     def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         dim = 0 if self.transposed else 1

@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -161,7 +161,7 @@ def _forward_of(module: nn.Module) -> str | None:
         return "linear"
     if forward is nn.Embedding.forward:
         return "embedding"
-    conv1d = _conv1d()
+    conv1d: Any = _conv1d()
     if conv1d is not None and forward is conv1d.forward:
         return "conv1d"
     return None
@@ -226,7 +226,11 @@ def install(module: nn.Module, run: LocalRun) -> None:
         if isinstance(p, DTensor):
             _static(p._local_tensor)
     forward = {"colwise": _colwise, "rowwise": _rowwise, "lookup": _lookup}[run.kind]
-    module.forward = forward.__get__(module)  # type: ignore[method-assign]
+    module.forward = forward.__get__(module)
+
+
+def _run_of(module: nn.Module) -> LocalRun:
+    return cast(LocalRun, module._tpplan_local_run)
 
 
 def runs_locally(module: nn.Module) -> bool:
@@ -238,7 +242,7 @@ def _dtensor_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """The DTensor path for one call: the style's input function, the class's own forward
     on the DTensor parameters, the style's output function (what distribute_module's hooks
     would do)."""
-    run: LocalRun = module._tpplan_local_run
+    run: LocalRun = _run_of(module)
     if run.input_fn is not None:
         args = run.input_fn(module, args, run.mesh)
         args = args if isinstance(args, tuple) else (args,)
@@ -275,7 +279,7 @@ def _matmul(module: nn.Module, run: LocalRun, x: torch.Tensor, bias: Any) -> tor
 
 
 def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    run: LocalRun = self._tpplan_local_run
+    run = _run_of(self)
     x = args[0] if len(args) == 1 and not kwargs else None
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return _dtensor_call(self, args, kwargs)
@@ -289,7 +293,7 @@ def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _rowwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    run: LocalRun = self._tpplan_local_run
+    run = _run_of(self)
     x = args[0] if len(args) == 1 and not kwargs else None
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return _dtensor_call(self, args, kwargs)
@@ -302,7 +306,7 @@ def _rowwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _lookup(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    run: LocalRun = self._tpplan_local_run
+    run = _run_of(self)
     ids = args[0] if len(args) == 1 and not kwargs else None
     if not isinstance(ids, torch.Tensor) or isinstance(ids, DTensor):
         return _dtensor_call(self, args, kwargs)
