@@ -176,7 +176,6 @@ def local_run_reason(
     input_layout: Any,
     output_layout: Any,
     local_output: bool,
-    tp: int,
 ) -> str | None:
     """Why `module` cannot run on its local shards under this rule (None: it can)."""
     forward = _forward_of(module)
@@ -200,10 +199,10 @@ def local_run_reason(
     if not local_output:
         return "its output stays a DTensor (a DTensor region)"
     want_in = Shard(-1) if kind == "rowwise" else Replicate()
-    if input_layout not in (None, want_in) and not (kind == "rowwise" and _last_dim(input_layout)):
+    if input_layout not in (None, want_in):
         return f"its input arrives as {input_layout} (sequence parallel)"
     if kind == "colwise":
-        if output_layout not in (None, Shard(-1)) and not _last_dim(output_layout):
+        if output_layout not in (None, Shard(-1)):
             if not isinstance(output_layout, Replicate):
                 return f"its output is laid out as {output_layout}"
             if parts is not None:
@@ -211,10 +210,6 @@ def local_run_reason(
     elif output_layout not in (None, Replicate()):
         return f"its output is laid out as {output_layout} (sequence parallel)"
     return None
-
-
-def _last_dim(layout: Any) -> bool:
-    return isinstance(layout, Shard) and layout.dim == -1
 
 
 def install(module: nn.Module, run: LocalRun) -> None:
