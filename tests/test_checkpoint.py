@@ -160,6 +160,29 @@ def _tied_llama(device: str = "cpu") -> LlamaForCausalLM:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+def test_a_model_on_meta_is_materialized_by_the_load_its_ties_kept(tmp_path: Path, tp: int) -> None:
+    """Build on meta, apply the plan, load: load_checkpoint makes the model empty on the
+    mesh's device itself (no to_empty), ties the embedding and the head again, fills both,
+    and rebuilds the rotary buffers; the logits match the model saved."""
+    ref = _tied_llama()
+    ref.save_pretrained(tmp_path / "ckpt")
+    x = token_batch()
+    want = ref(x).logits
+    meta = _tied_llama("meta")
+    if tp == 1:
+        load_checkpoint(meta, tmp_path / "ckpt")
+        assert meta.lm_head.weight is meta.model.embed_tokens.weight
+        assert meta.lm_head.weight.device.type == "cpu"
+        assert torch.equal(meta(x).logits, want)
+        return
+    with simulated_ranks(tp) as mesh:
+        tpplan.apply_plan(meta, mesh, LLAMA_PLAN)
+        load_checkpoint(meta, tmp_path / "ckpt")
+        assert meta.lm_head.weight is meta.model.embed_tokens.weight
+        assert _worst(meta(x).logits, want) <= TOL
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 def test_tied_weights_saved_once_by_save_pretrained_load(tmp_path: Path, tp: int) -> None:
     """save_pretrained drops lm_head.weight of a tied model; sharding unties the two, so
     the head is filled from the embedding it was tied to."""
@@ -206,9 +229,17 @@ def test_rotary_buffers_of_a_meta_model_are_rebuilt(saved_at_tp2: Path) -> None:
         assert torch.equal(rotary.original_inv_freq, ref.model.rotary_emb.original_inv_freq)
 
 
-def test_a_model_left_on_meta_is_refused(saved_at_tp2: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"still on the meta device.*to_empty"):
-        load_checkpoint(tiny_llama(device="meta"), saved_at_tp2)
+def test_a_model_left_on_meta_is_materialized_on_the_cpu(saved_at_tp2: Path) -> None:
+    """An unsharded model on meta (no mesh to take a device from) is made on the CPU and
+    gets what a model materialized by hand gets."""
+    model = tiny_llama(device="meta")
+    load_checkpoint(model, saved_at_tp2)
+    by_hand = _empty_llama()
+    load_checkpoint(by_hand, saved_at_tp2)
+    want = by_hand.state_dict()
+    for name, got in model.state_dict().items():
+        assert got.device.type == "cpu", name
+        assert torch.equal(got, want[name]), name
 
 
 def test_progress_is_shown_on_a_terminal_only(

@@ -25,12 +25,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..compile.shard import retie, tied_holders
 from ..compile.strided import local_runs
 from .buffers import recompute_buffers
 from .converted import Unsupported, read_region, shape_of, virtual_tensors
 from .dcp import load_dcp
 from .folder import readable_folder
-from .keys import match_keys, names
+from .keys import match_keys
 from .progress import Progress
 from .ranks import each_rank, simulated
 from .safetensors_io import (
@@ -44,26 +45,33 @@ from .safetensors_io import (
 __all__ = ["load_checkpoint"]
 
 
-def load_checkpoint(model: nn.Module, path: str | Path, *, rebuild_buffers: bool = True) -> None:
+def load_checkpoint(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    rebuild_buffers: bool = True,
+    device: str | torch.device | None = None,
+) -> None:
     """Load a checkpoint folder into `model`, sharded by apply_plan at any tp size, or not.
 
     `path` is a torch.distributed.checkpoint folder or a safetensors model folder (one
     written by save_checkpoint(sharded=False) or save_pretrained). Call on every rank. The
-    intended use is a model built on the meta device, sharded, then materialized with
-    `model.to_empty(device=...)`: from safetensors each rank reads only its own regions;
-    DCP reshards by itself. Every key, shape and file is checked first; on a mismatch a
+    intended use is a model built on the meta device and sharded: load_checkpoint then
+    materializes it itself (empty, on `device`, by default the device of the mesh it was
+    sharded over, or the CPU for a model no plan was applied to), ties its tied weights
+    again, and fills it: from safetensors each rank reads only its own regions; DCP
+    reshards by itself. Every key, shape and file is checked first; on a mismatch a
     CheckpointError names the keys (or the file) and nothing is loaded.
 
     Non-persistent buffers (rotary `inv_freq` and the like) are in no checkpoint, and after
-    `to_empty` they hold garbage; with `rebuild_buffers` they are recomputed (see
+    materializing they hold garbage; with `rebuild_buffers` they are recomputed (see
     tpplan/checkpoint/buffers.py).
 
     A folder whose save was killed while replacing its files is read from the complete new
     checkpoint staged inside it, with a warning.
     """
     path = _readable(Path(path))
-    sd = model.state_dict(keep_vars=True)
-    _check_materialized(sd)
+    sd = _materialized(model, device)
     if (path / ".metadata").is_file():
         if simulated():
             raise CheckpointError(
@@ -92,14 +100,27 @@ def _readable(path: Path) -> Path:
     return found
 
 
-def _check_materialized(sd: dict[str, torch.Tensor]) -> None:
-    on_meta = [n for n, t in sd.items() if t.device.type == "meta"]
-    if on_meta:
-        raise CheckpointError(
-            f"the model is still on the meta device ({names(on_meta)}), so there is nowhere to "
-            "load into; fix: call model.to_empty(device='cpu') (or 'cuda') after apply_plan "
-            "and before load_checkpoint."
-        )
+def _materialized(model: nn.Module, device: str | torch.device | None) -> dict[str, torch.Tensor]:
+    """The model's state dict, once the model is off the meta device: a model on it is
+    made empty on `device` (default: its mesh's device), its tied weights tied again
+    (`to_empty` makes one tensor per holder)."""
+    sd = model.state_dict(keep_vars=True)
+    if not any(t.device.type == "meta" for t in sd.values()):
+        return sd
+    tied = tied_holders(model)
+    model.to_empty(device=device if device is not None else _mesh_device(sd))
+    retie(tied)
+    return model.state_dict(keep_vars=True)
+
+
+def _mesh_device(sd: dict[str, torch.Tensor]) -> torch.device:
+    """The device of the mesh the model was sharded over (this rank's current GPU for
+    CUDA), the CPU for a model no plan was applied to."""
+    mesh = next((t.device_mesh for t in sd.values() if isinstance(t, DTensor)), None)
+    if mesh is None or mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
 
 
 def _load_safetensors(model: nn.Module, sd: dict[str, torch.Tensor], path: Path) -> Iterator[None]:

@@ -21,7 +21,7 @@ from .regions import hold_dtensors
 from .rules import plan_to_torch
 from .shared_heads import head_replicas
 
-__all__ = ["attribute_divisor", "shard_model"]
+__all__ = ["attribute_divisor", "retie", "shard_model", "tied_holders"]
 
 
 def shard_model(
@@ -39,12 +39,12 @@ def shard_model(
     the module a failure came from). Styles are applied one module at a time, which is what
     parallelize_module does with a dict of full names. `local_shards`: as `plan_to_torch`.
     """
-    tied = _tied(model)
+    tied = tied_holders(model)
     for name, style in plan_to_torch(plan, model, local_shards=local_shards).items():
         if on_module is not None:
             on_module(name)
         parallelize_module(model, mesh, {name: style})
-    _retie(model, tied)
+    retie(tied)
     _divide_attributes(plan, model, mesh.size())
     names = [n for n, _ in model.named_modules()]
     for region in plan.regions:
@@ -52,15 +52,17 @@ def shard_model(
             hold_dtensors(model.get_submodule(name))
 
 
-def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+def tied_holders(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """Groups of (module, parameter name) that share one parameter (tied weights)."""
     return [[(model.get_submodule(m), p) for m, p in group] for group in tied_groups(model)]
 
 
-def _retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
-    """parallelize_module distributes each module's parameters on its own, so a tied weight
-    comes out as one copy per holder; check_plan made sure they are split alike, so the
-    first copy serves them all again."""
+def retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Each group of holders (`tied_holders`, taken before) shares one parameter again.
+
+    parallelize_module distributes each module's parameters on its own, and `to_empty`
+    makes a tensor per holder, so a tied weight comes out as one copy per holder; check_plan
+    made sure they are split alike, so the first copy serves them all again."""
     for group in tied:
         now = [module._parameters[name] for module, name in group]
         # a holder no style touched (a module keeping a reference) takes the split copy
