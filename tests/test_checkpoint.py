@@ -252,7 +252,7 @@ def test_progress_is_shown_on_a_terminal_only(
     for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
         monkeypatch.setattr("sys.stderr", stream)
         load_checkpoint(_empty_llama(), saved_at_tp2)
-        assert ("loading ckpt [" in stream.getvalue()) is shown
+        assert ("loading ckpt:" in stream.getvalue()) is shown
         assert not shown or "100%" in stream.getvalue()
 
 

@@ -220,8 +220,8 @@ def test_progress_is_drawn_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> Non
         progress.advance(2**20)
         progress.advance(2**20)
     text = stream.getvalue()
-    assert text.startswith("\rloading x [")
-    assert text.endswith(f"\rloading x [{'#' * 30}] 100% 2/2 MiB\n")
+    assert text.startswith("\rloading x:")
+    assert text.rstrip().endswith("s]") and "100%" in text and "2.00M/2.00M" in text
 
 
 def test_progress_is_silent_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,13 +1,19 @@
-"""A one-line progress bar for loading a checkpoint, drawn by rank 0 on a terminal only.
+"""The progress bar of a checkpoint load: tqdm's, the bar transformers' `from_pretrained`
+shows, drawn by rank 0 only.
 
-`Progress` counts bytes as they are loaded. It draws nothing when stderr is not a terminal
-(logs and CI stay clean) and nothing on ranks other than 0 (one bar, not one per rank).
+`Progress` counts bytes as they are loaded. tqdm draws on a terminal and, through
+`tqdm.auto`, as a widget in a notebook; elsewhere (logs, CI, a pipe) and on ranks other
+than 0 (one bar, not one per rank) nothing is drawn.
 """
 
 from __future__ import annotations
 
 import sys
-import time
+from typing import Any
+
+from tqdm import tqdm as plain_tqdm
+from tqdm.auto import tqdm
+from tqdm.autonotebook import tqdm as picked
 
 from .ranks import rank
 
@@ -15,30 +21,26 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """A one-line progress bar on stderr, from rank 0, only when stderr is a terminal."""
+    """tqdm's bar over `total` bytes on stderr, from rank 0, on a terminal or a notebook."""
 
     def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.done = max(total, 1), label, 0
-        self.on = rank() == 0 and sys.stderr.isatty()
-        self._last = 0.0
+        # inside a notebook (whose stderr is no terminal) tqdm.auto draws a widget
+        off_terminal = picked is plain_tqdm and not sys.stderr.isatty()
+        self._bar: Any = tqdm(
+            total=max(total, 1),
+            desc=label,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            disable=rank() != 0 or off_terminal,
+        )
 
     def __enter__(self) -> Progress:
         return self
 
     def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.monotonic()
-        if self.on and (now - self._last > 0.1 or self.done >= self.total):
-            self._last = now
-            frac = min(self.done / self.total, 1.0)
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(
-                f"\r{self.label} [{bar:<30}] {frac:4.0%} "
-                f"{self.done / 2**20:,.0f}/{self.total / 2**20:,.0f} MiB"
-            )
-            sys.stderr.flush()
+        self._bar.update(nbytes)
 
     def __exit__(self, *exc: object) -> None:
-        if self.on:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self._bar.close()
