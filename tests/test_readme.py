@@ -146,6 +146,14 @@ def _tour_commands() -> list[str]:
     return [line for block in blocks for line in block.splitlines() if line.strip()]
 
 
+def _tour_script() -> tuple[str, str]:
+    """Step 5 of the tour: its Python block, and the torchrun command it is run with."""
+    tour = README.split("\n## A five-minute tour\n", 1)[1].split("\n## ", 1)[0]
+    [script] = re.findall(r"^```python\n(.*?)^```", tour, flags=re.M | re.S)
+    [command] = re.findall(r"`(torchrun [^`]*)`", tour)
+    return script, command
+
+
 # Three processes that each import torch and transformers, the last verifying a 2-layer
 # GPT-2 forward and backward over 4 simulated ranks: ~25 s on 2 cores.
 @pytest.mark.slow
@@ -173,6 +181,16 @@ def test_the_tour_runs_as_written(tmp_path: Path) -> None:
     assert f"sound at tp {tp['check']}" in out[tpplan["check"]]
     last = out[tpplan["verify"]].splitlines()[-1]
     assert last.startswith(f"tp {tp['verify']}: the sharded model matches the unsharded one")
+    # step 5, the script as written, under the torchrun command the README gives
+    script, command = _tour_script()
+    (tmp_path / "apply_gpt2.py").write_text(script)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    run = subprocess.run(
+        torchrun + command.split()[1:], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
+    assert "logits (1, 3, 50257)" in run.stdout
 
 
 def _map_section() -> str:
