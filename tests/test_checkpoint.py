@@ -159,16 +159,21 @@ def _tied_llama(device: str = "cpu") -> LlamaForCausalLM:
         return LlamaForCausalLM(config).eval()
 
 
+def _saved_tied(folder: Path) -> tuple[LlamaForCausalLM, torch.Tensor, torch.Tensor]:
+    """A tied model saved by save_pretrained to `folder`: (the same model on meta, input
+    ids, the saved model's logits for them)."""
+    ref = _tied_llama()
+    ref.save_pretrained(folder)
+    x = token_batch()
+    return _tied_llama("meta"), x, ref(x).logits
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_model_on_meta_is_materialized_by_the_load_its_ties_kept(tmp_path: Path, tp: int) -> None:
     """Build on meta, apply the plan, load: load_checkpoint makes the model empty on the
     mesh's device itself (no to_empty), ties the embedding and the head again, fills both,
     and rebuilds the rotary buffers; the logits match the model saved."""
-    ref = _tied_llama()
-    ref.save_pretrained(tmp_path / "ckpt")
-    x = token_batch()
-    want = ref(x).logits
-    meta = _tied_llama("meta")
+    meta, x, want = _saved_tied(tmp_path / "ckpt")
     if tp == 1:
         load_checkpoint(meta, tmp_path / "ckpt")
         assert meta.lm_head.weight is meta.model.embed_tokens.weight
@@ -186,11 +191,7 @@ def test_a_model_on_meta_is_materialized_by_the_load_its_ties_kept(tmp_path: Pat
 def test_tied_weights_saved_once_by_save_pretrained_load(tmp_path: Path, tp: int) -> None:
     """save_pretrained drops lm_head.weight of a tied model; sharding unties the two, so
     the head is filled from the embedding it was tied to."""
-    ref = _tied_llama()
-    ref.save_pretrained(tmp_path / "ckpt")
-    x = token_batch()
-    want = ref(x).logits
-    meta = _tied_llama("meta")
+    meta, x, want = _saved_tied(tmp_path / "ckpt")
     if tp == 1:
         meta.to_empty(device="cpu")
         load_checkpoint(meta, tmp_path / "ckpt")
