@@ -394,9 +394,7 @@ def assert_parity(
     no layer the local path, the two then being the same run). `x` (one input, or keyword
     inputs) is made before the ranks exist, so every rank gets the same input."""
     ref = copy.deepcopy(ref)
-    want = _run(ref, x)
-    want.float().pow(2).mean().backward()
-    params = dict(ref.named_parameters())
+    want, params = reference_run(ref, x)
     local = _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=True)
     if local:
         _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=False)
@@ -414,34 +412,70 @@ def _assert_path_parity(
     local_shards: bool,
 ) -> bool:
     """assert_parity on one execution path; whether any layer ran on its local shards."""
-    path = "local shards" if local_shards else "DTensor path"
     with simulated_ranks(tp) as mesh:
         model = copy.deepcopy(ref)
         model.zero_grad(set_to_none=True)
         tpplan.apply_plan(model, mesh, plan, local_shards=local_shards)
         local = any(runs_locally(m) for m in model.modules())
-        got = _run(model, x)
-        outputs = rank_values(got)
-        got.float().pow(2).mean().backward()
-        stored = {n: rank_values(_whole(p.detach()))[0] for n, p in model.named_parameters()}
-        grads = {
-            n: None if p.grad is None else rank_values(_whole(p.grad))
-            for n, p in model.named_parameters()
-        }
-    for rank, value in enumerate(outputs):
+        run = sharded_run(model, x)
+    path = "local shards" if local_shards else "DTensor path"
+    assert_matches(run, want, params, tol=tol, what=f"tp {tp}, {path}")
+    return local
+
+
+def reference_run(
+    ref: nn.Module, x: torch.Tensor | dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, nn.Parameter]]:
+    """The unsharded model's output for `x` and its parameters, their gradients filled by
+    the backward of the loss `sharded_run` uses."""
+    want = _run(ref, x)
+    want.float().pow(2).mean().backward()
+    return want, dict(ref.named_parameters())
+
+
+def sharded_run(model: nn.Module, x: torch.Tensor | dict[str, torch.Tensor]) -> ShardedRun:
+    """Forward and backward of a model sharded under `simulated_ranks` (call it inside):
+    each rank's output, each parameter's whole value, and each rank's whole gradient."""
+    got = _run(model, x)
+    outputs = rank_values(got)
+    got.float().pow(2).mean().backward()
+    stored = {n: rank_values(_whole(p.detach()))[0] for n, p in model.named_parameters()}
+    grads = {
+        n: None if p.grad is None else rank_values(_whole(p.grad))
+        for n, p in model.named_parameters()
+    }
+    return ShardedRun(outputs, stored, grads)
+
+
+@dataclass
+class ShardedRun:
+    """What sharded_run read: per-rank outputs, whole parameters, per-rank gradients."""
+
+    outputs: list[torch.Tensor]
+    stored: dict[str, torch.Tensor]
+    grads: dict[str, list[torch.Tensor] | None]
+
+
+def assert_matches(
+    run: ShardedRun,
+    want: torch.Tensor,
+    params: dict[str, nn.Parameter],
+    *,
+    tol: float = TOL,
+    what: str,
+) -> None:
+    """A sharded run's outputs and gradients equal the unsharded model's (reference_run)."""
+    for rank, value in enumerate(run.outputs):
         err = (value - want).abs().max().item()
-        assert err <= tol, f"tp {tp}, {path}: rank {rank}'s output is off by {err:.3g}"
-    assert set(grads) == set(params), "sharding changed the model's parameters"
+        assert err <= tol, f"{what}: rank {rank}'s output is off by {err:.3g}"
+    assert set(run.grads) == set(params), "sharding changed the model's parameters"
     for name, p in params.items():
-        got_grads = grads[name]
+        got_grads = run.grads[name]
         if p.grad is None:
-            assert got_grads is None, f"tp {tp}: {name} got a gradient the unsharded model has not"
+            assert got_grads is None, f"{what}: {name} got a gradient the unsharded model has not"
             continue
-        assert got_grads is not None, f"tp {tp}, {path}: {name} got no gradient"
-        back = _layout(stored[name], p.detach())
+        assert got_grads is not None, f"{what}: {name} got no gradient"
+        back = _layout(run.stored[name], p.detach())
         for rank, value in enumerate(got_grads):
             err = (back(value) - p.grad).abs().max().item()
-            assert err <= tol, (
-                f"tp {tp}, {path}: rank {rank}'s gradient of {name} is off by {err:.3g}"
-            )
-    return local
+            assert err <= tol, f"{what}: rank {rank}'s gradient of {name} is off by {err:.3g}"
