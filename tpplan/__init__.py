@@ -27,7 +27,14 @@ if TYPE_CHECKING:
     from ._runtime.launch import LaunchError, launch
     from .apply import InputMismatchError, apply_plan, clip_grad_norm_, compile_model, parallelize
     from .check import check_plan
-    from .checkpoint import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+    from .checkpoint import (
+        CheckpointError,
+        PretrainedError,
+        from_pretrained,
+        full_state_dict,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from .diagnose import plan_stats, verify_plan
     from .infer import infer_plan
 
@@ -41,6 +48,7 @@ __all__ = [
     "Plan",
     "PlanFileError",
     "PlanProblemsError",
+    "PretrainedError",
     "Problem",
     "Rule",
     "TpplanError",
@@ -48,6 +56,7 @@ __all__ = [
     "check_plan",
     "clip_grad_norm_",
     "compile_model",
+    "from_pretrained",
     "full_state_dict",
     "infer_plan",
     "launch",
@@ -70,6 +79,8 @@ _LAZY = {
     "infer_plan": ".infer",
     "CheckpointError": ".checkpoint",
     "full_state_dict": ".checkpoint",
+    "from_pretrained": ".checkpoint",
+    "PretrainedError": ".checkpoint",
     "load_checkpoint": ".checkpoint",
     "save_checkpoint": ".checkpoint",
     "InputMismatchError": ".apply",

@@ -20,7 +20,14 @@ from typing import Any
 
 from ..errors import TpplanError, did_you_mean
 
-__all__ = ["ModelSpecError", "build_model", "hub_cache", "hub_folder", "parse_overrides"]
+__all__ = [
+    "ModelSpecError",
+    "build_model",
+    "hub_cache",
+    "hub_folder",
+    "model_from_config",
+    "parse_overrides",
+]
 
 
 class ModelSpecError(TpplanError, ValueError):
@@ -148,7 +155,10 @@ def _is_model_type(spec: str) -> bool:
     return not path.is_file() and not path.is_dir() and spec in CONFIG_MAPPING
 
 
-def _from_config(config: Any) -> Any:
+def model_from_config(config: Any, **kwargs: Any) -> Any:
+    """The model transformers' auto classes build for `config` (a causal LM first, then a
+    seq2seq model for encoder-decoder configs, then the base model); `kwargs` (dtype) go to
+    `from_config`."""
     import transformers
 
     kinds = ["AutoModelForCausalLM", "AutoModel"]
@@ -156,7 +166,7 @@ def _from_config(config: Any) -> Any:
         kinds = ["AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", *kinds]
     for kind in kinds:
         try:
-            return getattr(transformers, kind).from_config(config)
+            return getattr(transformers, kind).from_config(config, **kwargs)
         except ValueError:
             continue  # this auto class has no model for the config; try the next
     raise ModelSpecError(f"transformers has no model class for config {type(config).__name__}.")
@@ -240,7 +250,7 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None, *, device: s
                         f"--set {key}: {type(config).__name__} has no field '{key}'.{hint}"
                     )
             config = _overridden(config, overrides, rebuild=_is_model_type(spec))
-            model = _from_config(config)
+            model = model_from_config(config)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(
             f"MODEL '{spec}' gave a {type(model).__name__}, not a torch nn.Module."

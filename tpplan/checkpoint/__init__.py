@@ -11,13 +11,22 @@ then, by concern:
 - safetensors_io.py: safetensors headers, region reads and streamed writes;
 - converted.py: tensors a Hugging Face checkpoint stores in another layout;
 - ranks.py: real and simulated ranks, and agreeing on failure so none hangs;
-- progress.py: the loading progress bar.
+- progress.py: the loading progress bar;
+- pretrained.py: `from_pretrained`, a model folder or cached id to a sharded model in one call.
 """
 
 from __future__ import annotations
 
 from .load import load_checkpoint
+from .pretrained import PretrainedError, from_pretrained
 from .safetensors_io import CheckpointError
 from .save import full_state_dict, save_checkpoint
 
-__all__ = ["CheckpointError", "full_state_dict", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "PretrainedError",
+    "from_pretrained",
+    "full_state_dict",
+    "load_checkpoint",
+    "save_checkpoint",
+]

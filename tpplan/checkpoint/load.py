@@ -13,6 +13,7 @@ per rank; DCP needs real processes.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import warnings
 from collections.abc import Callable, Iterator
@@ -108,6 +109,10 @@ def _materialized(model: nn.Module, device: str | torch.device | None) -> dict[s
     if not any(t.device.type == "meta" for t in sd.values()):
         return sd
     tied = tied_holders(model)
+    # to_empty swaps tensor-subclass parameters (LocalTensors under simulated ranks) in
+    # place, which torch refuses while a weak reference to one lives; the plan check's
+    # trace leaves such references in reference cycles until a collection
+    gc.collect()
     model.to_empty(device=device if device is not None else _mesh_device(sd))
     retie(tied)
     return model.state_dict(keep_vars=True)
