@@ -177,8 +177,10 @@ def test_files_are_filled_in_order_and_named_as_hugging_face_names_them() -> Non
 
 
 def test_a_tensor_bigger_than_a_file_gets_a_file_of_its_own() -> None:
+    """As save_pretrained does: the 400-byte tensor alone, the small ones packed together."""
     files = split_into_files(_entries(1, 100, 1), 100)
-    assert [[e[0] for e in group] for _, group in files] == [["t0"], ["t1"], ["t2"]]
+    assert sorted([e[0] for e in group] for _, group in files) == [["t0", "t2"], ["t1"]]
+    assert [name for name, _ in files] == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
 
 
 # ---- ranks without a process group --------------------------------------------------------
@@ -222,6 +224,21 @@ def test_progress_is_drawn_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> Non
     text = stream.getvalue()
     assert text.startswith("\rloading x:")
     assert text.rstrip().endswith("s]") and "100%" in text and "2.00M/2.00M" in text
+
+
+def test_progress_is_silenced_as_transformers_bars_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_HUB_DISABLE_PROGRESS_BARS, which silences transformers' bars, silences this one."""
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    stream = _Terminal()
+    monkeypatch.setattr("sys.stderr", stream)
+    disable_progress_bars()
+    try:
+        with Progress(10, "loading x") as progress:
+            progress.advance(10)
+    finally:
+        enable_progress_bars()
+    assert stream.getvalue() == ""
 
 
 def test_progress_is_silent_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:

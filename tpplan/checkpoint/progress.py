@@ -1,9 +1,11 @@
-"""The progress bar of a checkpoint load: tqdm's, the bar transformers' `from_pretrained`
-shows, drawn by rank 0 only.
+"""The progress bar of a checkpoint load: huggingface_hub's tqdm, the bar transformers'
+`from_pretrained` shows, drawn by rank 0 only.
 
 `Progress` counts bytes as they are loaded. tqdm draws on a terminal and, through
-`tqdm.auto`, as a widget in a notebook; elsewhere (logs, CI, a pipe) and on ranks other
-than 0 (one bar, not one per rank) nothing is drawn.
+`tqdm.auto`, as a widget in a notebook; elsewhere (logs, CI, a pipe) it draws nothing
+(`disable=None`), and neither do ranks other than 0 (one bar, not one per rank). It obeys
+what silences transformers' bars: `HF_HUB_DISABLE_PROGRESS_BARS=1` and
+`huggingface_hub.utils.disable_progress_bars()`.
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tqdm import tqdm as plain_tqdm
-from tqdm.auto import tqdm
-from tqdm.autonotebook import tqdm as picked
+from huggingface_hub.utils import tqdm
 
 from .ranks import rank
 
@@ -24,8 +24,6 @@ class Progress:
     """tqdm's bar over `total` bytes on stderr, from rank 0, on a terminal or a notebook."""
 
     def __init__(self, total: int, label: str) -> None:
-        # inside a notebook (whose stderr is no terminal) tqdm.auto draws a widget
-        off_terminal = picked is plain_tqdm and not sys.stderr.isatty()
         self._bar: Any = tqdm(
             total=max(total, 1),
             desc=label,
@@ -33,7 +31,8 @@ class Progress:
             unit_scale=True,
             unit_divisor=1024,
             file=sys.stderr,
-            disable=rank() != 0 or off_terminal,
+            disable=True if rank() != 0 else None,  # None: off where stderr is no terminal
+            name="tpplan",
         )
 
     def __enter__(self) -> Progress:
