@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 
 import torch
+from huggingface_hub import split_state_dict_into_shards_factory
 from torch import nn
 
 from .._runtime.local import outside_simulation, rank_values
@@ -37,7 +38,9 @@ from .safetensors_io import INDEX_NAME, CheckpointError, StreamingWriter
 
 __all__ = ["DEFAULT_MAX_FILE_BYTES", "full_state_dict", "save_checkpoint", "split_into_files"]
 
-DEFAULT_MAX_FILE_BYTES = 5 * 2**30  # Hugging Face's own default shard size
+DEFAULT_MAX_FILE_BYTES = (
+    5 * 2**30
+)  # 5 GiB (huggingface_hub's default is 5 GB, save_pretrained's 50 GB)
 
 Entries = list[tuple[str, torch.dtype, tuple[int, ...]]]
 """Tensors of a file to write, in order: (name, dtype, shape)."""
@@ -201,20 +204,16 @@ def _save_safetensors(
 
 def split_into_files(entries: Entries, max_file_bytes: int) -> list[tuple[str, Entries]]:
     """Entries split into files of at most `max_file_bytes` (a bigger tensor gets its own),
-    named as Hugging Face names them."""
-    groups: list[Entries] = [[]]
-    size = 0
-    for entry in entries:
-        n = entry[1].itemsize * math.prod(entry[2])
-        if groups[-1] and size + n > max_file_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += n
-    if len(groups) == 1:
-        return [("model.safetensors", groups[0])]
-    k = len(groups)
-    return [(f"model-{i + 1:05d}-of-{k:05d}.safetensors", g) for i, g in enumerate(groups)]
+    in order, named as Hugging Face names them: huggingface_hub's own splitter, given sizes
+    from dtypes and shapes, since no tensor of a sharded model is whole on one rank."""
+    by_name = {entry[0]: entry for entry in entries}
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda e: e[1].itemsize * math.prod(e[2]),
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_file_bytes,
+    )
+    return [(f, [by_name[n] for n in names]) for f, names in split.filename_to_tensors.items()]
 
 
 def _save_config(model: nn.Module, folder: Path) -> None:
