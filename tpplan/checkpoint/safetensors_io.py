@@ -51,6 +51,12 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
 }
 
 
