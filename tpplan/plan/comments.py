@@ -11,6 +11,7 @@ writes the same bytes. No torch here.
 from __future__ import annotations
 
 import re
+import textwrap
 from typing import Any
 
 import yaml
@@ -77,18 +78,15 @@ def _fits_comment(why: str) -> bool:
 
 def _comment_lines(why: str, indent: str) -> list[str]:
     """`why` wrapped at single spaces into `# ` lines of at most _COMMENT_WIDTH columns (a
-    longer word gets a line of its own)."""
-    width = _COMMENT_WIDTH - len(indent) - 2
-    lines: list[str] = []
-    line = ""
-    for word in why.split(" "):
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    lines.append(line)
-    return [f"{indent}# {chunk}" for chunk in lines]
+    longer word gets a line of its own, never broken)."""
+    return textwrap.wrap(
+        why,
+        _COMMENT_WIDTH,
+        initial_indent=f"{indent}# ",
+        subsequent_indent=f"{indent}# ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _with_why_comments(text: str, whys: dict[str, list[str | None]]) -> str:

@@ -328,7 +328,9 @@ class Plan(_Strict):
     def save(self, path: str | Path) -> None:
         """Write the plan; `.json` files get JSON, anything else YAML."""
         path = Path(path)
-        path.write_text(self.to_json() if path.suffix == ".json" else self.to_yaml())
+        path.write_text(
+            self.to_json() if path.suffix == ".json" else self.to_yaml(), encoding="utf-8"
+        )
 
 
 def plan_json_schema() -> dict[str, Any]:
