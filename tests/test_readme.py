@@ -193,6 +193,46 @@ def test_the_tour_runs_as_written(tmp_path: Path) -> None:
     assert "logits (1, 3, 50257)" in run.stdout
 
 
+def _first_example() -> tuple[str, str, str]:
+    """The README's first screen: its one Python block, the model id it loads, and the
+    torchrun command it is run with."""
+    head = README.split("\n## ", 1)[0]
+    [script] = re.findall(r"^```python\n(.*?)^```", head, flags=re.M | re.S)
+    [model_id] = re.findall(r'from_pretrained\("([^"]+)"\)', script)
+    [command] = re.findall(r"`(torchrun [^`]*)`", head)
+    return script, model_id, command
+
+
+@pytest.mark.slow
+def test_the_first_example_runs_as_written(tmp_path: Path) -> None:
+    """The one line on the README's first screen, saved and run with the torchrun command it
+    gives, loads its model id from the Hugging Face cache (a tiny Llama saved there under
+    that id: tpplan never downloads) split over 2 gloo ranks."""
+    script, model_id, command = _first_example()
+    assert script.count("\n") <= 3, "the first example is meant to be one line"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    repo = tmp_path / "hub" / ("models--" + model_id.replace("/", "--"))
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    name = command.split()[-1]
+    check = "\nq = model.model.layers[0].self_attn.q_proj.weight\nprint(type(q).__name__, tuple(q.to_local().shape))\n"
+    (tmp_path / name).write_text(script + check)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    run = subprocess.run(
+        torchrun + command.split()[1:], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
+    assert run.stdout.count("DTensor (32, 64)") == 2, run.stdout
+
+
 def _map_section() -> str:
     return README.split("\n## How it works\n", 1)[1].split("\n## ", 1)[0]
 
