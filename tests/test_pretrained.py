@@ -162,4 +162,7 @@ def test_from_pretrained_under_tpplan_launch(tmp_path: Path) -> None:
     from pretrained_ranks import check_rank
 
     folder = _saved(tmp_path / "llama")
-    assert tpplan.launch(check_rank, nprocs=2, args=(str(folder),)) == ["0/2 matches", "1/2 matches"]
+    assert tpplan.launch(check_rank, nprocs=2, args=(str(folder),)) == [
+        "0/2 matches",
+        "1/2 matches",
+    ]

@@ -168,7 +168,9 @@ def _build(config: Any, model_class: Any, dtype: torch.dtype, trust_remote_code:
 
     if model_class is None:
         names = getattr(config, "architectures", None) or []
-        model_class = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+        model_class = next(
+            (getattr(transformers, n) for n in names if hasattr(transformers, n)), None
+        )
     if model_class is None:
         from .._runtime.models import model_from_config
 
