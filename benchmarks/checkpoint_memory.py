@@ -5,10 +5,11 @@ Run: `python benchmarks/checkpoint_memory.py` (CPU, gloo, a few minutes; `--tp 2
 
 It builds a Llama from a small config (about 320 MB in fp32, random weights), saves it with
 save_pretrained into a temporary folder, and then, under torchrun at each tp size, loads it
-three ways in fresh processes:
+four ways in fresh processes:
 
 - tpplan, safetensors: meta-built model, apply_plan, to_empty, load_checkpoint;
 - tpplan, DCP: the same from a torch.distributed.checkpoint folder saved at tp 2;
+- `tpplan.from_pretrained(folder, mesh, plan=...)`: the one call doing all of the first row;
 - transformers: `from_pretrained(folder, tp_plan="auto")`, its own hand-written plan. It
   needs the `accelerate` package, which tpplan does not depend on; without it that row
   says so.
@@ -40,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 SEQ = 16
-METHODS = ("tpplan-safetensors", "tpplan-dcp", "transformers-auto")
+METHODS = ("tpplan-safetensors", "tpplan-dcp", "tpplan-from-pretrained", "transformers-auto")
 LABELS = {
     "tpplan-safetensors": "tpplan, safetensors",
+    "tpplan-from-pretrained": "`tpplan.from_pretrained`, safetensors",
     "tpplan-dcp": "tpplan, DCP (saved at tp 2)",
     "transformers-auto": 'transformers `tp_plan="auto"`',
 }
@@ -106,7 +108,12 @@ def worker(method: str, folder: Path, out: Path) -> None:
     plan = folder / f"plan-tp{world}.yaml"
     config = AutoConfig.from_pretrained(folder / "safetensors")
     error = ""
-    if method.startswith("tpplan"):
+    if method == "tpplan-from-pretrained":
+        # as for the rows above, the imports and a first plan check (Python objects, a fixed
+        # cost that does not grow with the model) happen before the measured call
+        with torch.device("meta"):
+            tpplan.check_plan(tpplan.load_plan(plan), LlamaForCausalLM(config), tp_size=world)
+    if method in ("tpplan-safetensors", "tpplan-dcp"):
         # building on meta and applying the plan allocate nothing worth counting; both are
         # inside transformers' measured call too
         with torch.device("meta"):
@@ -117,7 +124,10 @@ def worker(method: str, folder: Path, out: Path) -> None:
     base_rss, base_hwm = _status("VmRSS"), _status("VmHWM")
     start = time.perf_counter()
     try:
-        if method.startswith("tpplan"):
+        if method == "tpplan-from-pretrained":
+            # the whole call: meta build, apply_plan and load_checkpoint
+            model = tpplan.from_pretrained(source, mesh, plan=plan, dtype=torch.float32)
+        elif method.startswith("tpplan"):
             model.to_empty(device="cpu")
             load_checkpoint(model, source)
         else:

@@ -190,4 +190,4 @@ def _generation_config(model: nn.Module, folder: Path) -> None:
         return
     from transformers import GenerationConfig
 
-    model.generation_config = GenerationConfig.from_pretrained(folder)
+    model.generation_config = GenerationConfig.from_pretrained(folder)  # type: ignore[assignment]
