@@ -103,6 +103,10 @@ def worker(method: str, folder: Path, out: Path) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # every rank decides before any writes: rank 0's save creates the folder, and a rank
+    # that looked after that would skip the collective save and hang the others
+    save_dcp = method == "tpplan-safetensors" and world == 2 and not (folder / "dcp").exists()
+    dist.barrier()
     source = folder / ("dcp" if method == "tpplan-dcp" else "safetensors")
     mesh = init_device_mesh("cpu", (world,))
     plan = folder / f"plan-tp{world}.yaml"
@@ -162,7 +166,7 @@ def worker(method: str, folder: Path, out: Path) -> None:
         if rank == 0:
             torch.save(logits, out / f"logits-{method}-tp{world}.pt")
     print("RESULT " + json.dumps(result), flush=True)
-    if method == "tpplan-safetensors" and world == 2 and not (folder / "dcp").exists():
+    if save_dcp:
         save_checkpoint(model, folder / "dcp", sharded=True)  # the DCP rows read this
     dist.barrier()  # a peer may still be finishing a DTensor collective
     dist.destroy_process_group()
