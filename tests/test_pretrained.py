@@ -29,6 +29,7 @@ def _saved(folder: Path, *, tied: bool = False, dtype: torch.dtype = torch.float
         model.config.tie_word_embeddings = True
         torch.manual_seed(0)
         model = LlamaForCausalLM(model.config).eval()
+    model.generation_config.max_new_tokens = 7  # a setting of the folder's own to find again
     model.to(dtype).save_pretrained(folder)
     return folder
 
@@ -47,6 +48,7 @@ def test_from_pretrained_matches_the_unsharded_model(tmp_path: Path, tp: int) ->
     with simulated_ranks(tp) as mesh:
         model = tpplan.from_pretrained(folder, mesh)
         assert type(model) is LlamaForCausalLM and not model.training
+        assert model.generation_config.max_new_tokens == 7
         q = model.model.layers[0].self_attn.q_proj.weight
         assert isinstance(q, DTensor) and q.to_local().shape[0] == q.shape[0] // tp
         run = sharded_run(model, x)
