@@ -68,19 +68,19 @@ SMALL: dict[str, dict[str, object]] = {
 # (the same layers and vocab, so only widths differ), which the plan, leaving those sizes out,
 # reads from the model. phi3's fused q|k|v stays at the plan's [3072] * 3: its forward cuts
 # them by slices, which the trace does not read as pieces, so the plan states them.
-_TINY_LLAMA = {
+_HEADS_64 = {
     "hidden_size": 256,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
 }
 OTHER: dict[str, dict[str, object]] = {
-    "llama": {**SMALL["llama"], **_TINY_LLAMA, "intermediate_size": 128},
-    "mistral": {**SMALL["mistral"], **_TINY_LLAMA, "intermediate_size": 128},
+    "llama": {**SMALL["llama"], **_HEADS_64, "intermediate_size": 128},
+    "mistral": {**SMALL["mistral"], **_HEADS_64, "intermediate_size": 128},
     "qwen2": {**SMALL["qwen2"], "hidden_size": 256, "intermediate_size": 128},
-    "qwen3": {**SMALL["qwen3"], **_TINY_LLAMA, "intermediate_size": 128},
-    "mixtral": {**SMALL["mixtral"], **_TINY_LLAMA, "intermediate_size": 128},
-    "qwen3_moe": {**SMALL["qwen3_moe"], **_TINY_LLAMA, "moe_intermediate_size": 128},
+    "qwen3": {**SMALL["qwen3"], **_HEADS_64, "intermediate_size": 128},
+    "mixtral": {**SMALL["mixtral"], **_HEADS_64, "intermediate_size": 128},
+    "qwen3_moe": {**SMALL["qwen3_moe"], **_HEADS_64, "moe_intermediate_size": 128},
     "gemma2": {**SMALL["gemma2"], "head_dim": 64, "intermediate_size": 128},
     "gemma3": {**SMALL["gemma3"], "head_dim": 64, "intermediate_size": 128},
     "phi3": {**SMALL["phi3"], "intermediate_size": 1024},
@@ -211,7 +211,7 @@ def test_a_plan_stating_another_head_dim_is_one_problem_per_rule(capsys) -> None
     rules that state it, and not again as heads tp does not divide or attributes it could
     not divide."""
     stated = load_plan(ROOT / "plans" / "llama.yaml")
-    model = build_model("llama", {"num_hidden_layers": 1, "vocab_size": 512, **_TINY_LLAMA})
+    model = build_model("llama", {"num_hidden_layers": 1, "vocab_size": 512, **_HEADS_64})
     stated, _ = complete_plan(stated, build_model("llama", {"num_hidden_layers": 1}), tp_size=4)
     problems = tpplan.check_plan(stated, model, tp_size=4)
     assert [(p.kind, p.rule.split("match: ")[1]) for p in problems] == [

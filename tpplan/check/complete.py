@@ -71,12 +71,14 @@ def _leave_out(plan: Plan, by_rule: dict[int, list[str]], trace: Trace) -> Plan:
     rules = []
     for i, rule in enumerate(plan.rules):
         drop: dict[str, Any] = {}
-        for field, param in _sizes(plan, rule, by_rule[i], stated=True):
+        # only what complete_sizes fills back in, so that it gives the plan again
+        for field, param in _sizes(plan, rule, by_rule[i], stated=False):
             seen = {_value(v) for v in _seen(rule, (field, param), by_rule[i], trace).values()}
-            stated = rule.fused.get(param) if param and rule.fused else getattr(rule, field)
-            if param is None and seen == {_plain(stated)}:
+            if seen != {_plain(_stated(rule, field, param))}:
+                continue
+            if param is None:
                 drop[field] = None
-            elif param is not None and seen == {_plain(stated)}:
+            else:
                 drop.setdefault("fused", dict(rule.fused or {})).pop(param)
         if "fused" in drop and not drop["fused"]:
             drop["fused"] = None
@@ -84,27 +86,33 @@ def _leave_out(plan: Plan, by_rule: dict[int, list[str]], trace: Trace) -> Plan:
     return plan.model_copy(update={"rules": rules})
 
 
-def _sizes(plan: Plan, rule: Rule, names: list[str], *, stated: bool = False) -> list[_Size]:
-    """The sizes of `rule` read from the model: those it leaves out that infer would write
-    (a head_dim for a layer of a local region, parts for a colwise one outside a DTensor
-    region, the pieces of each expert parameter it splits by tensor), or with `stated`,
-    those it states."""
+def _sizes(plan: Plan, rule: Rule, names: list[str], *, stated: bool = True) -> list[_Size]:
+    """The sizes of `rule` read from the model: those infer would write (a head_dim for a
+    layer of a local region, parts for a colwise one outside a DTensor region, the pieces of
+    each expert parameter it splits by tensor), and with `stated`, any head_dim or parts the
+    rule states (checked against the model's)."""
     out: list[_Size] = []
     if rule.style in ("colwise", "rowwise"):
         # inside a DTensor region the plan states its sizes: nothing there needs a head_dim,
         # and pieces left out mean a contiguous cut, which check proves or refuses
         region = _in_dtensor_region(plan, names)
         local = (opens_region(rule) or closes_region(rule)) and not region
-        if rule.head_dim is not None or (local and not stated):
+        if local or (stated and rule.head_dim is not None):
             out.append(("head_dim", None))
         # (a layer sharing whole heads among ranks takes no parts)
         pieces = rule.style == "colwise" and not rule.replicate_heads
-        if pieces and (rule.parts is not None if stated else not region):
+        if pieces and (not region or (stated and rule.parts is not None)):
             out.append(("parts", None))
     if rule.style == "experts" and rule.mode != "expert":  # whole experts take no pieces
-        out += [("fused", p) for p in (rule.fused or {}) if stated]
-        out += [("fused", p) for p in (rule.shard or {}) if not stated]
+        out += [("fused", p) for p in {**(rule.shard or {}), **(rule.fused or {})}]
     return out
+
+
+def _stated(rule: Rule, field: str, param: str | None) -> Any:
+    """The size the rule states (None where it leaves it out)."""
+    if param is not None:
+        return (rule.fused or {}).get(param)
+    return getattr(rule, field)
 
 
 def _in_dtensor_region(plan: Plan, names: list[str]) -> bool:
@@ -139,7 +147,7 @@ def _settle(i: int, rule: Rule, size: _Size, seen: dict[str, Any]) -> tuple[Any,
     """(the value the checks go on with, or None to keep the rule's; the problems) of one
     size of rule `i`, given what the matched modules show."""
     field, param = size
-    stated = rule.fused.get(param) if param and rule.fused else getattr(rule, field)
+    stated = _stated(rule, field, param)
     values = {_value(v) for v in seen.values()}
     if len(values) > 1:
         if stated is not None:

@@ -341,7 +341,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     from ..plan.diff import diff_plans
     from ..plan.load import load_plan
 
-    plans, names = [], None
+    plans, names, model = [], None, None
     for spec in (args.a, args.b):
         if Path(spec).is_file() and not spec.endswith("config.json"):
             plans.append(load_plan(spec))
@@ -349,6 +349,12 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             model = _build(args, spec)
             names = [n for n, _ in model.named_modules()]
             plans.append(_plan_for(args, model, args.tp))
+    if model is not None:
+        from ..check.complete import leave_out_sizes
+
+        # a size one plan states and the other leaves to the model (a shipped plan's
+        # head_dim) is no change where it is the model's own
+        plans = [leave_out_sizes(p, model) for p in plans]
     changes = diff_plans(plans[0], plans[1], module_names=names)
     for c in changes:
         print(c)
