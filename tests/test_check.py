@@ -11,7 +11,7 @@ from models import tiny_llama
 from torch import nn
 from unrunnable import CASES, unrunnable
 
-from tpplan import Plan, Problem, check_plan, infer_plan, load_plan
+from tpplan import Plan, Problem, Rule, check_plan, infer_plan, load_plan
 from tpplan._runtime.facts import fingerprint, parameter_shapes
 from tpplan.check import splits_nothing
 from tpplan.plan import ModelInfo
@@ -247,10 +247,13 @@ def test_a_head_dim_smaller_than_the_models_heads_is_caught_by_the_trace() -> No
     wrong = Plan.from_yaml(Plan.from_data(data).to_yaml().replace("head_dim: 8", "head_dim: 4"))
     # 2 divides every count: only the wrong head_dim itself is a problem at tp 2
     assert {p.kind for p in check_plan(wrong, model, tp_size=2)} == {"head_dim"}
+    # at tp 4, the wrong head_dim once, and what holds with the model's: 2 heads of 8 do not
+    # split over 4 ranks (not again as 4 "heads" of 4)
     problems = [p for p in check_plan(wrong, model, tp_size=4) if p.module.endswith("k_proj")]
     assert [p.kind for p in problems] == ["divisibility", "head_dim"]
     assert problems[0].message == (
-        "the model views its 16 output features as 2 heads of 8: tp size 4 would cut them."
+        "2 heads (of head_dim 8) do not split evenly over tp size 4; every rank must hold "
+        "whole heads."
     )
     assert problems[0].fix == (
         "use a tp size among 1, 2, or keep this module replicated; or, as its 2 heads are "
@@ -260,13 +263,17 @@ def test_a_head_dim_smaller_than_the_models_heads_is_caught_by_the_trace() -> No
 
 
 def test_a_head_dim_other_than_the_models_names_both() -> None:
-    """The shipped llama plan states head_dim 128; a Llama whose heads are 64 wide passes the
-    rule's own check at tp 2 (2048 features are 16 whole "heads" of 128, and 16 divides by
-    2), so only the trace can tell that the plan was written for other heads."""
+    """The llama plan as completed for Llama-3-8B states head_dim 128; a Llama whose heads
+    are 64 wide passes the rule's own check at tp 2 (2048 features are 16 whole "heads" of
+    128, and 16 divides by 2), so only the trace can tell that the plan was written for
+    other heads."""
     from tpplan._runtime.models import build_model
+    from tpplan.check import complete_plan
 
+    eight_b = build_model("llama", overrides={"num_hidden_layers": 1})
+    stated, _ = complete_plan(load_plan("llama"), eight_b, tp_size=2)
     model = build_model("llama", overrides={"head_dim": 64, "num_hidden_layers": 2})
-    problems = check_plan(load_plan("llama"), model, tp_size=2)
+    problems = check_plan(stated, model, tp_size=2)
     assert {p.kind for p in problems} == {"head_dim"}
     q = next(p for p in problems if p.module == "model.layers.*.self_attn.q_proj")
     assert str(q) == (
@@ -329,8 +336,10 @@ def test_fused_parts_other_than_the_models_name_both() -> None:
     from tpplan._runtime.models import build_model
 
     model = build_model("gpt2", overrides={"n_layer": 2})
-    wrong = Plan.from_yaml(
-        load_plan("gpt2").to_yaml().replace("parts: [768, 768, 768]", "parts: [512, 1024, 768]")
+    shipped = load_plan("gpt2")  # leaves the parts to the model
+    c_attn = shipped.rules[2].model_dump(exclude_unset=True) | {"parts": [512, 1024, 768]}
+    wrong = shipped.model_copy(
+        update={"rules": [*shipped.rules[:2], Rule.model_validate(c_attn), *shipped.rules[3:]]}
     )
     p = _only(check_plan(wrong, model, tp_size=2), "parts")
     assert str(p) == (

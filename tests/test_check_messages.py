@@ -273,14 +273,10 @@ def test_sizes_tp_does_not_divide_list_the_legal_sizes(tiny: nn.Module) -> None:
 
 
 def test_a_head_dim_the_width_is_no_whole_number_of(tiny: nn.Module) -> None:
-    """The rule's own check first; the trace then names the model's head_dim."""
+    """The wrong head_dim is the one problem: that 16 features are no whole number of heads
+    of 5 follows from it, and is not told again."""
     plan = Plan(rules=[_rule("attn.q", "colwise", head_dim=5, output="replicate")])
     assert _said(plan, tiny) == [
-        (
-            "divisibility",
-            "rules[0] (match: attn.q), module attn.q: out_features = 16 is not a whole number "
-            "of heads of head_dim 5. Fix: correct head_dim in the rule.",
-        ),
         (
             "head_dim",
             "rules[0] (match: attn.q), module attn.q: the rule states head_dim 5, but the "
@@ -465,15 +461,17 @@ def test_an_embedding_split_by_columns(tiny: nn.Module) -> None:
 
 
 def test_heads_the_tp_size_would_cut(tiny: nn.Module) -> None:
-    """No head_dim in the rules: 16 features divide by 8, but the model's 4 heads do not."""
+    """No head_dim in the rules: 16 features divide by 8, but the model's 4 heads do not;
+    the head_dim left out is the model's (check/complete.py), told on each rule as a
+    stated one would be."""
     plan = Plan(rules=[_rule("attn.[qkv]", "colwise"), _rule("attn.o", "rowwise")])
+    told = (
+        "4 heads (of head_dim 4) do not split evenly over tp size 8; every rank must hold "
+        "whole heads. Fix: use a tp size among 1, 2, 4, or keep this module replicated."
+    )
     assert _said(plan, tiny, tp=8) == [
-        (
-            "divisibility",
-            "rules[0] (match: attn.[qkv]), module attn.q, attn.k, attn.v: the model views its "
-            "16 output features as 4 heads of 4: tp size 8 would cut them. Fix: use a tp size "
-            "among 1, 2, 4, or keep this module replicated.",
-        )
+        ("divisibility", f"rules[0] (match: attn.[qkv]), module attn.q, attn.k, attn.v: {told}"),
+        ("divisibility", f"rules[1] (match: attn.o), module attn.o: {told}"),
     ]
 
 

@@ -207,6 +207,31 @@ def test_diff_names_each_changed_module(tmp_path: Path, capsys: pytest.CaptureFi
     assert out.splitlines() == ["~ lm_head: colwise (output=replicate) -> replicate"]
 
 
+def test_diff_of_a_family_plan_against_its_model_reads_the_sizes_it_leaves_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shipped llama plan leaves head_dim to the model, the plan inferred for a Llama of
+    heads of 64 states it: the same sharding. A head_dim stated wrong is a change."""
+    small = ["--tp", "2", "--set", "num_hidden_layers=1", "--set", "hidden_size=256"]
+    small += ["--set", "num_attention_heads=4", "--set", "num_key_value_heads=2"]
+    small += ["--set", "head_dim=64", "--set", "intermediate_size=128", "--set", "vocab_size=512"]
+    shipped = ROOT / "plans" / "llama.yaml"
+    code, out, _ = run(capsys, "diff", str(shipped), "llama", *small)
+    assert code == 0 and "shard the same way" in out, out
+    wrong = tmp_path / "wrong.yaml"
+    text = shipped.read_text()
+    wrong.write_text(
+        text.replace(
+            "o_proj\n    style: rowwise\n", "o_proj\n    style: rowwise\n    head_dim: 128\n"
+        )
+    )
+    code, out, _ = run(capsys, "diff", str(wrong), "llama", *small)
+    assert code == 1
+    assert out.splitlines() == [
+        "~ model.layers.0.self_attn.o_proj: rowwise (head_dim=128) -> rowwise"
+    ]
+
+
 def test_diff_against_a_model_compares_module_by_module(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -48,6 +48,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import tpplan
 import tpplan._runtime.inputs
 from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan._runtime.models import build_model
 from tpplan.diagnose.verify import verify_plan
 from tpplan.plan import Plan, load_plan
 from tpplan.plan.patterns import match_names
@@ -1417,3 +1418,53 @@ def test_a_bias_table_of_one_column_per_head_is_split_with_the_heads(tp: int) ->
         ("rowwise", None),
     )
     assert_parity(model, plan, tp, x)
+
+
+# ---- the words of a reason ------------------------------------------------------------------
+_LLAMA_TP3 = {"num_hidden_layers": 1, "vocab_size": 513, "hidden_size": 96, "head_dim": 16}
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "tp", "module", "said"),
+    [
+        ("gpt2", {"n_layer": 1}, 2, "lm_head", "tp 2 does not divide its 50257 vocab entries"),
+        (
+            "llama",
+            {**_LLAMA_TP3, "num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 100},
+            3,
+            "model.layers.0.mlp.up_proj",
+            "kept whole: tp 3 does not divide its 100 features",
+        ),
+        (
+            "llama",
+            {**_LLAMA_TP3, "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 96},
+            3,
+            "model.layers.0.self_attn.k_proj",
+            "kept whole: tp 3 does not divide its 2 key/value heads",
+        ),
+        (
+            "llama",
+            {**_LLAMA_TP3, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 96},
+            3,
+            "model.layers.0.self_attn.q_proj",
+            "kept whole: tp 3 does not divide its 4 heads",
+        ),
+        (
+            "phi3",
+            {**_LLAMA_TP3, "num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 100, "pad_token_id": 0, "eos_token_id": 0},
+            3,
+            "model.layers.0.mlp.gate_up_proj",
+            "kept whole: tp 3 does not divide its 100 features per fused piece",
+        ),
+    ],
+    ids=["vocab entries", "features", "key/value heads", "heads", "fused pieces"],
+)  # fmt: skip
+def test_a_region_kept_whole_names_what_tp_does_not_divide(
+    family: str, config: dict[str, object], tp: int, module: str, said: str
+) -> None:
+    """The blocks tp must divide are named as the trace saw them: a vocab head's vocab
+    entries (not heads), a key/value head count, heads, features, a fused piece's features."""
+    model = build_model(family, config)
+    why = rule_for(tpplan.infer_plan(model, tp_size=tp), model, module).why
+    assert why.endswith(said), why
+    assert "(heads)" not in why

@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12"
 
 
 def _error(text: str) -> str:
@@ -153,9 +153,16 @@ def test_a_bad_layout(text: str, message: str) -> None:
             version=11,
         ),
         _case(
+            "style: colwise, replicate_heads: true, output: replicate",
+            "line 3: rules[0]: colwise with replicate_heads (whole key/value heads shared among "
+            "ranks) takes no parts, transposed, output or local_output: false.",
+            version=12,
+        ),
+        _case(
+            # version 12 reads the head_dim left out from the model (check/complete.py)
             "style: colwise, replicate_heads: true",
-            "line 3: rules[0]: colwise with replicate_heads needs head_dim (the heads it "
-            "shares among ranks) and takes no parts, transposed, output or local_output: false.",
+            "line 1: plan: rules[0].replicate_heads without head_dim need schema version 12; "
+            "change the first line to 'tpplan: 12'.",
             version=11,
         ),
         _case(
@@ -345,8 +352,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 12\nrules: []\n",
-            f"schema version 12 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 13\nrules: []\n",
+            f"schema version 13 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -364,7 +371,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 11' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 12' (the schema version) is missing.",
             id="missing",
         ),
         _case(

@@ -4,6 +4,7 @@ and backward, on a small model of its family. Shipped plans resolve by name."""
 
 from __future__ import annotations
 
+import copy
 import shlex
 import subprocess
 import sys
@@ -15,8 +16,10 @@ import torch
 
 import tpplan
 from tpplan import cli
-from tpplan._runtime.local import simulated_ranks
+from tpplan._runtime.facts import parameter_shapes
+from tpplan._runtime.local import rank_values, simulated_ranks
 from tpplan._runtime.models import build_model, parse_overrides
+from tpplan.check import complete_plan
 from tpplan.diagnose.verify import verify_plan
 from tpplan.plan import load_plan
 from tpplan.plan.shipped import shipped_plans
@@ -61,6 +64,40 @@ SMALL: dict[str, dict[str, object]] = {
     },
 }  # fmt: skip
 
+# A second width of each family: another head_dim, hidden size or fused width than SMALL
+# (the same layers and vocab, so only widths differ), which the plan, leaving those sizes out,
+# reads from the model. phi3's fused q|k|v stays at the plan's [3072] * 3: its forward cuts
+# them by slices, which the trace does not read as pieces, so the plan states them.
+_HEADS_64 = {
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+OTHER: dict[str, dict[str, object]] = {
+    "llama": {**SMALL["llama"], **_HEADS_64, "intermediate_size": 128},
+    "mistral": {**SMALL["mistral"], **_HEADS_64, "intermediate_size": 128},
+    "qwen2": {**SMALL["qwen2"], "hidden_size": 256, "intermediate_size": 128},
+    "qwen3": {**SMALL["qwen3"], **_HEADS_64, "intermediate_size": 128},
+    "mixtral": {**SMALL["mixtral"], **_HEADS_64, "intermediate_size": 128},
+    "qwen3_moe": {**SMALL["qwen3_moe"], **_HEADS_64, "moe_intermediate_size": 128},
+    "gemma2": {**SMALL["gemma2"], "head_dim": 64, "intermediate_size": 128},
+    "gemma3": {**SMALL["gemma3"], "head_dim": 64, "intermediate_size": 128},
+    "phi3": {**SMALL["phi3"], "intermediate_size": 1024},
+    "gpt2": {**SMALL["gpt2"], "n_embd": 256, "n_head": 8},
+    "gpt_neox": {**SMALL["gpt_neox"], "hidden_size": 256, "num_attention_heads": 4},
+    "falcon": {**SMALL["falcon"], "hidden_size": 256, "num_attention_heads": 8},
+    "opt": {**SMALL["opt"], "hidden_size": 256, "num_attention_heads": 4, "word_embed_proj_dim": 256},
+    "bloom": {**SMALL["bloom"], "hidden_size": 256, "n_head": 4},
+    "bert": {**SMALL["bert"], "hidden_size": 256, "num_attention_heads": 8},
+    "t5": {**SMALL["t5"], "d_model": 256, "d_kv": 32, "num_heads": 4},
+    "deepseek_v3": {
+        **SMALL["deepseek_v3"], "moe_intermediate_size": 128, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16, "v_head_dim": 32,
+    },
+}  # fmt: skip
+WIDTHS = {"small": SMALL, "other": OTHER}
+
 # fp32, two layers at real head widths: sharding sums the same products in another order
 # (seen: ~1e-6); a wrong shard or a missing reduction is off by O(0.1).
 TOL = 1e-4
@@ -80,6 +117,16 @@ def test_plans_are_shipped() -> None:
     assert len(PLANS) >= 15
     assert {p.stem for p in PLANS} == set(shipped_plans())
     assert {p.stem for p in PLANS} <= set(SMALL), "add a small config for the new plan to SMALL"
+    assert {p.stem for p in PLANS} <= set(OTHER), "add a second width of its family to OTHER"
+
+
+@pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
+def test_the_two_widths_of_a_family_differ(path: Path) -> None:
+    """OTHER is another width than SMALL (the same layers and vocab): some parameter has
+    another shape, so that both tests below prove the plan serves two widths."""
+    spec, overrides = _spec(path)
+    small, other = (build_model(spec, {**overrides, **w[path.stem]}) for w in (SMALL, OTHER))
+    assert parameter_shapes(small) != parameter_shapes(other)
 
 
 @pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
@@ -105,11 +152,13 @@ def test_plan_has_not_drifted(path: Path, tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
-def test_plan_checks_and_matches_the_unsharded_model(path: Path) -> None:
+def test_plan_checks_and_matches_the_unsharded_model(path: Path, width: str) -> None:
+    """At two widths of the family: the sizes the plan leaves out are each model's own."""
     spec, overrides = _spec(path)
     torch.manual_seed(0)
-    model = build_model(spec, {**overrides, **SMALL[path.stem]}, device="cpu")
+    model = build_model(spec, {**overrides, **WIDTHS[width][path.stem]}, device="cpu")
     plan = load_plan(path)
     assert tpplan.check_plan(plan, model, tp_size=2) == []
     report = verify_plan(model, plan, tp_size=2, backward=True, tol=TOL)
@@ -117,11 +166,64 @@ def test_plan_checks_and_matches_the_unsharded_model(path: Path) -> None:
 
 
 def test_a_shipped_plan_applies_by_name() -> None:
+    """The plan kept on the model is the shipped one completed with the model's sizes (the
+    checkpoint helpers read it)."""
     torch.manual_seed(0)
     model = build_model("llama", SMALL["llama"], device="cpu")
+    shipped = load_plan(ROOT / "plans" / "llama.yaml")
+    completed, problems = complete_plan(shipped, model, tp_size=2)
+    assert problems == [] and completed != shipped
     with simulated_ranks(2) as mesh:
         tpplan.apply_plan(model, mesh, plan="llama")
-        assert model._tpplan_plan == load_plan(ROOT / "plans" / "llama.yaml")  # type: ignore[operator]
+        assert model._tpplan_plan == completed  # type: ignore[operator]
+
+
+# TinyLlama's shape, narrowed: heads of 64 (not Llama-3-8B's 128), grouped-query attention
+# with 4 query heads per key/value head; 2 layers
+TINY_LLAMA = {
+    "num_hidden_layers": 2, "vocab_size": 512, "hidden_size": 512, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_llama_plan_applies_to_a_llama_of_head_dim_64(tp: int) -> None:
+    """The shipped plan leaves head_dim out: apply_plan reads 64 from the model and shards
+    whole heads of 64 (at tp 4 each of the 2 key/value heads goes whole to 2 ranks, which
+    needs the head's size), with the unsharded model's logits."""
+    torch.manual_seed(0)
+    model = build_model("llama", TINY_LLAMA, device="cpu")
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids).logits
+    with simulated_ranks(tp) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan="llama")
+        got = rank_values(sharded(input_ids=ids).logits)
+    assert len(got) == tp and all((g - want).abs().max().item() < TOL for g in got)
+    kept = sharded._tpplan_plan  # type: ignore[attr-defined]
+    assert {r.match.rpartition(".")[2]: r.head_dim for r in kept.rules if r.head_dim} == {
+        "q_proj": 64, "k_proj": 64, "v_proj": 64, "o_proj": 64,
+    }  # fmt: skip
+
+
+def test_a_plan_stating_another_head_dim_is_one_problem_per_rule(capsys) -> None:
+    """The llama plan as written for Llama-3-8B (head_dim 128) checked on a model of heads
+    of 64 at tp 4 (the issue's command): the wrong head_dim is told once on each of the four
+    rules that state it, and not again as heads tp does not divide or attributes it could
+    not divide."""
+    stated = load_plan(ROOT / "plans" / "llama.yaml")
+    model = build_model("llama", {"num_hidden_layers": 1, "vocab_size": 512, **_HEADS_64})
+    stated, _ = complete_plan(stated, build_model("llama", {"num_hidden_layers": 1}), tp_size=4)
+    problems = tpplan.check_plan(stated, model, tp_size=4)
+    assert [(p.kind, p.rule.split("match: ")[1]) for p in problems] == [
+        ("head_dim", f"model.layers.*.self_attn.{n})")
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ]
+    assert str(problems[0]) == (
+        "rules[1] (match: model.layers.*.self_attn.q_proj), module model.layers.0.self_attn.q_proj: "
+        "the rule states head_dim 128, but the model's head_dim is 64 (it views its 256 output "
+        "features as 4 heads of 64). Fix: set head_dim: 64 in the rule, or infer the plan again "
+        "for this model (`tpplan infer`)."
+    )
 
 
 def test_a_file_of_that_name_wins_over_the_shipped_plan(tmp_path: Path, monkeypatch) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..check import check_plan, splits_nothing
+from ..check import complete_plan, splits_nothing
 from ..compile.shard import shard_model
 from ..errors import MeshError, ModelError, PlanProblemsError
 from ..plan.load import load_plan
@@ -90,7 +90,9 @@ def apply_plan(
 
     `plan` is a Plan, a path to a plan file, or None to infer one from the model. The plan is
     checked first; all problems are raised together as PlanProblemsError and the model is
-    left untouched. Works on models on the meta device (materialize or load weights after)
+    left untouched. Sizes the plan's rules leave out (head_dim, fused parts, as the shipped
+    plans do) are read from the model; `model._tpplan_plan` keeps the plan completed with
+    them. Works on models on the meta device (materialize or load weights after)
     as well as on CPU/CUDA.
 
     `check_inputs` (default: the TPPLAN_CHECK_INPUTS environment variable) makes every
@@ -107,7 +109,9 @@ def apply_plan(
     mesh = tp_mesh(mesh)
     tp_size = mesh.size()
     plan = resolve_plan(plan, model, tp_size=tp_size)
-    problems = check_plan(plan, model, tp_size=tp_size)
+    # the sizes a plan leaves to the model (a shipped plan's head_dim, fused parts) are read
+    # from it here: the plan sharded with, and kept, is the completed one
+    plan, problems = complete_plan(plan, model, tp_size=tp_size)
     if problems:
         raise PlanProblemsError(problems, tp_size=tp_size)
     if tp_size > 1 and splits_nothing(plan):

@@ -3,7 +3,9 @@ static ones (rules, sizes, regions by data flow), then a dry run of the sharded 
 backward on fake ranks. Start at api.py (`check_plan`), which calls the others in order.
 
 The modules:
-- api.py: `check_plan`, the driver, and `splits_nothing`.
+- api.py: `check_plan`, the driver, `complete_plan` (the plan with the sizes its rules
+  leave out read from the model, and its problems) and `splits_nothing`;
+- complete.py: those sizes, read from a trace;
 - rules.py: each rule on the modules it matches, and checks across rules (experts, tied).
 - sizes.py: the dims each style splits, and sizes tp must divide.
 - flow.py: the checks by traced data flow, driven: regions.py (regions and heads),
@@ -16,6 +18,6 @@ The modules:
 
 from __future__ import annotations
 
-from .api import check_plan, splits_nothing
+from .api import check_plan, complete_plan, splits_nothing
 
-__all__ = ["check_plan", "splits_nothing"]
+__all__ = ["check_plan", "complete_plan", "splits_nothing"]

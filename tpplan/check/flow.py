@@ -7,6 +7,7 @@ the structural check (structure.py). Start at `check_flow`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
@@ -35,6 +36,7 @@ def check_flow(
     tp: int,
     undivided: set[str],
     hints: dict[str, str] | None = None,
+    traced: Callable[[], Trace] | None = None,
 ) -> list[Problem]:
     """A column-parallel output must reach row-parallel layers only (and the reverse), and
     split into whole heads as the model itself views them; the heads and fused pieces a
@@ -45,7 +47,8 @@ def check_flow(
     gets what to add to their fix where sharing key/value heads would serve). The
     model is traced (tpplan/trace/) to see where each layer's output goes; a model that
     cannot be traced (its inputs cannot be guessed) gets the structural check instead.
-    Idle parts are traced on their own, as infer_plan splits them.
+    Idle parts are traced on their own, as infer_plan splits them. `traced` gives the
+    model's trace where the caller has one (check_plan shares it with complete.py).
     """
     from ..trace import idle_roots, trace_model
 
@@ -56,7 +59,7 @@ def check_flow(
     if not any(targets):
         return []
     try:
-        trace = trace_model(model)
+        trace = traced() if traced is not None else trace_model(model)
     except TpplanError:
         return check_by_structure(plan, targets.openers, targets.closers, model)
     out = _check_trace(plan, targets, trace, tp, undivided, hints)

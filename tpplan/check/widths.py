@@ -1,6 +1,7 @@
 """The widths a rule states, checked against the traced model: its head_dim and its fused
 parts must be the model's own, as its forward cuts the features. Start at `check_widths`;
-flow.py calls it on each trace.
+flow.py calls it on each trace. The readers (`model_head_dim`, `model_pieces`) read the
+model's own widths as infer reads them; complete.py fills a rule's missing widths with them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from .shared import Match, closes_region, rule_label, traced_name
 if TYPE_CHECKING:
     from ..trace import Trace
 
-__all__ = ["check_widths"]
+__all__ = [
+    "check_widths",
+    "head_dim_problem",
+    "model_head_dim",
+    "model_pieces",
+    "parts_problem",
+]
 
 
 def check_widths(plan: Plan, modules: list[Match], trace: Trace) -> list[Problem]:
@@ -36,54 +43,68 @@ def check_widths(plan: Plan, modules: list[Match], trace: Trace) -> list[Problem
 def _check_parts(i: int, rule: Rule, name: str, t: str, trace: Trace) -> list[Problem]:
     """The rule's parts, and each of its fused parameters' pieces, against the pieces the
     model cuts the features of the module traced as `t` into."""
-    stated = [("parts", "", rule.parts, trace.regions.parts.get(t), "parts: {}")] + [
-        (
-            f"fused {p}",
-            f" of {p} per expert",
-            sizes,
-            trace.regions.parts.get(f"{t}.{p}"),
-            f"fused: {{{{{p}: {{}}}}}}",
-        )
-        for p, sizes in (rule.fused or {}).items()
-    ]
+    stated = [(None, rule.parts)] + [(p, sizes) for p, sizes in (rule.fused or {}).items()]
     out: list[Problem] = []
-    for field, of, sizes, pieces, setting in stated:
+    for param, sizes in stated:
+        pieces = model_pieces(trace, t, param)
         # (sizes that do not add up to the width are reported by the rule's own check)
         if not sizes or not pieces or sum(sizes) != sum(pieces) or sizes == [*pieces]:
             continue
-        out.append(
-            Problem(
-                "parts",
-                rule_label(i, rule),
-                name,
-                f"the rule states {field} {sizes}, but the model cuts its "
-                f"{sum(pieces)} output features{of} into the pieces {[*pieces]}.",
-                f"set {setting.format([*pieces])} in the rule, or infer the plan again "
-                "for this model (`tpplan infer`).",
-            )
-        )
+        out.append(parts_problem(i, rule, name, param, sizes, pieces))
     return out
 
 
+def parts_problem(
+    i: int, rule: Rule, name: str, param: str | None, sizes: list[int], pieces: tuple[int, ...]
+) -> Problem:
+    """The Problem of stated fused sizes (`parts`, or `fused` of the expert parameter
+    `param`) other than the pieces the model cuts the features into."""
+    field, of, setting = (
+        ("parts", "", "parts: {}")
+        if param is None
+        else (f"fused {param}", f" of {param} per expert", f"fused: {{{{{param}: {{}}}}}}")
+    )
+    return Problem(
+        "parts",
+        rule_label(i, rule),
+        name,
+        f"the rule states {field} {sizes}, but the model cuts its "
+        f"{sum(pieces)} output features{of} into the pieces {[*pieces]}.",
+        f"set {setting.format([*pieces])} in the rule, or infer the plan again "
+        "for this model (`tpplan infer`).",
+    )
+
+
 def _check_head_dim(i: int, rule: Rule, name: str, t: str, trace: Trace) -> list[Problem]:
-    seen = _model_head_dim(trace, t, closer=closes_region(rule))
+    seen = model_head_dim(trace, t, closer=closes_region(rule))
     if seen is None or seen[0] == rule.head_dim:
         return []
+    return [head_dim_problem(i, rule, name, seen)]
+
+
+def head_dim_problem(i: int, rule: Rule, name: str, seen: tuple[int, str]) -> Problem:
+    """The Problem of a stated head_dim other than the model's (`seen`: its head size and
+    how the model's views show it)."""
     head_dim, view = seen
-    return [
-        Problem(
-            "head_dim",
-            rule_label(i, rule),
-            name,
-            f"the rule states head_dim {rule.head_dim}, but the model's head_dim is "
-            f"{head_dim} ({view}).",
-            f"set head_dim: {head_dim} in the rule, or infer the plan again for this model "
-            "(`tpplan infer`).",
-        )
-    ]
+    return Problem(
+        "head_dim",
+        rule_label(i, rule),
+        name,
+        f"the rule states head_dim {rule.head_dim}, but the model's head_dim is "
+        f"{head_dim} ({view}).",
+        f"set head_dim: {head_dim} in the rule, or infer the plan again for this model "
+        "(`tpplan infer`).",
+    )
 
 
-def _model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | None:
+def model_pieces(trace: Trace, t: str, param: str | None = None) -> tuple[int, ...] | None:
+    """The fused pieces the model cuts the output features of the module traced as `t`
+    into (of its expert parameter `param`, per expert), as infer writes a rule's parts and
+    fused; None where the forward cuts none."""
+    return trace.regions.parts.get(t if param is None else f"{t}.{param}")
+
+
+def model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | None:
     """(head size, how the model's views show it) of a traced opener or closer, read as
     infer reads it when it writes a rule's head_dim; None where the flow shows no heads."""
     if closer:

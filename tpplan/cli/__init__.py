@@ -150,6 +150,14 @@ def _parser() -> argparse.ArgumentParser:
         "whose module names and widths it names match",
     )
     p.add_argument(
+        "--family",
+        action="store_true",
+        help="write a plan for every size of the model's family: no fingerprint, and none of "
+        "the sizes check and apply read from each model's forward (head_dim, fused parts); "
+        "the shipped plans are written so, e.g. `tpplan infer llama --family -o llama.yaml` "
+        "serves Llama-3-8B (head_dim 128) and Llama-3.2-1B (64) alike",
+    )
+    p.add_argument(
         "--input",
         dest="inputs",
         action="append",
@@ -247,6 +255,7 @@ def _infer_command(args: argparse.Namespace) -> str:
     words += ["--sequence-parallel"] * args.sequence_parallel
     if args.experts != "tensor":
         words += ["--experts", args.experts]
+    words += ["--family"] * args.family
     words += ["--no-fingerprint"] * args.no_fingerprint
     for spec in args.inputs:
         words += ["--input", spec]
@@ -275,9 +284,14 @@ def _cmd_infer(args: argparse.Namespace) -> int:
         sequence_parallel=args.sequence_parallel,
         experts=args.experts,
     )
+    if args.family:
+        from ..check.complete import leave_out_sizes
+
+        # check and apply read these back from each model of the family
+        plan = leave_out_sizes(plan, model, example_inputs=given)
     assert plan.model is not None  # infer_plan always describes the model
     info: dict[str, Any] = {"command": _infer_command(args)}
-    if args.no_fingerprint:
+    if args.no_fingerprint or args.family:
         info |= {"fingerprint": None, "parameters": None}
     plan = plan.model_copy(update={"model": plan.model.model_copy(update=info)})
     text = plan.to_json() if args.format == "json" else plan.to_yaml()
@@ -327,7 +341,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     from ..plan.diff import diff_plans
     from ..plan.load import load_plan
 
-    plans, names = [], None
+    plans, names, model = [], None, None
     for spec in (args.a, args.b):
         if Path(spec).is_file() and not spec.endswith("config.json"):
             plans.append(load_plan(spec))
@@ -335,6 +349,12 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             model = _build(args, spec)
             names = [n for n, _ in model.named_modules()]
             plans.append(_plan_for(args, model, args.tp))
+    if model is not None:
+        from ..check.complete import leave_out_sizes
+
+        # a size one plan states and the other leaves to the model (a shipped plan's
+        # head_dim) is no change where it is the model's own
+        plans = [leave_out_sizes(p, model) for p in plans]
     changes = diff_plans(plans[0], plans[1], module_names=names)
     for c in changes:
         print(c)

@@ -135,7 +135,8 @@ def _split_style(rule: Rule, local_shards: bool) -> ParallelStyle:
     if rule.output is not None:
         kw["output_layouts"] = placement(rule.output)
     if rule.style == "colwise" and rule.replicate_heads:
-        assert rule.head_dim is not None  # the rule's validator requires it
+        # check/complete.py reads a head_dim the rule leaves out from the model
+        assert rule.head_dim is not None, "plan_to_torch takes a plan complete_plan completed"
         return SharedHeadsColwise(
             head_dim=rule.head_dim,
             input_layouts=kw.get("input_layouts"),

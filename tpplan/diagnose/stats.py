@@ -143,7 +143,9 @@ def plan_stats(
 
         handles = [m.register_forward_hook(count) for m in meta.modules()]
         paths: dict[str, str] = {}
-        handles += _record_paths(meta, plan, mesh.size(), paths)
+        # the plan as applied: with the sizes it leaves to the model read from it
+        applied: Plan = meta.__dict__["_tpplan_plan"]
+        handles += _record_paths(meta, applied, mesh.size(), paths)
         collectives: dict[str, dict[str, dict[str, int]]] = {}
         fwd = _Collectives()
         with fwd, torch.set_grad_enabled(backward):

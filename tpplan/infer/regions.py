@@ -76,8 +76,7 @@ def decide_region(ctx: Context, out: Decided, members: list[str]) -> None:
             else ""
         )
         reasons.append(
-            f"its features split into {units} indivisible blocks (heads), which tp {ctx.tp} "
-            f"does not divide{unshared}"
+            f"tp {ctx.tp} does not divide its {units} {_blocks(ctx, openers, units)}{unshared}"
         )
     holders = _param_holders(ctx, set(openers), reasons)
     if shared is not None:
@@ -96,6 +95,30 @@ def decide_region(ctx: Context, out: Decided, members: list[str]) -> None:
         for module, entries in shared.attributes.items():
             out.attributes[module] = (*out.attributes.get(module, ()), *entries)
     _style_param_holders(ctx, out, holders, openers, short)
+
+
+def _blocks(ctx: Context, openers: list[str], units: int) -> str:
+    """What the `units` indivisible blocks of a region's features are, for its reason: the
+    words of the opener whose split sets them (the smallest)."""
+    t = ctx.trace
+    vocabs = {m.num_embeddings for m in ctx.modules.values() if isinstance(m, nn.Embedding)}
+    words = []
+    for o in openers:
+        features, parts = t.regions.openers[o], t.regions.parts.get(o)
+        if t.regions.units.get(o, features) != units:
+            continue
+        if units == features:
+            vocab = o in t.regions.at_output and features in vocabs
+            words.append("vocab entries" if vocab else "features")
+        elif units == t.regions.kv_heads.get(o):
+            words.append("key/value heads")
+        elif units == t.regions.heads.get(o):
+            words.append("heads")
+        elif parts is not None and units == len(parts):
+            words.append("fused pieces")
+        elif parts is not None and {units} == set(parts):
+            words.append("features per fused piece")
+    return min(words, default="indivisible blocks")
 
 
 def _member_reasons(ctx: Context, members: list[str], short: dict[str, str]) -> list[str]:
@@ -133,8 +156,10 @@ def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]
                 "and a plan divides attributes of submodules only"
             )
         elif value % ctx.tp:
+            # not always heads: a count of query heads per key/value head, of fused pieces
             reasons.append(
-                f"a view reads the head count {attr} = {value}, which tp {ctx.tp} does not divide"
+                f"a view reads {attr} = {value} to size the split features, which tp "
+                f"{ctx.tp} does not divide"
             )
     return reasons
 

@@ -93,7 +93,9 @@ class Rule(_Strict):
     sequence_parallel and prepare inputs)."""
     head_dim: int | None = Field(default=None, gt=0)
     """The sharded features are attention heads of this size; every rank must get whole
-    heads, so the head count must divide by the tp size."""
+    heads, so the head count must divide by the tp size. Left out, it is read from the
+    model where its forward views the features as heads (schema 12), so that one plan
+    serves every head size of a family."""
     replicate_heads: bool | None = None
     """colwise with head_dim (a key or value projection of grouped-query attention): at a tp
     size that is a multiple of its head count, each head goes whole to tp/heads consecutive
@@ -101,7 +103,7 @@ class Rule(_Strict):
     The weight is a DTensor on the tp axis viewed as (heads, tp/heads), split over the first
     and replicated over the second, so its full tensor is the original; the gradient of a
     shared head is summed over the ranks that share it. At a tp size dividing the head count
-    the layer is split as plain colwise."""
+    the layer is split as plain colwise. Its head_dim may be left out (schema 12)."""
     parts: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=2)
     """colwise: the output features are several tensors laid end to end (fused q|k|v, or
     gate|up), of these sizes in order. Each part is split across the ranks on its own, and a
@@ -109,7 +111,8 @@ class Rule(_Strict):
     gate slice and the matching up slice) rather than a contiguous slice that mixes them.
     rowwise: the input features are such pieces, all of one size (attention heads and MLP
     features joined by `cat` before one projection, Flux's single-stream `proj_out`), and
-    each rank contracts its slice of every piece."""
+    each rank contracts its slice of every piece. Left out on a colwise layer, it is read
+    from the model where its forward cuts the features into pieces (schema 12)."""
     transposed: bool | None = None
     """The weight is stored (in_features, out_features), as in GPT-2's Conv1D, so colwise
     splits its dim 1 and rowwise its dim 0."""
@@ -140,7 +143,8 @@ class Rule(_Strict):
     head): each rank holds, and its forward uses, its own contiguous share."""
     fused: dict[str, list[Annotated[int, Field(gt=0)]]] | None = None
     """experts: parameter -> sizes of the pieces laid end to end along its split dim (gate|up);
-    each rank holds its slice of every piece, as `parts` does for colwise."""
+    each rank holds its slice of every piece, as `parts` does for colwise. A parameter left
+    out is read from the model where its forward cuts it into pieces (schema 12)."""
     after_sum: list[str] | None = None
     """experts, mode tensor: parameters added to the experts' output after the down
     projection's partial sum (its bias): each rank adds its 1/tp share, so the all-reduce
@@ -245,7 +249,7 @@ class RegionRule(_Strict):
 class Plan(_Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] = 11  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] = 12  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None

@@ -92,14 +92,14 @@ def _check_colwise(fields: Fields) -> None:
         raise ValueError(
             "style 'colwise' cannot take or give layout 'partial'; use replicate or shard(DIM)."
         )
+    # its head_dim may be left out: the check reads it from the model (check/complete.py)
     if fields.get("replicate_heads") and (
-        fields.get("head_dim") is None
-        or any(fields.get(f) for f in ("parts", "transposed", "output"))
+        any(fields.get(f) for f in ("parts", "transposed", "output"))
         or fields.get("local_output") is False
     ):
         raise ValueError(
-            "colwise with replicate_heads needs head_dim (the heads it shares among ranks) "
-            "and takes no parts, transposed, output or local_output: false."
+            "colwise with replicate_heads (whole key/value heads shared among ranks) takes no "
+            "parts, transposed, output or local_output: false."
         )
 
 

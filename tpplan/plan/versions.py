@@ -20,9 +20,9 @@ __all__ = [
 
 # A new version is added here, to READABLE_VERSIONS and to Plan.tpplan's Literal (schema.py),
 # with its schema hash in plans/schema_versions.json (tests/test_plan.py checks it).
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 # What each version added: a file naming any of these needs at least that version.
 _ADDED_FIELDS = {
     2: ("parts", "transposed"),
@@ -39,6 +39,10 @@ _ADDED_TOP_LEVEL = {8: ("regions",)}
 _ADDED_ATTRIBUTE_FIELDS = {11: ("by", "of")}
 # fields a style took later than the field itself: (style, field)
 _ADDED_STYLE_FIELDS = {9: (("rowwise", "parts"),)}
+# a field given without one it needed before: (field, the one left out). Version 12 reads the
+# sizes a rule leaves out (head_dim, parts, fused) from the model (check/complete.py); its
+# files are refused by a tpplan that would shard a fused layer without its parts
+_ADDED_OMISSIONS = {12: (("replicate_heads", "head_dim"),)}
 
 
 def version_problem(data: dict[str, Any]) -> str | None:
@@ -77,6 +81,7 @@ def check_fields_fit_version(
         *_ADDED_TOP_LEVEL,
         *_ADDED_STYLE_FIELDS,
         *_ADDED_ATTRIBUTE_FIELDS,
+        *_ADDED_OMISSIONS,
     }
     for needed in sorted(added, reverse=True):
         if version >= needed:
@@ -100,6 +105,12 @@ def check_fields_fit_version(
             for i, (style, fields) in enumerate(rules)
             for st, f in _ADDED_STYLE_FIELDS.get(needed, ())
             if style == st and f in fields
+        ]
+        newer += [
+            f"rules[{i}].{f} without {left_out}"
+            for i, (_, fields) in enumerate(rules)
+            for f, left_out in _ADDED_OMISSIONS.get(needed, ())
+            if f in fields and left_out not in fields
         ]
         newer += [
             f"rules[{i}].style {style}"
