@@ -16,6 +16,7 @@ from .._runtime.facts import fingerprint, parameter_shapes
 from ..plan.patterns import collapse
 from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
 from ..trace import Trace, trace_model
+from .adapters import decide_adapters
 from .attention import decide_attention
 from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
 from .context import Context, Decided
@@ -169,6 +170,7 @@ def _decide(
     keep_inside_experts(out)  # overrides what the steps above decided inside experts
     if asked.sequence_parallel:
         apply_sequence_parallel(ctx, out)  # rewrites the decisions: it needs all of them
+    decide_adapters(model, out.decisions)  # last: each adapter follows its base's final rule
     return out.decisions, out.attributes
 
 

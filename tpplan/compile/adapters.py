@@ -1,0 +1,179 @@
+"""LoRA wrappers run as one layer: base and adapters with the base's single collective.
+
+Each child of a peft LoRA wrapper (_runtime/adapters.py) gets its own rule's style, which
+distributes its parameters. Run child by child, the adapters would add a collective of r
+features each (lora_B colwise sums its input's gradient; lora_A rowwise sums its output).
+Where the plan splits the adapters as infer/adapters.py does, `fuse_adapters` gives the
+wrapper a forward of its own (peft's forward is a known computation, as nn.Linear's is) that
+folds them into the base's one collective:
+- colwise: `a = lora_A(x)` is whole; x and a pass one `_Copy` together (cat on the last dim),
+  so the backward sums the gradients of both in one all-reduce, in + r features wide;
+- rowwise: the base's partial output and lora_A's partial r features are summed in one
+  all-reduce (cat, out + r features wide), then lora_B runs on the whole r features.
+The replicated adapter weights become Replicate DTensors, so that peft's merge
+(`base.weight += lora_B.weight @ lora_A.weight * scaling`) runs on DTensors shard by shard.
+With `local_shards=False` the wrapper computes the same on DTensors (the reference path).
+Start at `fuse_adapters`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from .._runtime.adapters import Adapter, lora_layers
+from .local_run import _Gather, _local, _rank, _sum, copy_to_ranks, group_name
+
+__all__ = ["fuse_adapters", "fused_kind"]
+
+
+@dataclass(frozen=True)
+class _Fused:
+    kind: Literal["colwise", "rowwise"]
+    mesh: DeviceMesh
+    local: bool
+    """Run on local shards with direct collectives (else on DTensors)."""
+    gather: bool
+    """colwise: the output gathered whole."""
+    group: str
+    tp: int
+    rank: Any
+
+
+def fuse_adapters(
+    model: nn.Module, mesh: DeviceMesh, styles: dict[str, ParallelStyle], *, local_shards: bool
+) -> None:
+    """Give each LoRA wrapper whose adapters are split as their base (`fused_kind`) the
+    one-collective forward (module docstring); others run child by child."""
+    for name, adapter in lora_layers(model).items():
+        kind = fused_kind(adapter, styles)
+        if kind is None:
+            continue
+        wrapper = model.get_submodule(name)
+        for whole in adapter.a if kind == "colwise" else adapter.b:
+            _replicate(model.get_submodule(whole), mesh)
+        base = styles[adapter.base]
+        gather = kind == "colwise" and isinstance(base.output_layouts[0], Replicate)  # type: ignore[attr-defined]
+        wrapper._tpplan_fused = _Fused(  # type: ignore[assignment]
+            kind=kind,
+            mesh=mesh,
+            local=local_shards,
+            gather=gather,
+            group=group_name(mesh),
+            tp=mesh.size(),
+            rank=_rank(mesh),
+        )
+        wrapper.forward = _forward.__get__(wrapper)
+
+
+def fused_kind(
+    adapter: Adapter, styles: dict[str, ParallelStyle]
+) -> Literal["colwise", "rowwise"] | None:
+    """'colwise' or 'rowwise' where the base and its adapters are split as infer/adapters.py
+    splits them and the base's layouts are the plain ones; else None."""
+    base = styles.get(adapter.base)
+    if base is None or getattr(base, "parts", None) or getattr(base, "transposed", False):
+        return None
+    kind: Literal["colwise", "rowwise"]
+    if isinstance(base, ColwiseParallel):
+        split, whole, kind = adapter.b, adapter.a, "colwise"
+        plain = base.input_layouts == (Replicate(),) and base.use_local_output
+    elif isinstance(base, RowwiseParallel):
+        split, whole, kind = adapter.a, adapter.b, "rowwise"
+        plain = (
+            base.input_layouts == (Shard(-1),)
+            and base.output_layouts == (Replicate(),)
+            and base.use_local_output
+        )
+    else:
+        return None
+    if not plain or any(n in styles for n in whole):
+        return None
+    if not all(_same(styles.get(n), base) for n in split):
+        return None
+    return kind
+
+
+def _same(style: ParallelStyle | None, base: ParallelStyle) -> bool:
+    keys = ("input_layouts", "output_layouts", "use_local_output", "parts", "transposed")
+    return type(style) is type(base) and all(
+        getattr(style, k, None) == getattr(base, k, None) for k in keys
+    )
+
+
+def _replicate(linear: nn.Module, mesh: DeviceMesh) -> None:
+    """The linear's weight as a Replicate DTensor (its values unchanged)."""
+    for key, p in list(linear._parameters.items()):
+        if p is not None and not isinstance(p, DTensor):
+            whole = distribute_tensor(p.detach(), mesh, [Replicate()], src_data_rank=None)
+            linear.register_parameter(key, nn.Parameter(whole, requires_grad=p.requires_grad))
+
+
+def _adapters(wrapper: Any) -> list[tuple[Any, Any, float, Any]]:
+    """(lora_A, lora_B, scaling, dropout) of each active adapter, as peft's forward runs them."""
+    return [
+        (wrapper.lora_A[k], wrapper.lora_B[k], wrapper.scaling[k], wrapper.lora_dropout[k])
+        for k in wrapper.active_adapters
+        if k in wrapper.lora_A
+    ]
+
+
+def _forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    run: _Fused = self._tpplan_fused
+    plain = isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+    if args or kwargs or self.merged or self.disable_adapters or not plain:
+        # peft's own forward, child by child (merged weights, or a call this does not know)
+        return type(self).forward(self, x, *args, **kwargs)
+    if not run.local:
+        return _on_dtensors(self, run, x)
+    if run.kind == "colwise":
+        return _colwise(self, run, x)
+    return _rowwise(self, run, x)
+
+
+def _colwise(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
+    base, adapters = self.base_layer, _adapters(self)
+    inner = [F.linear(drop(x), _local(a.weight)) for a, _, _, drop in adapters]  # (B, T, r)
+    if run.tp > 1 and torch.is_grad_enabled():
+        # one gradient all-reduce for x and every adapter's r features: (B, T, in + sum r)
+        joined = copy_to_ranks(torch.cat([x, *inner], dim=-1), run.group, run.tp)
+        x, *inner = joined.split([x.shape[-1], *(t.shape[-1] for t in inner)], dim=-1)
+    out = F.linear(x, _local(base.weight), _local(base.bias))  # (B, T, out / tp)
+    for t, (_, b, scaling, _) in zip(inner, adapters, strict=True):
+        out = out + F.linear(t, _local(b.weight)) * scaling
+    if not run.gather or run.tp == 1:
+        return out
+    return _Gather.apply(out, run.group, run.rank, run.tp)
+
+
+def _rowwise(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
+    base, adapters = self.base_layer, _adapters(self)
+    partial = F.linear(x, _local(base.weight))  # (B, T, out), a partial sum
+    inner = [F.linear(drop(x), _local(a.weight)) for a, _, _, drop in adapters]  # (B, T, r)
+    if run.tp > 1:
+        # one all-reduce for the base's output and every adapter's r features
+        joined = _sum(torch.cat([partial, *inner], dim=-1), run.group)
+        partial, *inner = joined.split([partial.shape[-1], *(t.shape[-1] for t in inner)], -1)
+    out = partial if base.bias is None else partial + _local(base.bias)
+    for t, (_, b, scaling, _) in zip(inner, adapters, strict=True):
+        out = out + F.linear(t, _local(b.weight)) * scaling
+    return out
+
+
+def _on_dtensors(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
+    """The same sum on DTensors, DTensor's propagation placing the collectives."""
+    layout = Replicate() if run.kind == "colwise" else Shard(-1)
+    xd = DTensor.from_local(x, run.mesh, [layout], run_check=False)
+    base = self.base_layer
+    out: Any = F.linear(xd, base.weight, base.bias)
+    for a, b, scaling, drop in _adapters(self):
+        out = out + F.linear(F.linear(drop(xd), a.weight), b.weight) * scaling
+    if run.kind == "rowwise" or run.gather:
+        out = out.redistribute(run.mesh, [Replicate()])
+    return out.to_local()
