@@ -28,7 +28,9 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, dist
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from .._runtime.adapters import Adapter, lora_layers
+from .linear import Colwise
 from .local_run import _Gather, _local, _rank, _sum, copy_to_ranks, group_name
+from .shared_heads import SharedHeadsColwise
 
 __all__ = ["fuse_adapters", "fused_kind"]
 
@@ -52,13 +54,13 @@ def fuse_adapters(
     """Give each LoRA wrapper whose adapters are split as their base (`fused_kind`) the
     one-collective forward (module docstring); others run child by child."""
     for name, adapter in lora_layers(model).items():
-        kind = fused_kind(adapter, styles)
+        kind = fused_kind(adapter, _as_plain(styles, model, adapter, mesh.size()))
         if kind is None:
             continue
         wrapper = model.get_submodule(name)
         for whole in adapter.a if kind == "colwise" else adapter.b:
             _replicate(model.get_submodule(whole), mesh)
-        base = styles[adapter.base]
+        base = _as_plain(styles, model, adapter, mesh.size())[adapter.base]
         gather = kind == "colwise" and isinstance(base.output_layouts[0], Replicate)  # type: ignore[attr-defined]
         wrapper._tpplan_fused = _Fused(  # type: ignore[assignment]
             kind=kind,
@@ -98,6 +100,23 @@ def fused_kind(
     if not all(_same(styles.get(n), base) for n in split):
         return None
     return kind
+
+
+def _as_plain(
+    styles: dict[str, ParallelStyle], model: nn.Module, adapter: Adapter, tp: int
+) -> dict[str, ParallelStyle]:
+    """The styles of the adapter's layers, a key/value projection whose heads tp divides
+    (SharedHeadsColwise, which is then a plain colwise) as the plain Colwise it applied."""
+    out = {}
+    for name in (adapter.base, *adapter.a, *adapter.b):
+        style = styles.get(name)
+        if isinstance(style, SharedHeadsColwise):
+            heads = model.get_submodule(name).weight.shape[0] // style.head_dim
+            if heads % tp == 0:
+                style = Colwise(input_layouts=style.input_layouts)
+        if style is not None:
+            out[name] = style
+    return out
 
 
 def _same(style: ParallelStyle | None, base: ParallelStyle) -> bool:
