@@ -7,6 +7,9 @@ Every rank is simulated in this process; tests/test_processes.py runs the same o
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +19,13 @@ import torch.nn.functional as F
 from blocks import assert_parity, expand_rules
 from models import tiny_llama, token_batch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
 from tpplan._runtime.local import fake_ranks, own_replicas, rank_values, simulated_ranks
-
-pytestmark = pytest.mark.unit
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -52,6 +54,7 @@ def _adapter_rules(model: nn.Module, plan: tpplan.Plan) -> dict[str, tpplan.Rule
     return {n: rules[n] for n, _ in model.named_modules() if ".lora_" in n and n in rules}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_inferred_plan_splits_each_adapter_as_its_base_layer(tp: int) -> None:
     model = lora_llama()
@@ -73,21 +76,25 @@ def test_the_inferred_plan_splits_each_adapter_as_its_base_layer(tp: int) -> Non
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.unit
+@pytest.mark.parametrize("tp", [2, 4, 8])
 def test_forward_and_backward_match_the_unsharded_peft_model(tp: int) -> None:
-    """Logits and every gradient (the adapters'; the base is frozen by peft), on both paths."""
+    """Logits and every gradient (the adapters'; the base is frozen by peft), on both paths.
+    At tp 8 the 4 key/value heads are shared by 2 ranks each: their adapters run child by
+    child (compile/adapters.py fuses only plain splits)."""
     model = lora_llama()
     assert_parity(model, tpplan.infer_plan(model, tp_size=tp), tp, token_batch(), tol=TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_training_step_matches_the_unsharded_peft_model(tp: int) -> None:
     ref, tokens = lora_llama(), token_batch()
     start, plan = copy.deepcopy(ref), tpplan.infer_plan(ref, tp_size=tp)
-    want = _train_step(ref, tokens)
+    want = train_step(ref, tokens)
     with simulated_ranks(tp) as mesh:
         model = own_replicas(tpplan.apply_plan(copy.deepcopy(start), mesh, plan), tp)
-        loss = _train_step(model, tokens)
+        loss = train_step(model, tokens)
         _assert_close(loss, want, "loss")
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         assert trained and all(".lora_" in n for n, _ in trained)
@@ -96,7 +103,7 @@ def test_a_training_step_matches_the_unsharded_peft_model(tp: int) -> None:
             _assert_close(p, after[name], f"{name} after the step")
 
 
-def _train_step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def train_step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     # SGD: a step linear in the gradient (Adam's first step would magnify ulp-level noise)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     logits = model(tokens).logits
@@ -120,6 +127,7 @@ def _comms(model: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
 
 
 # CommDebugMode's module hooks warn on outputs that are not tensors (a model output class)
+@pytest.mark.unit
 @pytest.mark.filterwarnings("ignore:For backward hooks to be called:UserWarning")
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 @pytest.mark.parametrize("tp", [2, 4])
@@ -136,6 +144,7 @@ def test_the_adapters_add_no_collective(tp: int) -> None:
     assert counts["lora"]  # the plan does split: something is communicated
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 def test_save_pretrained_of_the_full_state_dict_writes_the_unsplit_adapter(
     tp: int, tmp_path: Path
@@ -144,10 +153,10 @@ def test_save_pretrained_of_the_full_state_dict_writes_the_unsplit_adapter(
     loaded into a fresh unsharded PEFT model it gives the same weights and logits."""
     ref, tokens = lora_llama(), token_batch()
     start, plan = copy.deepcopy(ref), tpplan.infer_plan(ref, tp_size=tp)
-    _train_step(ref, tokens)
+    train_step(ref, tokens)
     with simulated_ranks(tp) as mesh:
         model = own_replicas(tpplan.apply_plan(copy.deepcopy(start), mesh, plan), tp)
-        _train_step(model, tokens)
+        train_step(model, tokens)
         full = tpplan.full_state_dict(model)
         model.save_pretrained(tmp_path, state_dict=full)
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()
@@ -162,6 +171,7 @@ def test_save_pretrained_of_the_full_state_dict_writes_the_unsplit_adapter(
         assert torch.allclose(loaded(tokens).logits, ref(tokens).logits, atol=TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("how", ["merge_and_unload", "merge_adapter"])
 def test_merging_the_sharded_adapters_gives_the_merged_unsharded_model(tp: int, how: str) -> None:
@@ -189,6 +199,7 @@ def _merged(model: PeftModel, how: str) -> Any:
     return model
 
 
+@pytest.mark.unit
 def test_sharded_weights_keep_the_unsharded_layout() -> None:
     """Split adapters are DTensors whose full tensor is the original; the whole ones too
     (Replicate), so that peft's merge and torch's state dicts see one kind of tensor."""
@@ -200,3 +211,48 @@ def test_sharded_weights_keep_the_unsharded_layout() -> None:
     assert set(kinds.values()) == {DTensor}
     for name, value in ref.state_dict().items():
         assert torch.equal(full[name], value), name
+
+
+@pytest.mark.unit
+def test_a_lora_variant_peft_computes_otherwise_is_traced_op_by_op() -> None:
+    """DoRA rescales the base's output by a norm of the merged weight: not the computation
+    tpplan knows, so the wrapper is followed op by op, its base kept whole with the reason,
+    and the sharded model still computes the unsharded one's numbers."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = LoraConfig(r=8, lora_alpha=16, use_dora=True, target_modules=TARGETS)
+        model = get_peft_model(tiny_llama(), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rules = expand_rules(plan, model)
+    bases = [n for n in rules if n.endswith(".base_layer")]
+    assert len(bases) == 2 * len(TARGETS)
+    assert all(rules[n].style == "replicate" and "kept whole" in rules[n].why for n in bases)
+    assert_parity(model, plan, 2, token_batch(), tol=TOL)
+
+
+# torchrun, two gloo processes that import torch, transformers and peft: ~15 s on 2 cores
+@pytest.mark.slow
+def test_the_readme_lora_snippet_runs_as_written(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Adapters (LoRA)\n", 1)[1].split("\n## ", 1)[0]
+    script = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "lora_tp.py").write_text(script)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [*command, "lora_tp.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=400,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "loss " in run.stdout
+    saved = load_file(tmp_path / "lora-adapter" / "adapter_model.safetensors")
+    shapes = {k.split("layers.0.", 1)[1]: tuple(v.shape) for k, v in saved.items() if "s.0." in k}
+    # the snippet's widths: hidden 64, MLP 128, 2 key/value heads of 16; r 8; unsplit
+    assert shapes["self_attn.k_proj.lora_B.weight"] == (32, 8)
+    assert shapes["mlp.up_proj.lora_B.weight"] == (128, 8)
+    assert shapes["mlp.down_proj.lora_A.weight"] == (8, 128)
+    assert len(shapes) == 2 * len(TARGETS)
