@@ -256,3 +256,26 @@ def test_the_readme_lora_snippet_runs_as_written(tmp_path: Path) -> None:
     assert shapes["mlp.up_proj.lora_B.weight"] == (128, 8)
     assert shapes["mlp.down_proj.lora_A.weight"] == (8, 128)
     assert len(shapes) == 2 * len(TARGETS)
+
+
+@pytest.mark.unit
+def test_check_names_an_adapter_split_unlike_its_base_layer() -> None:
+    """A hand edit keeping q_proj's lora_B and o_proj's lora_A whole beside their split bases:
+    one problem each (over every layer), naming the adapter and the style it needs."""
+    model = lora_llama()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    edited = ("q_proj.lora_B.default", "o_proj.lora_A.default")
+    rules = [
+        r.model_copy(update={"style": "replicate", "head_dim": None, "replicate_heads": None})
+        if r.match.endswith(edited)
+        else r
+        for r in plan.rules
+    ]
+    problems = tpplan.check_plan(plan.model_copy(update={"rules": rules}), model, tp_size=2)
+    assert [(p.kind, p.module.rsplit(".", 3)[-3]) for p in problems if p.module] == [
+        ("adapter", "q_proj"),
+        ("adapter", "o_proj"),
+    ], problems
+    assert "lora_B is replicate beside a colwise base_layer" in problems[0].message
+    assert problems[0].fix.startswith("make it colwise with the base's rule fields")
+    assert problems[1].fix.startswith("make it rowwise")

@@ -4,7 +4,8 @@ check/, and returns every problem at once. Start at `check_plan`.
 The steps, in the order their problems are reported:
 - rules.py: each rule on the modules it matches (no match, overlap, a style that does not
   fit the module, sizes tp does not divide via sizes.py), then across rules (a split inside
-  an experts module, a tied parameter split two ways);
+  an experts module, a tied parameter split two ways); adapters.py: a LoRA adapter split
+  unlike its base layer;
 - flow.py: regions, heads, widths, vocab-parallel lookups and divided attributes, by a
   trace of the model's data flow (structure.py where it cannot be traced);
 - attributes.py: the attribute fixes; fingerprint.py: the plan's model;
@@ -22,6 +23,7 @@ from torch import nn
 from ..errors import Problem
 from ..plan.patterns import collapse
 from ..plan.schema import Plan
+from .adapters import check_adapters
 from .attributes import check_attributes
 from .fingerprint import check_fingerprint
 from .flow import check_flow
@@ -53,6 +55,7 @@ def check_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> list[Problem]:
     problems = check_rules(plan, matches, modules, tp_size)
     problems += check_inside_experts(plan, matches.owner)
     problems += check_tied(plan, matches.owner, model)
+    problems += check_adapters(plan, matches.owner, model)
     # after the rules' own checks: the heads check by flow names no module whose sizes
     # already failed, so that one mistake is told once
     undivided = {p.module for p in problems if p.kind == "divisibility" and p.module}

@@ -111,7 +111,9 @@ def _as_plain(
     for name in (adapter.base, *adapter.a, *adapter.b):
         style = styles.get(name)
         if isinstance(style, SharedHeadsColwise):
-            heads = model.get_submodule(name).weight.shape[0] // style.head_dim
+            heads = (
+                int(model.get_submodule(name).get_parameter("weight").shape[0]) // style.head_dim
+            )
             if heads % tp == 0:
                 style = Colwise(input_layouts=style.input_layouts)
         if style is not None:

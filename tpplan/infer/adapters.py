@@ -18,77 +18,44 @@ from dataclasses import replace
 
 from torch import nn
 
-from .._runtime.adapters import lora_layers
+from .._runtime.adapters import adapter_style, lora_layers
 from .decision import Decision
 
 __all__ = ["decide_adapters"]
+
+# why each adapter is split or whole, by its base's style and which adapter it is
+_WHY = {
+    ("colwise", "a"): (
+        "LoRA adapter (r={r}) of a colwise base layer: it reads the base's whole input, and "
+        "its {r} features are lora_B's whole input; kept whole"
+    ),
+    ("colwise", "b"): (
+        "LoRA adapter (r={r}) of a colwise base layer: its output is added to the base's, so "
+        "it is split the same way and the sum stays split with no collective of its own (the "
+        "input's gradient is summed once, with the base's)"
+    ),
+    ("rowwise", "a"): (
+        "LoRA adapter (r={r}) of a rowwise base layer: contracts the same split input on its "
+        "input dim; its {r} partial sums are summed in the base's one all-reduce (r features "
+        "wider, no collective of its own)"
+    ),
+    ("rowwise", "b"): (
+        "LoRA adapter (r={r}) of a rowwise base layer: takes lora_A's {r} features once summed "
+        "(with the base's output, in one all-reduce); kept whole"
+    ),
+}
+_WHOLE = "LoRA adapter (r={r}) of a base layer kept whole: kept whole with it"
 
 
 def decide_adapters(model: nn.Module, decisions: dict[str, Decision]) -> None:
     """Give each adapter of each LoRA wrapper of `model` its base's split (module docstring)."""
     for adapter in lora_layers(model).values():
         base = decisions.get(adapter.base)
-        for name, r in zip(adapter.a, adapter.rank, strict=True):
-            decisions[name] = _decide_a(base, r)
-        for name, r in zip(adapter.b, adapter.rank, strict=True):
-            decisions[name] = _decide_b(base, r)
-
-
-def _kind(base: Decision | None) -> str | None:
-    """'colwise' or 'rowwise' where the base splits, None where it stays whole."""
-    if base is None or base.style not in ("colwise", "rowwise"):
-        return None
-    return base.style
-
-
-def _whole(r: int) -> Decision:
-    return Decision(
-        style="replicate",
-        why=f"LoRA adapter (r={r}) of a base layer kept whole: kept whole with it",
-    )
-
-
-def _decide_a(base: Decision | None, r: int) -> Decision:
-    kind = _kind(base)
-    if kind == "colwise":
-        return Decision(
-            style="replicate",
-            why=(
-                f"LoRA adapter (r={r}) of a colwise base layer: it reads the base's whole input, "
-                f"and its {r} features are lora_B's whole input; kept whole"
-            ),
-        )
-    if kind == "rowwise":
-        assert base is not None
-        return replace(
-            base,
-            why=(
-                f"LoRA adapter (r={r}) of a rowwise base layer: contracts the same split input on "
-                f"its input dim; its {r} partial sums are summed in the base's one all-reduce "
-                "(r features wider, no collective of its own)"
-            ),
-        )
-    return _whole(r)
-
-
-def _decide_b(base: Decision | None, r: int) -> Decision:
-    kind = _kind(base)
-    if kind == "colwise":
-        assert base is not None
-        return replace(
-            base,
-            why=(
-                f"LoRA adapter (r={r}) of a colwise base layer: its output is added to the base's, "
-                "so it is split the same way and the sum stays split with no collective of its "
-                "own (the input's gradient is summed once, with the base's)"
-            ),
-        )
-    if kind == "rowwise":
-        return Decision(
-            style="replicate",
-            why=(
-                f"LoRA adapter (r={r}) of a rowwise base layer: takes lora_A's {r} features once "
-                "summed (with the base's output, in one all-reduce); kept whole"
-            ),
-        )
-    return _whole(r)
+        kind = base.style if base is not None else "replicate"
+        for role, names in (("a", adapter.a), ("b", adapter.b)):
+            for name, r in zip(names, adapter.rank, strict=True):
+                why = _WHY.get((kind, role), _WHOLE).format(r=r)
+                if base is not None and adapter_style(kind, role) == kind != "replicate":
+                    decisions[name] = replace(base, why=why)  # split as its base is
+                else:
+                    decisions[name] = Decision(style="replicate", why=why)
