@@ -279,3 +279,23 @@ def test_check_names_an_adapter_split_unlike_its_base_layer() -> None:
     assert "lora_B is replicate beside a colwise base_layer" in problems[0].message
     assert problems[0].fix.startswith("make it colwise with the base's rule fields")
     assert problems[1].fix.startswith("make it rowwise")
+
+
+@pytest.mark.unit
+def test_fp32_adapters_beside_a_bf16_base_run_as_peft_runs_them() -> None:
+    """peft keeps adapters in fp32 beside a bf16 base (autocast_adapter_dtype): each is
+    computed in its own dtype, the collectives they share carry the wider one, and the
+    output is the base's dtype, as unsharded."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS)
+        model = get_peft_model(tiny_llama().to(torch.bfloat16), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    dtypes = {p.dtype for n, p in model.named_parameters() if ".lora_" in n}
+    assert dtypes == {torch.float32}
+    # bf16 keeps 8 bits of mantissa: O(1) logits summed in another order move by a few
+    # ulps (~1e-2); a wrong split of an adapter is off by O(0.1)
+    assert_parity(model, tpplan.infer_plan(model, tp_size=2), 2, token_batch(), tol=3e-2)

@@ -18,6 +18,7 @@ Start at `fuse_adapters`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,7 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from .._runtime.adapters import Adapter, lora_layers
 from .linear import Colwise
-from .local_run import _Gather, _local, _rank, _sum, copy_to_ranks, group_name
+from .local_run import _all_reduce, _Gather, _local, _rank, group_name
 from .shared_heads import SharedHeadsColwise
 
 __all__ = ["fuse_adapters", "fused_kind"]
@@ -158,33 +159,94 @@ def _forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     return _rowwise(self, run, x)
 
 
-def _colwise(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
-    base, adapters = self.base_layer, _adapters(self)
-    inner = [F.linear(drop(x), _local(a.weight)) for a, _, _, drop in adapters]  # (B, T, r)
-    if run.tp > 1 and torch.is_grad_enabled():
-        # one gradient all-reduce for x and every adapter's r features: (B, T, in + sum r)
-        joined = copy_to_ranks(torch.cat([x, *inner], dim=-1), run.group, run.tp)
-        x, *inner = joined.split([x.shape[-1], *(t.shape[-1] for t in inner)], dim=-1)
-    out = F.linear(x, _local(base.weight), _local(base.bias))  # (B, T, out / tp)
-    for t, (_, b, scaling, _) in zip(inner, adapters, strict=True):
+class _SumGradsTogether(torch.autograd.Function):
+    """Identity forward on several tensors; the backward sums all their gradients over the
+    tp ranks in one all-reduce (`_sum_together`)."""
+
+    @staticmethod
+    def forward(ctx: Any, group: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *_sum_together(list(grads), ctx.group))
+
+
+class _SumTogether(torch.autograd.Function):
+    """Several partial sums summed over the tp ranks in one all-reduce; their gradients (the
+    same on every rank, the sums being replicated) pass as they are."""
+
+    @staticmethod
+    def forward(ctx: Any, group: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(_sum_together(list(tensors), group))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *grads)
+
+
+def _sum_together(ts: list[torch.Tensor], group: str) -> list[torch.Tensor]:
+    """Each of `ts` summed over the tp ranks, in one all-reduce: joined on the last dim in
+    their widest dtype (peft may keep adapters in fp32 beside a bf16 base), cut apart, each
+    cast back to its own dtype."""
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in ts])
+    joined = _all_reduce(torch.cat([t.to(dtype) for t in ts], dim=-1), group)
+    pieces = joined.split([t.shape[-1] for t in ts], dim=-1)
+    return [piece.to(t.dtype) for piece, t in zip(pieces, ts, strict=True)]
+
+
+def _lora_inputs(self: Any, x: Any) -> list[Any]:
+    """Each active adapter's input, as peft's forward makes it: cast to lora_A's dtype, then
+    its dropout."""
+    return [drop(self._cast_input_dtype(x, a.weight.dtype)) for a, _, _, drop in _adapters(self)]
+
+
+def _add_adapters(self: Any, out: Any, inner: list[Any]) -> Any:
+    """peft's sum: the base's output plus each lora_B(inner) * scaling, in the base's dtype."""
+    dtype = out.dtype
+    for t, (_, b, scaling, _) in zip(inner, _adapters(self), strict=True):
         out = out + F.linear(t, _local(b.weight)) * scaling
+    return out.to(dtype)
+
+
+def _colwise(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
+    base = self.base_layer
+    inner = [
+        F.linear(t, _local(a.weight))  # (B, T, r), whole on every rank
+        for t, (a, _, _, _) in zip(_lora_inputs(self, x), _adapters(self), strict=True)
+    ]
+    if run.tp > 1 and torch.is_grad_enabled():
+        # x's gradient (from the base) and each r features' (from lora_B), all partial sums
+        # over the ranks' output shards: summed together in one all-reduce
+        needs = [i for i, t in enumerate([x, *inner]) if t.requires_grad]
+        passed = _SumGradsTogether.apply(run.group, *[[x, *inner][i] for i in needs])
+        both = dict(zip(needs, passed, strict=True))
+        x, inner = both.get(0, x), [both.get(i + 1, t) for i, t in enumerate(inner)]
+    out = F.linear(x, _local(base.weight), _local(base.bias))  # (B, T, out / tp)
+    out = _add_adapters(self, out, inner)
     if not run.gather or run.tp == 1:
         return out
     return _Gather.apply(out, run.group, run.rank, run.tp)
 
 
 def _rowwise(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
-    base, adapters = self.base_layer, _adapters(self)
+    base = self.base_layer
     partial = F.linear(x, _local(base.weight))  # (B, T, out), a partial sum
-    inner = [F.linear(drop(x), _local(a.weight)) for a, _, _, drop in adapters]  # (B, T, r)
+    inner = [
+        F.linear(t, _local(a.weight))  # (B, T, r), a partial sum
+        for t, (a, _, _, _) in zip(_lora_inputs(self, x), _adapters(self), strict=True)
+    ]
     if run.tp > 1:
         # one all-reduce for the base's output and every adapter's r features
-        joined = _sum(torch.cat([partial, *inner], dim=-1), run.group)
-        partial, *inner = joined.split([partial.shape[-1], *(t.shape[-1] for t in inner)], -1)
+        summed = (
+            _SumTogether.apply(run.group, partial, *inner)
+            if torch.is_grad_enabled()
+            else _sum_together([partial, *inner], run.group)
+        )
+        partial, *inner = summed
     out = partial if base.bias is None else partial + _local(base.bias)
-    for t, (_, b, scaling, _) in zip(inner, adapters, strict=True):
-        out = out + F.linear(t, _local(b.weight)) * scaling
-    return out
+    return _add_adapters(self, out, inner)
 
 
 def _on_dtensors(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
@@ -193,8 +255,10 @@ def _on_dtensors(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
     xd = DTensor.from_local(x, run.mesh, [layout], run_check=False)
     base = self.base_layer
     out: Any = F.linear(xd, base.weight, base.bias)
-    for a, b, scaling, drop in _adapters(self):
-        out = out + F.linear(F.linear(drop(xd), a.weight), b.weight) * scaling
+    dtype = out.dtype
+    for t, (a, b, scaling, _) in zip(_lora_inputs(self, xd), _adapters(self), strict=True):
+        out = out + F.linear(F.linear(t, a.weight), b.weight) * scaling
+    out = out.to(dtype)
     if run.kind == "rowwise" or run.gather:
         out = out.redistribute(run.mesh, [Replicate()])
     return out.to_local()
