@@ -299,3 +299,12 @@ def test_fp32_adapters_beside_a_bf16_base_run_as_peft_runs_them() -> None:
     # bf16 keeps 8 bits of mantissa: O(1) logits summed in another order move by a few
     # ulps (~1e-2); a wrong split of an adapter is off by O(0.1)
     assert_parity(model, tpplan.infer_plan(model, tp_size=2), 2, token_batch(), tol=3e-2)
+
+
+@pytest.mark.unit
+def test_sequence_parallel_with_adapters_is_refused_with_the_fix() -> None:
+    with pytest.raises(tpplan.TpplanError) as caught:
+        tpplan.infer_plan(lora_llama(), tp_size=2, sequence_parallel=True)
+    message = str(caught.value)
+    assert message.startswith("sequence_parallel is not supported with LoRA adapters yet: 14 ")
+    assert "Fix: infer without sequence_parallel" in message

@@ -19,9 +19,10 @@ from dataclasses import replace
 from torch import nn
 
 from .._runtime.adapters import adapter_style, lora_layers
+from ..errors import TpplanError
 from .decision import Decision
 
-__all__ = ["decide_adapters"]
+__all__ = ["AdapterError", "decide_adapters", "refuse_sequence_parallel"]
 
 # why each adapter is split or whole, by its base's style and which adapter it is
 _WHY = {
@@ -59,3 +60,20 @@ def decide_adapters(model: nn.Module, decisions: dict[str, Decision]) -> None:
                     decisions[name] = replace(base, why=why)  # split as its base is
                 else:
                     decisions[name] = Decision(style="replicate", why=why)
+
+
+class AdapterError(TpplanError, ValueError):
+    """A plan asked of a model with LoRA adapters that tpplan cannot give it."""
+
+
+def refuse_sequence_parallel(model: nn.Module) -> None:
+    """Sequence parallel is not fitted to LoRA wrappers (their adapters would need the
+    stream's layouts too): refused, naming a wrapper, rather than a plan that fails."""
+    adapters = lora_layers(model)
+    if adapters:
+        first = next(iter(adapters))
+        raise AdapterError(
+            f"sequence_parallel is not supported with LoRA adapters yet: {len(adapters)} peft "
+            f"LoRA layers (such as {first}). Fix: infer without sequence_parallel, or merge the "
+            "adapters into the model first (merge_and_unload)."
+        )
