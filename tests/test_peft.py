@@ -308,3 +308,44 @@ def test_sequence_parallel_with_adapters_is_refused_with_the_fix() -> None:
     message = str(caught.value)
     assert message.startswith("sequence_parallel is not supported with LoRA adapters yet: 14 ")
     assert "Fix: infer without sequence_parallel" in message
+
+
+def _two_adapters() -> PeftModel:
+    """lora_llama plus a second active adapter of r 4 on q_proj and down_proj."""
+    model = lora_llama()
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+        model.add_adapter("second", config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B.second" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(4))
+    model.base_model.set_adapter(["default", "second"])
+    return model
+
+
+@pytest.mark.unit
+@pytest.mark.filterwarnings("ignore:For backward hooks to be called:UserWarning")
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+def test_two_active_adapters_split_alike_and_share_the_base_collective() -> None:
+    model, tokens = _two_adapters(), token_batch()
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rules = _adapter_rules(model, plan)
+    second = {
+        ".".join(n.split(".")[-3:-1]): r.style for n, r in rules.items() if n.endswith("second")
+    }
+    assert second == {
+        "q_proj.lora_A": "replicate",
+        "q_proj.lora_B": "colwise",
+        "down_proj.lora_A": "rowwise",
+        "down_proj.lora_B": "replicate",
+    }
+    assert_parity(model, plan, 2, tokens, tol=TOL)
+    with fake_ranks(2) as mesh:
+        lora = _comms(tpplan.apply_plan(model, mesh, plan), tokens)
+    plain = tiny_llama()
+    with fake_ranks(2) as mesh:
+        assert lora == _comms(
+            tpplan.apply_plan(plain, mesh, tpplan.infer_plan(plain, tp_size=2)), tokens
+        )
