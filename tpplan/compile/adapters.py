@@ -5,11 +5,11 @@ distributes its parameters. Run child by child, the adapters would add a collect
 features each (lora_B colwise sums its input's gradient; lora_A rowwise sums its output).
 Where the plan splits the adapters as infer/adapters.py does, `fuse_adapters` gives the
 wrapper a forward of its own (peft's forward is a known computation, as nn.Linear's is) that
-folds them into the base's one collective:
-- colwise: `a = lora_A(x)` is whole; x and a pass one `_Copy` together (cat on the last dim),
-  so the backward sums the gradients of both in one all-reduce, in + r features wide;
+folds them into the base's one collective, made r features wider:
+- colwise: `a = lora_A(x)` is whole on every rank; the backward sums the gradients of x
+  (from the base) and of a (from lora_B's shard) in one all-reduce (`_SumGradsTogether`);
 - rowwise: the base's partial output and lora_A's partial r features are summed in one
-  all-reduce (cat, out + r features wide), then lora_B runs on the whole r features.
+  all-reduce (`_SumTogether`), then lora_B runs on the whole r features.
 The replicated adapter weights become Replicate DTensors, so that peft's merge
 (`base.weight += lora_B.weight @ lora_A.weight * scaling`) runs on DTensors shard by shard.
 With `local_shards=False` the wrapper computes the same on DTensors (the reference path).
@@ -55,14 +55,15 @@ def fuse_adapters(
     """Give each LoRA wrapper whose adapters are split as their base (`fused_kind`) the
     one-collective forward (module docstring); others run child by child."""
     for name, adapter in lora_layers(model).items():
-        kind = fused_kind(adapter, _as_plain(styles, model, adapter, mesh.size()))
+        own = _as_plain(styles, model, adapter, mesh.size())
+        kind = fused_kind(adapter, own)
         if kind is None:
             continue
         wrapper = model.get_submodule(name)
         for whole in adapter.a if kind == "colwise" else adapter.b:
             _replicate(model.get_submodule(whole), mesh)
-        base = _as_plain(styles, model, adapter, mesh.size())[adapter.base]
-        gather = kind == "colwise" and isinstance(base.output_layouts[0], Replicate)  # type: ignore[attr-defined]
+        layouts = own[adapter.base].output_layouts  # type: ignore[attr-defined]
+        gather = kind == "colwise" and isinstance(layouts[0], Replicate)
         wrapper._tpplan_fused = _Fused(  # type: ignore[assignment]
             kind=kind,
             mesh=mesh,

@@ -10,6 +10,7 @@ model's layer. Each adapter then follows its base, so that the wrapper's sum
 - base rowwise (its input features split): lora_A is split on its input dim as the base is
   (a partial sum of r features, summed in the base's one all-reduce), lora_B stays whole;
 - anything else: the adapters stay whole, as their base.
+Sequence parallel is not fitted to adapters: `refuse_sequence_parallel` says so up front.
 """
 
 from __future__ import annotations
