@@ -126,3 +126,17 @@ def test_launch_names_the_rank_that_failed() -> None:
         LaunchError, match=r"rank 1 of 2 failed: ValueError: rank 1 was told to fail"
     ):
         launch(fail_on_rank, nprocs=2, args=(1,))
+
+
+@pytest.mark.slow
+def test_a_lora_model_trains_saves_and_merges_on_gloo(tmp_path: Path) -> None:
+    """peft's LoRA Llama at tp 2 on real ranks: a training step, the adapter saved unsplit
+    and loaded back unsharded, and the merged model, each as the unsharded PEFT model's."""
+    run = torchrun(
+        HERE / "peft_ranks.py",
+        "--standalone",
+        "--nproc-per-node=2",
+        script_args=(str(tmp_path / "adapter"),),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _ranks(run.stdout, "/2 worst") == [0, 1], run.stdout

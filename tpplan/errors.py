@@ -63,6 +63,7 @@ ProblemKind = Literal[
     "lookup",
     "dry_run",
     "dtensor_region",
+    "adapter",
 ]
 
 

@@ -67,6 +67,9 @@ def example_inputs(
 ) -> dict[str, torch.Tensor]:
     """Keyword inputs for `model(**inputs)`: token ids, decoder ids, audio features or pixels,
     as the forward signature asks; InputsError when the model's inputs cannot be guessed."""
+    inner = _passed_on_to(model)
+    if inner is not None:
+        return example_inputs(inner, batch=batch, seq=seq, device=device, seed=seed)
     params = inspect.signature(model.forward).parameters
     config = _config(model)
     g = torch.Generator().manual_seed(seed)
@@ -123,6 +126,17 @@ def example_inputs(
             "pass example_inputs (a tensor, a tuple of them, or a dict of keyword inputs)."
         )
     return out
+
+
+def _passed_on_to(model: nn.Module) -> nn.Module | None:
+    """The one child a wrapper's forward of only `*args, **kwargs` hands its inputs to (peft's
+    PeftModel wraps the model so), where it has exactly one child; else None."""
+    params = inspect.signature(model.forward).parameters.values()
+    varargs = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    children = list(model.children())
+    if not params or any(p.kind not in varargs for p in params) or len(children) != 1:
+        return None
+    return children[0]
 
 
 # image sides tried for a first convolution, most common first; the first the forward runs

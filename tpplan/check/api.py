@@ -6,7 +6,8 @@ a trace of the model; every check, and apply_plan, then uses the completed plan
 (`complete_plan`). The steps, in the order their problems are reported:
 - rules.py: each rule on the modules it matches (no match, overlap, a style that does not
   fit the module, sizes tp does not divide via sizes.py), then across rules (a split inside
-  an experts module, a tied parameter split two ways);
+  an experts module, a tied parameter split two ways); adapters.py: a LoRA adapter split
+  unlike its base layer;
 - flow.py: regions, heads, widths, vocab-parallel lookups and divided attributes, by a
   trace of the model's data flow (structure.py where it cannot be traced);
 - attributes.py: the attribute fixes; fingerprint.py: the plan's model;
@@ -26,6 +27,7 @@ from torch import nn
 from ..errors import Problem, TpplanError
 from ..plan.patterns import collapse
 from ..plan.schema import Plan
+from .adapters import check_adapters
 from .attributes import check_attributes
 from .complete import complete_sizes
 from .fingerprint import check_fingerprint
@@ -82,6 +84,7 @@ def complete_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> tuple[Plan, 
     problems = check_rules(plan, matches, modules, tp_size)
     problems += check_inside_experts(plan, matches.owner)
     problems += check_tied(plan, matches.owner, model)
+    problems += check_adapters(plan, matches.owner, model)
     # after the rules' own checks: the heads check by flow names no module whose sizes
     # already failed, so that one mistake is told once
     undivided = {p.module for p in problems if p.kind == "divisibility" and p.module}

@@ -17,6 +17,7 @@ from .._runtime.facts import tied_groups
 from ..errors import TpplanError
 from ..plan.patterns import match_names, matches
 from ..plan.schema import AttributeRule, Plan
+from .adapters import fuse_adapters
 from .regions import hold_dtensors
 from .rules import plan_to_torch
 from .shared_heads import head_replicas
@@ -40,11 +41,14 @@ def shard_model(
     parallelize_module does with a dict of full names. `local_shards`: as `plan_to_torch`.
     """
     tied = tied_holders(model)
-    for name, style in plan_to_torch(plan, model, local_shards=local_shards).items():
+    styles = plan_to_torch(plan, model, local_shards=local_shards)
+    for name, style in styles.items():
         if on_module is not None:
             on_module(name)
         parallelize_module(model, mesh, {name: style})
     retie(tied)
+    # after every style: a LoRA wrapper's forward folds its adapters into its base's collective
+    fuse_adapters(model, mesh, styles, local_shards=local_shards)
     _divide_attributes(plan, model, mesh.size())
     names = [n for n, _ in model.named_modules()]
     for region in plan.regions:

@@ -16,6 +16,7 @@ from .._runtime.facts import fingerprint, parameter_shapes
 from ..plan.patterns import collapse
 from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
 from ..trace import Trace, trace_model
+from .adapters import decide_adapters, refuse_sequence_parallel
 from .attention import decide_attention
 from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
 from .context import Context, Decided
@@ -75,6 +76,8 @@ def infer_plan(
         isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1
     ):
         raise ValueError(f"tp_size must be a positive integer or None, got {tp_size!r}.")
+    if sequence_parallel:
+        refuse_sequence_parallel(model)
     asked = _Asked(
         tp=tp_size or 2,
         # A plan inferred for no particular tp size serves tp 2, 4 and 8 where its heads
@@ -169,6 +172,7 @@ def _decide(
     keep_inside_experts(out)  # overrides what the steps above decided inside experts
     if asked.sequence_parallel:
         apply_sequence_parallel(ctx, out)  # rewrites the decisions: it needs all of them
+    decide_adapters(model, out.decisions)  # last: each adapter follows its base's final rule
     return out.decisions, out.attributes
 
 

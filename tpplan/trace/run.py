@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils import _pytree as pytree
 
+from .._runtime.adapters import lora_layers
 from .._runtime.facts import pointwise_conv
 from .._runtime.inputs import example_inputs as _derived_inputs
 from .._runtime.local import outside_simulation
@@ -161,14 +162,16 @@ def _trace_pass(
     copy_.eval()
     params = {id(p): n for n, p in copy_.named_parameters(remove_duplicate=False)}
     st = Trackers.start(trace, params, kept_whole=kept)
-    _find_linears(copy_, fake, trace)
+    wrappers = _find_linears(copy_, fake, trace)
     # after the probes: reads made by a probe's forward are no evidence of the traced one
     watch_reads(copy_, st)
     watch_lookup_places(copy_, st)
     _hook_experts(copy_, st)  # before `track_frames`: see `hook_experts`
     for name, m in copy_.named_modules():
         track_frames(st, name, m)
-        if name in trace.layers.linears or isinstance(m, nn.Embedding):
+        if name in wrappers:
+            hook_layer(st, wrappers[name], m)  # the adapter's wrapper, as its base layer
+        elif name in trace.layers.linears or isinstance(m, nn.Embedding):
             hook_layer(st, name, m)
         elif isinstance(m, nn.MultiheadAttention) and plain_forward(m, nn.MultiheadAttention):
             hook_attention(st, name, m)
@@ -198,11 +201,19 @@ def _trace_pass(
     return trace
 
 
-def _find_linears(copy_: nn.Module, fake: FakeTensorMode, trace: Trace) -> None:
+def _find_linears(copy_: nn.Module, fake: FakeTensorMode, trace: Trace) -> dict[str, str]:
     """The linear layers of the copy (`LayerFacts.linears`): nn.Linear modules that run its
     own forward, 1x1 convolutions (over dim 1, `LayerFacts.channels`), and any other module
-    that computes one of its own 2-D weight."""
+    that computes one of its own 2-D weight. A LoRA wrapper (_runtime/adapters.py) computes
+    a linear layer of its base's features, adapters included: it is one layer, named as its
+    base, and its adapters are not layers of their own. Returns {wrapper: its base's name}."""
+    adapters = lora_layers(copy_)
+    for adapter in adapters.values():
+        base: Any = copy_.get_submodule(adapter.base)  # an nn.Linear (adapters.unsupported)
+        trace.layers.linears[adapter.base] = (base.in_features, base.out_features, False)
     for name, m in copy_.named_modules():
+        if under(name, adapters):
+            continue
         if isinstance(m, nn.Linear) and plain_forward(m, nn.Linear):
             trace.layers.linears[name] = (m.in_features, m.out_features, False)
         elif isinstance(m, nn.modules.conv._ConvNd) and pointwise_conv(m):
@@ -216,6 +227,7 @@ def _find_linears(copy_: nn.Module, fake: FakeTensorMode, trace: Trace) -> None:
                 rows, cols = m.weight.shape
                 linears = trace.layers.linears
                 linears[name] = (rows, cols, True) if stored_in_out else (cols, rows, False)
+    return {name: adapter.base for name, adapter in adapters.items()}
 
 
 def _hook_experts(copy_: nn.Module, st: Trackers) -> None:
