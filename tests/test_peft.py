@@ -157,8 +157,11 @@ def test_save_pretrained_of_the_full_state_dict_writes_the_unsplit_adapter(
     with simulated_ranks(tp) as mesh:
         model = own_replicas(tpplan.apply_plan(copy.deepcopy(start), mesh, plan), tp)
         train_step(model, tokens)
-        full = tpplan.full_state_dict(model)
+        full = tpplan.full_state_dict(model, trainable_only=True)
         model.save_pretrained(tmp_path, state_dict=full)
+    # only the adapter was gathered, not the frozen base
+    assert set(full) == {n for n, p in ref.named_parameters() if p.requires_grad}
+    assert all(".lora_" in n for n in full)
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()
     got, first = loaded.state_dict(), start.state_dict()
     trained = {k: v for k, v in ref.state_dict().items() if ".lora_" in k}

@@ -46,16 +46,23 @@ Entries = list[tuple[str, torch.dtype, tuple[int, ...]]]
 """Tensors of a file to write, in order: (name, dtype, shape)."""
 
 
-def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: nn.Module, *, rank0_only: bool = False, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The state dict the unsharded model would have: original names, full shapes, plain tensors.
 
     Call it on every rank: each sharded tensor is gathered with one collective, in the same
     order everywhere. With `rank0_only`, ranks other than 0 drop each gathered tensor at
-    once and get an empty dict, so only rank 0 ends up holding the whole model.
+    once and get an empty dict, so only rank 0 ends up holding the whole model. With
+    `trainable_only`, only parameters that require grad are gathered (a LoRA adapter beside
+    its frozen base: `peft_model.save_pretrained(folder, state_dict=...)`), never the base.
     """
     keep = not rank0_only or rank() == 0
+    wanted = {n for n, p in model.named_parameters() if p.requires_grad} if trainable_only else None
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
+        if wanted is not None and name not in wanted:
+            continue
         whole = _gather(t)
         if keep:
             out[name] = whole
