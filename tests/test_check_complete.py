@@ -50,21 +50,11 @@ def test_a_wrong_head_dim_is_one_problem_per_rule(tiny: nn.Module) -> None:
     plan = Plan(
         rules=[r.model_copy(update={"head_dim": 8}) if r.head_dim is not None else r for r in SOUND]
     )
-    assert _said(plan, tiny, tp=4) == [
-        (
-            "head_dim",
-            "rules[1] (match: attn.[qkv]), module attn.q, attn.k, attn.v: the rule states "
-            "head_dim 8, but the model's head_dim is 4 (it views its 16 output features as 4 "
-            "heads of 4). Fix: set head_dim: 4 in the rule, or infer the plan again for this "
-            "model (`tpplan infer`).",
-        ),
-        (
-            "head_dim",
-            "rules[2] (match: attn.o), module attn.o: the rule states head_dim 8, but the "
-            "model's head_dim is 4 (its 16 input features arrive as 4 heads of 4). Fix: set "
-            "head_dim: 4 in the rule, or infer the plan again for this model (`tpplan infer`).",
-        ),
-    ]
+    said = _said(plan, tiny, tp=4)
+    # the messages test_check_messages pins at tp 2, one per rule, and nothing more at tp 4,
+    # where heads of 8 would not divide and the attribute checks would complain too
+    assert [kind for kind, _ in said] == ["head_dim", "head_dim"]
+    assert said == _said(plan, tiny, tp=2)
 
 
 def test_a_true_problem_after_a_completed_size_is_still_told(tiny: nn.Module) -> None:

@@ -184,13 +184,21 @@ def test_the_tour_runs_as_written(tmp_path: Path) -> None:
     # step 5, the script as written, under the torchrun command the README gives
     script, command = _tour_script()
     (tmp_path / "apply_gpt2.py").write_text(script)
+    run = _torchrun_as_written(command, tmp_path, env)
+    assert "logits (1, 3, 50257)" in run.stdout
+
+
+def _torchrun_as_written(
+    command: str, cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """A README's `torchrun ...` command, run by this Python's torch; it must exit 0."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     run = subprocess.run(
-        torchrun + command.split()[1:], cwd=tmp_path, env=env, capture_output=True, text=True,
+        torchrun + command.split()[1:], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
-    assert "logits (1, 3, 50257)" in run.stdout
+    return run
 
 
 def _first_example() -> tuple[str, str, str]:
@@ -224,12 +232,7 @@ def test_the_first_example_runs_as_written(tmp_path: Path) -> None:
     check = "\nq = model.model.layers[0].self_attn.q_proj.weight\nprint(type(q).__name__, tuple(q.to_local().shape))\n"
     (tmp_path / name).write_text(script + check)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    run = subprocess.run(
-        torchrun + command.split()[1:], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
+    run = _torchrun_as_written(command, tmp_path, env)
     assert run.stdout.count("DTensor (32, 64)") == 2, run.stdout
 
 
