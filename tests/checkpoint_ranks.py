@@ -3,9 +3,9 @@
 `save FOLDER` (tp 2): shard the seeded tiny Llama, check full_state_dict against the unsharded
 state dict, then write FOLDER/dcp (sharded=True) and FOLDER/safetensors (sharded=False).
 `load FOLDER` (any tp): build the model on the meta device, shard, materialize, load each of
-the two and compare logits with the unsharded model. `fused-*` and `shared-*` do the same for
-GPT-2's fused q|k|v and for key/value heads shared past their count. Each rank prints one
-line the test counts.
+the two, then load each again in one call (from_pretrained); compare logits with the
+unsharded model. `fused-*` and `shared-*` do the same for GPT-2's fused q|k|v and for
+key/value heads shared past their count. Each rank prints one line the test counts.
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ def load(folder: Path, rank: int, world: int) -> float:
         model = tpplan.apply_plan(tiny_llama(device="meta"), mesh, PLAN)
         model.to_empty(device="cpu")
         load_checkpoint(model, folder / fmt)
+        # the same folder in one call: save_checkpoint wrote the config it builds from
+        loaded = tpplan.from_pretrained(folder / fmt, mesh, plan=PLAN)
         with torch.no_grad():
-            worst = max(worst, (model(x).logits - want).abs().max().item())
+            for m in (model, loaded):
+                worst = max(worst, (m(x).logits - want).abs().max().item())
     return worst
 
 

@@ -259,7 +259,8 @@ def test_progress_is_shown_on_a_terminal_only(
 
 @pytest.mark.slow
 def test_real_ranks_save_at_tp2_and_load_at_tp4_and_tp1(tmp_path: Path) -> None:
-    """Both formats: gloo ranks save at tp 2 and load at tp 4 (meta-built), then tp 1 here."""
+    """Both formats: gloo ranks save at tp 2 and load at tp 4 (meta-built, and again by
+    from_pretrained, which builds from the config the save wrote), then tp 1 here."""
     for mode, nproc in (("save", 2), ("load", 4)):
         run = _torchrun(nproc, mode, str(tmp_path))
         assert run.returncode == 0, run.stdout + run.stderr
