@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
+from tpplan._runtime.ranks import agree_on_failure, barrier, cause, rank, simulated
 from tpplan.checkpoint import CheckpointError
 from tpplan.checkpoint.buffers import recompute_buffers
 from tpplan.checkpoint.keys import count, match_keys, names, shape_text
 from tpplan.checkpoint.progress import Progress
-from tpplan.checkpoint.ranks import agree_on_failure, barrier, cause, rank, simulated
 from tpplan.checkpoint.save import DEFAULT_MAX_FILE_BYTES, split_into_files
 
 pytestmark = pytest.mark.unit

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "CheckpointError",
     "MeshError",
     "ModelError",
     "PlanFileError",
@@ -24,6 +25,10 @@ __all__ = [
 
 class TpplanError(Exception):
     """Base of every error caused by user input; its message is meant to be read as is."""
+
+
+class CheckpointError(TpplanError, ValueError):
+    """A checkpoint that cannot be saved or loaded as asked; nothing was loaded into the model."""
 
 
 class PlanFileError(TpplanError, ValueError):

@@ -25,11 +25,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._runtime.ranks import cause
 from .._runtime.tree import local_bytes
 from ..compile.strided import teach_checkpoint_chunks
 from .keys import match_keys
 from .progress import Progress
-from .ranks import cause
 from .safetensors_io import CheckpointError
 
 __all__ = ["CHUNK_BYTES", "dcp_state", "load_dcp", "save_dcp"]

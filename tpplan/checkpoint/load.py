@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._runtime.ranks import each_rank, simulated
 from ..compile.shard import retie, tied_holders
 from ..compile.strided import local_runs
 from .buffers import recompute_buffers
@@ -34,7 +35,6 @@ from .dcp import load_dcp
 from .folder import readable_folder
 from .keys import match_keys
 from .progress import Progress
-from .ranks import each_rank, simulated
 from .safetensors_io import (
     CheckpointError,
     index_folder,

@@ -15,7 +15,7 @@ from typing import Any
 
 from huggingface_hub.utils import tqdm
 
-from .ranks import rank
+from .._runtime.ranks import rank
 
 __all__ = ["Progress"]
 

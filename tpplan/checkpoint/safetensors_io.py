@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import TpplanError
+from ..errors import CheckpointError
 
 __all__ = [
     "INDEX_NAME",
@@ -61,10 +61,6 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 
 
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
-
-
-class CheckpointError(TpplanError, ValueError):
-    """A checkpoint that cannot be saved or loaded as asked; nothing was loaded into the model."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Saving a sharded model: gathered whole (safetensors) or each rank its own shards (DCP).
 
-Start at `save_checkpoint`, then `full_state_dict`. A safetensors save (`sharded=False`) is
+Start at `save_checkpoint`. `full_state_dict` is tpplan/_runtime/gather.py's, exported
+here too, since apply/ gathers with it as well. A safetensors save (`sharded=False`) is
 what the unsharded world reads, for a Hugging Face model a folder `from_pretrained` loads:
 rank 0 writes it tensor by tensor while every rank takes part in gathering each tensor, so
 no rank holds the whole model. A DCP save (`sharded=True`) is tpplan/checkpoint/dcp.py.
@@ -8,7 +9,7 @@ no rank holds the whole model. A DCP save (`sharded=True`) is tpplan/checkpoint/
 Both are written whole to a staging folder inside the target, then replace only the files a
 save writes (tpplan/checkpoint/folder.py): a crash mid-save leaves a complete checkpoint, and
 the folder's other files (tokenizer, README) are never touched. Every step that can fail on
-one rank is followed by `agree_on_failure` (tpplan/checkpoint/ranks.py), so all ranks raise
+one rank is followed by `agree_on_failure` (tpplan/_runtime/ranks.py), so all ranks raise
 together and none hangs.
 """
 
@@ -22,7 +23,9 @@ import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 from torch import nn
 
-from .._runtime.local import outside_simulation, rank_values
+from .._runtime.gather import full_state_dict, whole_tensor
+from .._runtime.local import outside_simulation
+from .._runtime.ranks import agree_on_failure, barrier, cause, rank, simulated
 from .dcp import save_dcp
 from .folder import (
     STAGE,
@@ -33,7 +36,6 @@ from .folder import (
     readable_folder,
     replace_files,
 )
-from .ranks import agree_on_failure, barrier, cause, rank, simulated
 from .safetensors_io import INDEX_NAME, CheckpointError, StreamingWriter
 
 __all__ = ["DEFAULT_MAX_FILE_BYTES", "full_state_dict", "save_checkpoint", "split_into_files"]
@@ -44,35 +46,6 @@ DEFAULT_MAX_FILE_BYTES = (
 
 Entries = list[tuple[str, torch.dtype, tuple[int, ...]]]
 """Tensors of a file to write, in order: (name, dtype, shape)."""
-
-
-def full_state_dict(
-    model: nn.Module, *, rank0_only: bool = False, trainable_only: bool = False
-) -> dict[str, torch.Tensor]:
-    """The state dict the unsharded model would have: original names, full shapes, plain tensors.
-
-    Call it on every rank: each sharded tensor is gathered with one collective, in the same
-    order everywhere. With `rank0_only`, ranks other than 0 drop each gathered tensor at
-    once and get an empty dict, so only rank 0 ends up holding the whole model. With
-    `trainable_only`, only parameters that require grad are gathered (a LoRA adapter beside
-    its frozen base: `peft_model.save_pretrained(folder, state_dict=...)`), never the base.
-    """
-    keep = not rank0_only or rank() == 0
-    wanted = {n for n, p in model.named_parameters() if p.requires_grad} if trainable_only else None
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if wanted is not None and name not in wanted:
-            continue
-        whole = _gather(t)
-        if keep:
-            out[name] = whole
-    return out
-
-
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor as a plain tensor (a collective for a DTensor). Under simulated ranks
-    every rank's copy is equal after the gather; rank 0's stands for them."""
-    return rank_values(t)[0].detach()
 
 
 def save_checkpoint(
@@ -186,7 +159,7 @@ def _save_safetensors(
             except Exception as e:
                 failure = e
         for name, _, _ in entries:
-            whole = _gather(sd[name])
+            whole = whole_tensor(sd[name])
             if writer is None:
                 continue
             try:

@@ -1,11 +1,11 @@
-"""Ranks, real and simulated, as checkpoint code meets them: which rank this is, each rank's
-local tensor, a barrier, and agreeing on failure so that no rank hangs.
+"""Ranks, real and simulated, as code that saves and loads meets them: which rank this is,
+each rank's local tensor, a barrier, and agreeing on failure so that no rank hangs.
 
 Start at `agree_on_failure`: every step of a save that can fail on one rank is followed by
 it, so all ranks raise together and none waits in a collective another rank never reaches.
 The simulation is torch's private LocalTensorMode (see tpplan/_runtime/local.py); `simulated`
-and `each_rank` are the only checkpoint code that knows about it. Under simulated ranks the
-collectives here are skipped: every rank runs in this one process, in step.
+and `each_rank` are the only saving and loading code that knows about it. Under simulated
+ranks the collectives here are skipped: every rank runs in this one process, in step.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._runtime.local import outside_simulation
-from .safetensors_io import CheckpointError
+from ..errors import CheckpointError
+from .local import outside_simulation
 
 __all__ = ["agree_on_failure", "barrier", "cause", "each_rank", "rank", "simulated"]
 
