@@ -1,5 +1,6 @@
 """A torchrun (or tpplan.launch) rank for tests/test_pretrained.py: from_pretrained with the
-default mesh, then logits and gradients against the unsharded model loaded by transformers."""
+default mesh, then logits and gradients against the unsharded model loaded by transformers,
+then save_pretrained, whose folder transformers loads as the unsharded model's weights."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def check_rank(folder: str) -> str:
         if name.endswith("down_proj.weight") or name.endswith("o_proj.weight"):
             assert p.to_local().shape[1] == q.shape[1] // world, name
         assert torch.allclose(grad, q.grad, atol=TOL), name
+    # save_pretrained on every rank: the split weights gathered, rank 0 writes, all return
+    # once the folder is whole
+    saved = f"{folder}-saved-tp{world}"
+    model.save_pretrained(saved)
+    again = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), f"saved {name}"
     return f"{rank}/{world} matches"
 
 

@@ -20,6 +20,7 @@ from ..errors import MeshError, ModelError, PlanProblemsError
 from ..plan.load import load_plan
 from ..plan.schema import Plan
 from .guard import guard_inputs, wants_guard
+from .saving import gather_on_save
 
 __all__ = ["apply_plan", "resolve_plan", "tp_mesh"]
 
@@ -93,7 +94,8 @@ def apply_plan(
     left untouched. Sizes the plan's rules leave out (head_dim, fused parts, as the shipped
     plans do) are read from the model; `model._tpplan_plan` keeps the plan completed with
     them. Works on models on the meta device (materialize or load weights after)
-    as well as on CPU/CUDA.
+    as well as on CPU/CUDA. A Hugging Face model's (or peft model's) `save_pretrained`,
+    called on every rank, then writes the unsharded model's files (apply/saving.py).
 
     `check_inputs` (default: the TPPLAN_CHECK_INPUTS environment variable) makes every
     forward verify that the model's tensor inputs are identical on all tp ranks, raising
@@ -124,6 +126,7 @@ def apply_plan(
             stacklevel=2,
         )
     shard_model(model, mesh, plan, local_shards=local_shards)
+    gather_on_save(model)  # save_pretrained writes the unsharded model's tensors
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
