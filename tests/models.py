@@ -16,8 +16,10 @@ def tiny_llama(
     vocab: int = 128,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    tied: bool = False,
 ) -> LlamaForCausalLM:
-    """head_dim 8 whatever the width, so the plans under tests/plans fit every variant."""
+    """head_dim 8 whatever the width, so the plans under tests/plans fit every variant;
+    `tied`: the head is the token embedding."""
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -27,7 +29,7 @@ def tiny_llama(
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     with torch.device(device):
         torch.manual_seed(seed)

@@ -34,9 +34,9 @@ def check_rank(folder: str) -> str:
     # once the folder is whole
     saved = f"{folder}-saved-tp{world}"
     model.save_pretrained(saved)
-    again = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    again = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
     for name, value in ref.state_dict().items():
-        assert torch.equal(again.state_dict()[name], value), f"saved {name}"
+        assert torch.equal(again[name], value), f"saved {name}"
     return f"{rank}/{world} matches"
 
 

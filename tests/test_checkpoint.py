@@ -151,21 +151,13 @@ def test_a_tp2_safetensors_save_loads_at_any_tp(saved_at_tp2: Path, tp: int) -> 
         assert _worst(model(x).logits, want) <= TOL
 
 
-def _tied_llama(device: str = "cpu") -> LlamaForCausalLM:
-    config = tiny_llama(device="meta").config
-    config.tie_word_embeddings = True
-    with torch.device(device):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config).eval()
-
-
 def _saved_tied(folder: Path) -> tuple[LlamaForCausalLM, torch.Tensor, torch.Tensor]:
     """A tied model saved by save_pretrained to `folder`: (the same model on meta, input
     ids, the saved model's logits for them)."""
-    ref = _tied_llama()
+    ref = tiny_llama(tied=True)
     ref.save_pretrained(folder)
     x = token_batch()
-    return _tied_llama("meta"), x, ref(x).logits
+    return tiny_llama(tied=True, device="meta"), x, ref(x).logits
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -24,11 +24,7 @@ HERE = Path(__file__).parent
 
 def _saved(folder: Path, *, tied: bool = False, dtype: torch.dtype = torch.float32) -> Path:
     """A tiny grouped-query Llama saved by save_pretrained (safetensors and config.json)."""
-    model = tiny_llama()
-    if tied:
-        model.config.tie_word_embeddings = True
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(model.config).eval()
+    model = tiny_llama(tied=tied)
     model.generation_config.max_new_tokens = 7  # a setting of the folder's own to find again
     model.to(dtype).save_pretrained(folder)
     return folder

@@ -35,13 +35,6 @@ def _files(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tied_llama() -> LlamaForCausalLM:
-    model = tiny_llama()
-    model.config.tie_word_embeddings = True
-    torch.manual_seed(0)
-    return LlamaForCausalLM(model.config).eval()
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_a_sharded_model_saves_the_unsharded_model_s_files(
@@ -49,7 +42,7 @@ def test_a_sharded_model_saves_the_unsharded_model_s_files(
 ) -> None:
     """The same tensor names (a tied head left out as transformers leaves it out), the same
     values, and transformers loads the folder into the unsharded model's logits."""
-    ref = _tied_llama() if tied else tiny_llama()
+    ref = tiny_llama(tied=tied)
     ref.save_pretrained(tmp_path / "unsharded")
     with simulated_ranks(tp) as mesh:
         model = tpplan.apply_plan(copy.deepcopy(ref), mesh)
