@@ -1,7 +1,7 @@
 """Run by torchrun from test_processes.py: real gloo ranks shard a LoRA Llama (peft) with its
 inferred plan, train one step beside the unsharded PEFT model, save the adapter unsplit
-(save_pretrained on every rank, rank 0 writes) and load it back unsharded, then merge. Each rank prints its
-worst difference; argv[1] is a folder for the adapter."""
+(save_pretrained on every rank, rank 0 writes) and load it back unsharded, then merge. Each
+rank prints its worst difference; argv[1] is a folder for the adapter."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Whole tensors of a sharded model, as the unsharded model holds them.
 
 `full_state_dict` is the state dict the unsharded model would have; `gather_named` the same
-for chosen names of a state dict, `whole_tensor` for one tensor. Both are called on every rank: each split tensor is one
-collective, in the state dict's order everywhere. Below apply/ and checkpoint/, which both
+for chosen names of a state dict, `whole_tensor` for one tensor. Each is called on every
+rank: each split tensor is one collective, in the state dict's order everywhere. Below apply/ and checkpoint/, which both
 save whole tensors (apply/saving.py for `save_pretrained`, checkpoint/save.py).
 """
 

@@ -48,16 +48,16 @@ def save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: 
     given = _argument(call, "state_dict")
     state = given if given is not None else self.state_dict(keep_vars=True)
     names = _saved_names(self, call, state) if _is_peft_model(self) else list(state)
+    first = rank() == 0
     # rank 0 alone writes, so it alone keeps what was gathered; the others hand the save
     # the plain tensors only, which it reads but does not write
     tensors = [n for n in names if isinstance(state[n], torch.Tensor)]
     whole = gather_named(state, tensors, rank0_only=True)
-    if rank() != 0:
+    if not first:
         whole = {n: state[n].detach() for n in tensors if not isinstance(state[n], DTensor)}
     whole.update({n: state[n] for n in names if n not in tensors})  # (peft keeps some strings)
-    writes = _argument(call, "is_main_process", True) and rank() == 0
     _set_argument(call, "state_dict", whole)
-    _set_argument(call, "is_main_process", writes)
+    _set_argument(call, "is_main_process", first and _argument(call, "is_main_process", True))
     failure: BaseException | None = None
     try:
         out = own(*call.args, **call.kwargs)

@@ -1,7 +1,7 @@
 """Saving a sharded model: gathered whole (safetensors) or each rank its own shards (DCP).
 
 Start at `save_checkpoint`. `full_state_dict` is tpplan/_runtime/gather.py's, exported
-here too, since apply/ gathers with it as well. A safetensors save (`sharded=False`) is
+here too: apply/saving.py gathers with the same module. A safetensors save (`sharded=False`) is
 what the unsharded world reads, for a Hugging Face model a folder `from_pretrained` loads:
 rank 0 writes it tensor by tensor while every rank takes part in gathering each tensor, so
 no rank holds the whole model. A DCP save (`sharded=True`) is tpplan/checkpoint/dcp.py.
