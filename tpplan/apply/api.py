@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..check import complete_plan, splits_nothing
+from ..check.run import prove_local_regions
 from ..compile.shard import shard_model
 from ..errors import MeshError, ModelError, PlanProblemsError
 from ..plan.load import load_plan
@@ -104,8 +105,9 @@ def apply_plan(
     `local_shards` (default True): colwise, rowwise and vocab-parallel layers whose sizes the
     plan makes local run on their local shards and call their collectives directly, which
     saves DTensor's dispatch on every call; their parameters stay DTensors either way.
-    False runs every split layer on DTensors (the reference path). Layers inside DTensor
-    regions run on DTensors on both paths (`torch.compile` removes their dispatch cost).
+    False runs every split layer on DTensors (the reference path). A DTensor region (attention
+    whose local sizes the tracer could not prove) runs on local shards too where a proof on
+    fake ranks shows how (compile/local_regions.py); with False, on DTensors.
     """
     _check_unsharded(model)
     mesh = tp_mesh(mesh)
@@ -125,7 +127,9 @@ def apply_plan(
             UserWarning,
             stacklevel=2,
         )
-    shard_model(model, mesh, plan, local_shards=local_shards)
+    # a region runs on local shards where its proof on fake ranks shows how (else DTensors)
+    notes = prove_local_regions(plan, model, tp_size=tp_size) if local_shards else None
+    shard_model(model, mesh, plan, local_shards=local_shards, notes=notes)
     gather_on_save(model)  # save_pretrained writes the unsharded model's tensors
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from .._runtime.inputs import example_inputs
 from .._runtime.local import outside_simulation, solo_fake_mesh
 from .._runtime.tree import tensor_leaves
+from ..compile.local_regions import RegionNotes
 from ..compile.shard import shard_model
 from ..errors import Problem, TpplanError
 from ..plan.schema import Plan
@@ -39,7 +40,14 @@ from ..trace import quiet_fake_tensor_log, repeated_blocks
 from .blame import Failure, MetaKernels, Watch, failure_problem
 from .shared import rules_by_module
 
-__all__ = ["Inside", "collectives_inside", "meta_copy", "region_inputs", "run_plan"]
+__all__ = [
+    "Inside",
+    "collectives_inside",
+    "meta_copy",
+    "prove_local_regions",
+    "region_inputs",
+    "run_plan",
+]
 
 
 def meta_copy(
@@ -159,6 +167,34 @@ def _shortened(plan: Plan, model: nn.Module) -> dict[int, int]:
     return cut
 
 
+def prove_local_regions(plan: Plan, model: nn.Module, *, tp_size: int) -> dict[type, RegionNotes]:
+    """{region module class: what running it on local shards needs, or why it cannot}: the
+    plan applied to a meta copy on `tp_size` fake ranks, its regions on DTensors noted call
+    by call (compile/local_regions.py). The forward fills a KV cache where the model keeps
+    one, so that the cache's own code is proven too; where that run fails, one without.
+    Empty where no run can be set up (the regions then stay on DTensors)."""
+    if not plan.regions or tp_size == 1:
+        return {}
+    with outside_simulation(), quiet_fake_tensor_log(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            inputs = _inputs(model, tp_size)
+        except _CannotRun:
+            return {}
+        # made-up inputs of a hand-written module come on the CPU; the copy is on meta
+        inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        cached = {k: v for k, v in inputs.items() if k != "use_cache"}
+        cut = _shortened(plan, model)
+        for given in [cached, inputs] if "use_cache" in inputs else [inputs]:
+            notes: dict[type, RegionNotes] = {}
+            try:
+                if _run_sharded(plan, model, tp_size, given, cut, record=notes) is None:
+                    return notes
+            except _CannotRun:
+                return {}
+    return {}
+
+
 def _inputs(model: nn.Module, tp: int) -> dict[str, Any]:
     """The tracer's batch of 2, with a sequence a multiple of tp (sequence-parallel layers
     split it evenly), on the meta device."""
@@ -194,6 +230,7 @@ def _run_sharded(
     *,
     args: tuple[Any, ...] = (),
     counting: Any = None,
+    record: dict[type, RegionNotes] | None = None,
 ) -> Failure | None:
     # Fake tensors rather than bare meta ones: models skip value checks on them (Hugging
     # Face's mask code asks `.all()` of position ids otherwise), as they do for the tracer.
@@ -209,7 +246,7 @@ def _run_sharded(
         stack.enter_context(fake)
         applying = [""]
         try:
-            shard_model(copy_, mesh, plan, on_module=applying.append)
+            shard_model(copy_, mesh, plan, on_module=applying.append, record=record)
         except Exception as e:
             return Failure("applying the plan", applying[-1], [(applying[-1], "in")], e)
         watch = Watch(copy_)

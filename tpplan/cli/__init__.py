@@ -389,8 +389,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             print(f"  {phase:<9} {kind:<24} {v['count']:>6} {v['bytes'] / mib:>13.2f}")
     local = [m for m, how in stats.execution.items() if how == "local shards"]
     print(f"split layers on local shards: {', '.join(local) or 'none'}")
+    regions = [m for m, how in stats.execution.items() if how == "region on local shards"]
+    if regions:
+        print(f"regions on local shards: {', '.join(regions)}")
     for pattern, how in stats.execution.items():
-        if how != "local shards":
+        if how.startswith("DTensor: "):
             print(f"  on DTensors: {pattern}: {how.removeprefix('DTensor: ')}")
     return 0
 

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .dtensor_ops import teach_dtensor
+from .local_regions import Recorder, RegionNotes, note_outputs
 
 __all__ = ["hold_dtensors"]
 
@@ -405,24 +406,63 @@ def _plain(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0
 
 
-def hold_dtensors(module: nn.Module) -> None:
-    """Let `module`'s forward mix DTensors with whole plain tensors; idempotent."""
+def hold_dtensors(module: nn.Module, *, notes: RegionNotes | None = None, mesh: Any = None) -> None:
+    """Let `module`'s forward mix DTensors with whole plain tensors; idempotent. With
+    `notes` (the proof run of check/run.py, on the fake `mesh`), a `Recorder` notes what
+    each call of the module's own code would do on local shards (local_regions.py)."""
     teach_dtensor()
     if getattr(module, _HOOKED, False):
         return
     # modes entered by this module's pre-hook, left by its hook (a list in the closures,
     # not on the module, so a deepcopy of the module holds no live mode)
-    modes: list[_ReplicatePlain] = []
+    modes: list[TorchFunctionMode] = []
+    recorders: list[Recorder] = []
 
     def enter(m: nn.Module, args: Any) -> None:
         mode = _ReplicatePlain()
         mode.__enter__()
         modes.append(mode)
+        if notes is not None:
+            recorder = Recorder(notes, mesh)
+            recorder.__enter__()  # above the region's own mode: it sees the model's calls
+            modes.append(recorder)
+            recorders.append(recorder)
 
-    def leave(m: nn.Module, args: Any, out: Any) -> None:
+    def leave(m: nn.Module, args: Any, out: Any) -> Any:
+        recorded = notes is not None and modes and isinstance(modes[-1], Recorder)
+        if recorded:
+            modes.pop().__exit__(None, None, None)
+            recorders.pop()
         if modes:
             modes.pop().__exit__(None, None, None)
+        if recorded and notes is not None:
+            notes.ran = True
+            # what the module returns split is gathered, as it will be on local shards
+            return note_outputs(notes, out)
+        return None
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
+    if notes is not None:
+        _layers_apart(module, recorders)
     setattr(module, _HOOKED, True)
+
+
+def _layers_apart(module: nn.Module, recorders: list[Recorder]) -> None:
+    """The split layers inside a recorded region: their calls (and their styles' hooks) are
+    the layer's own, not the region's code, so the recorder steps aside while they run."""
+
+    def inside(m: nn.Module, args: Any) -> None:
+        if recorders:
+            recorders[-1].inside_layer += 1
+
+    def outside(m: nn.Module, args: Any, out: Any) -> None:
+        if recorders:
+            recorders[-1].inside_layer -= 1
+
+    for child in module.modules():
+        if child is not module and any(
+            isinstance(p, DTensor) for p in child.parameters(recurse=False)
+        ):
+            child.register_forward_pre_hook(inside, prepend=True)
+            child.register_forward_hook(outside, always_call=True)

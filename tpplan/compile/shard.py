@@ -18,6 +18,7 @@ from ..errors import TpplanError
 from ..plan.patterns import match_names, matches
 from ..plan.schema import AttributeRule, Plan
 from .adapters import fuse_adapters
+from .local_regions import RegionNotes, run_locally
 from .regions import hold_dtensors
 from .rules import plan_to_torch
 from .shared_heads import head_replicas
@@ -32,6 +33,8 @@ def shard_model(
     *,
     on_module: Callable[[str], None] | None = None,
     local_shards: bool = True,
+    notes: dict[type, RegionNotes] | None = None,
+    record: dict[type, RegionNotes] | None = None,
 ) -> None:
     """Apply a checked plan's styles, attribute fixes and DTensor regions to `model` in
     place, no check.
@@ -39,7 +42,17 @@ def shard_model(
     `on_module` is told each module's name before its style is applied (the dry run names
     the module a failure came from). Styles are applied one module at a time, which is what
     parallelize_module does with a dict of full names. `local_shards`: as `plan_to_torch`.
+
+    `notes` ({region module class: what its proof found}, check/run.py): with it, a region
+    module whose class the proof found local runs on local shards (local_regions.py) and its
+    opening layers hand on plain tensors; the others run on DTensors. Without it, regions
+    run on DTensors. `record`: the proof run, which fills it in as its regions run.
     """
+    names = [n for n, _ in model.named_modules()]
+    regions = [n for region in plan.regions for n in match_names(region.match, names)]
+    local = [n for n in regions if _local_notes(notes, model.get_submodule(n)) is not None]
+    if local:
+        plan = _opened_locally(plan, names, local)
     tied = tied_holders(model)
     styles = plan_to_torch(plan, model, local_shards=local_shards)
     for name, style in styles.items():
@@ -50,10 +63,49 @@ def shard_model(
     # after every style: a LoRA wrapper's forward folds its adapters into its base's collective
     fuse_adapters(model, mesh, styles, local_shards=local_shards)
     _divide_attributes(plan, model, mesh.size())
-    names = [n for n, _ in model.named_modules()]
-    for region in plan.regions:
-        for name in match_names(region.match, names):
-            hold_dtensors(model.get_submodule(name))
+    for name in regions:
+        module = model.get_submodule(name)
+        found = _local_notes(notes, module)
+        # what `tpplan stats` reports
+        how = "local shards" if found is not None else f"DTensor: {_why_dtensor(notes, module)}"
+        module.__dict__["_tpplan_region"] = how
+        if found is not None:
+            run_locally(module, found, mesh, name)
+        elif record is not None:
+            hold_dtensors(module, notes=record.setdefault(type(module), RegionNotes()), mesh=mesh)
+        else:
+            hold_dtensors(module)
+
+
+def _local_notes(notes: dict[type, RegionNotes] | None, module: nn.Module) -> RegionNotes | None:
+    """The proof's notes of `module`'s class where they let it run on local shards."""
+    found = None if notes is None else notes.get(type(module))
+    if found is None or not found.ran or found.refused is not None:
+        return None
+    return found
+
+
+def _why_dtensor(notes: dict[type, RegionNotes] | None, module: nn.Module) -> str:
+    """Why a region module runs on DTensors rather than local shards."""
+    if notes is None:
+        return "a DTensor region (regions on local shards were not asked for: local_shards=False)"
+    found = notes.get(type(module))
+    if found is None or not found.ran:
+        return "a DTensor region: its proof on fake ranks could not run it"
+    return f"a DTensor region: its proof found {found.refused}"
+
+
+def _opened_locally(plan: Plan, names: list[str], local: list[str]) -> Plan:
+    """The plan with `local_output: false` dropped from rules whose every module lies inside
+    a region that runs on local shards: their outputs are the local tensors it computes on."""
+    inside = tuple(f"{n}." for n in local)
+    rules = []
+    for rule in plan.rules:
+        matched = match_names(rule.match, names)
+        if rule.local_output is False and matched and all(m.startswith(inside) for m in matched):
+            rule = rule.model_copy(update={"local_output": None})
+        rules.append(rule)
+    return plan.model_copy(update={"rules": rules})
 
 
 def tied_holders(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

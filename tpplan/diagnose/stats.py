@@ -26,6 +26,7 @@ from .._runtime.local import fake_ranks
 from .._runtime.tree import first_tensor, local_bytes
 from ..apply.api import apply_plan
 from ..check.run import meta_copy
+from ..compile.local_run import runs_locally
 from ..compile.params import ReplicateGradSum, SplitParams
 from ..compile.rules import plan_to_torch
 from ..plan.patterns import collapse, match_names
@@ -190,11 +191,18 @@ def _record_paths(
         def note(mod: nn.Module, args: Any, name: str = name, style: Any = style) -> None:
             why = getattr(style, "local_run_reason", None)
             reason = why(mod, tp) if why else f"{type(style).__name__} runs on DTensors"
-            if reason is None and isinstance(first_tensor(args), DTensor):
+            if runs_locally(mod):
+                reason = None  # an opener of a region run on local shards
+            if isinstance(first_tensor(args), DTensor):
                 reason = "its input is a DTensor (inside a DTensor region)"
             paths[name] = "local shards" if reason is None else f"DTensor: {reason}"
 
         handles.append(module.register_forward_pre_hook(note))
+    for name, module in model.named_modules():
+        region = getattr(module, "_tpplan_region", None)
+        if region is not None:
+            # a region's own code: on local shards, or on DTensors and why (local_regions.py)
+            paths[name] = f"region on {region}" if region == "local shards" else region
     return handles
 
 
