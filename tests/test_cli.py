@@ -137,6 +137,20 @@ def test_bad_model_specs(
     assert code == 2 and message in err and "Traceback" not in err
 
 
+def test_check_notes_what_fake_tensors_cannot_run_and_passes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plan = ROOT / "tests" / "plans" / "sandwich.yaml"
+    code, out, _ = run(capsys, "check", str(plan), "fake_limits:value_read", "--tp", "2")
+    assert code == 0
+    assert out == (
+        "note: could not dry-run mid (_ReadsValue): aten._local_scalar_dense.default reads a "
+        "tensor's values, which fake tensors do not have. A forward on fake ranks stopped "
+        "there; no rule is to blame and the plan is not refused for it (`tpplan verify` runs "
+        f"it on real numbers).\n{plan}: sound at tp 2 (2 rules).\n"
+    )
+
+
 def test_a_callable_model_spec(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "models:tiny_llama", "--tp", "2")
     assert code == 0 and "sound" in out

@@ -13,6 +13,7 @@ from typing import Literal
 
 __all__ = [
     "CheckpointError",
+    "DryRunSkipped",
     "MeshError",
     "ModelError",
     "PlanFileError",
@@ -47,6 +48,12 @@ class PlanFileError(TpplanError, ValueError):
 
 class MeshError(TpplanError, ValueError):
     """A DeviceMesh that cannot carry a tensor-parallel plan as given."""
+
+
+class DryRunSkipped(UserWarning):
+    """A note, not a problem: check's dry run met what fake tensors cannot run (an op that
+    reads values, a kernel without a fake implementation) and left the rest of the proof to
+    the static checks. The plan is not refused for it."""
 
 
 class ModelError(TpplanError, ValueError):
