@@ -18,6 +18,7 @@ import tpplan
 from tpplan import MeshError, Plan, PlanProblemsError, apply_plan, load_plan
 from tpplan._runtime.local import fake_ranks, rank_values, simulated_ranks
 from tpplan.compile import plan_to_torch
+from tpplan.errors import MetaWeightsError
 
 LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
 # fp32 logits of a 2-layer model: sharded matmuls sum in another order, which moves the last
@@ -77,6 +78,40 @@ def test_a_model_on_the_meta_device_is_sharded_then_materialized() -> None:
         model.to_empty(device="cpu")
         q = model.model.layers[0].self_attn.q_proj.weight
         assert q.to_local().device.type == "cpu" and _local_shape(q) == (32, 128)
+
+
+def test_a_forward_before_the_weights_of_a_meta_model_exist_names_the_fix() -> None:
+    model = tiny_llama(device="meta")
+    with fake_ranks(2) as mesh:
+        apply_plan(model, mesh, LLAMA_PLAN)
+        with pytest.raises(MetaWeightsError) as caught:
+            model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    assert str(caught.value) == (
+        "the model's weights are still on the meta device (23 of 23 tensors, e.g. "
+        "model.embed_tokens.weight) and its forward got inputs on cpu: apply_plan sharded a "
+        "model built on the meta device, whose weights do not exist yet. Fix: before the "
+        "first forward, load them with tpplan.load_checkpoint(model, folder) "
+        "(tpplan.from_pretrained(...) builds, shards and loads in one call), or make them "
+        "with model.to_empty(device='cpu') and initialize them."
+    )
+
+
+def test_the_meta_weights_guard_leaves_at_the_first_forward_with_weights() -> None:
+    """Nothing is left on the hot path once the weights exist."""
+    model = tiny_llama(device="meta")
+    with fake_ranks(2) as mesh:
+        apply_plan(model, mesh, LLAMA_PLAN)
+        assert len(model._forward_pre_hooks) == 1
+        model.to_empty(device="cpu")
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    assert len(model._forward_pre_hooks) == 0
+
+
+def test_a_model_with_its_weights_gets_no_meta_weights_guard() -> None:
+    model = tiny_llama()
+    with fake_ranks(2) as mesh:
+        apply_plan(model, mesh, LLAMA_PLAN)
+    assert len(model._forward_pre_hooks) == 0
 
 
 def test_the_tp_axis_of_a_2d_mesh() -> None:

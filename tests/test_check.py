@@ -418,3 +418,32 @@ def test_a_plan_that_splits_nothing_is_sound(llama) -> None:  # type: ignore[no-
     assert check_plan(empty, llama, tp_size=2) == [] and splits_nothing(empty)
     assert check_plan(whole, llama, tp_size=2) == [] and splits_nothing(whole)
     assert not splits_nothing(load_plan(LLAMA_PLAN))
+
+
+# issue 33's models: on fake tensors torch's gather of their fused colwise output reads values
+ISSUE_33 = {
+    "diffllama": {
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+    },
+    "mamba": {"num_hidden_layers": 1, "hidden_size": 64, "vocab_size": 128},
+}
+
+
+@pytest.mark.parametrize("spec", list(ISSUE_33))
+def test_check_does_not_refuse_the_plan_infer_wrote(spec: str) -> None:
+    """What `tpplan infer` then `tpplan check` do: the model on the meta device, tp 2."""
+    import warnings
+
+    from tpplan._runtime.models import build_model
+    from tpplan.errors import DryRunSkipped
+
+    model = build_model(spec, ISSUE_33[spec])
+    plan = infer_plan(model, tp_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DryRunSkipped)
+        assert check_plan(plan, model, tp_size=2) == []

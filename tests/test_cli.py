@@ -137,6 +137,37 @@ def test_bad_model_specs(
     assert code == 2 and message in err and "Traceback" not in err
 
 
+def test_check_at_a_tp_size_shared_heads_neither_split_over_nor_share(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """tp 3 and 4 kv heads: the shipped plan's attribute fix divides by the ranks sharing
+    each head, which do not exist here; the heads' own problem says so (it once ended in
+    ZeroDivisionError)."""
+    code, out, err = run(capsys, "check", "llama", "llama", "--tp", "3", *SMALL)
+    assert code == 1 and err == ""
+    assert (
+        "problem: rules[2] (match: model.layers.*.self_attn.k_proj), module "
+        "model.layers.*.self_attn.k_proj: 4 heads (of head_dim 8) do not split evenly over tp "
+        "size 3; every rank must hold whole heads. Fix: use a tp size among 1, 2, 4 or a "
+        "multiple of 4 dividing the query heads, or keep this module replicated." in out
+    )
+    assert out.endswith("llama: 6 problem(s) at tp 3.\n")
+
+
+def test_check_notes_what_fake_tensors_cannot_run_and_passes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plan = ROOT / "tests" / "plans" / "sandwich.yaml"
+    code, out, _ = run(capsys, "check", str(plan), "fake_limits:value_read", "--tp", "2")
+    assert code == 0
+    assert out == (
+        "note: could not dry-run mid (_ReadsValue): aten._local_scalar_dense.default reads a "
+        "tensor's values, which fake tensors do not have. A forward on fake ranks stopped "
+        "there; no rule is to blame and the plan is not refused for it (`tpplan verify` runs "
+        f"it on real numbers).\n{plan}: sound at tp 2 (2 rules).\n"
+    )
+
+
 def test_a_callable_model_spec(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "models:tiny_llama", "--tp", "2")
     assert code == 0 and "sound" in out

@@ -13,7 +13,9 @@ from typing import Literal
 
 __all__ = [
     "CheckpointError",
+    "DryRunSkipped",
     "MeshError",
+    "MetaWeightsError",
     "ModelError",
     "PlanFileError",
     "PlanProblemsError",
@@ -47,6 +49,17 @@ class PlanFileError(TpplanError, ValueError):
 
 class MeshError(TpplanError, ValueError):
     """A DeviceMesh that cannot carry a tensor-parallel plan as given."""
+
+
+class DryRunSkipped(UserWarning):
+    """A note, not a problem: check's dry run met what fake tensors cannot run (an op that
+    reads values, a kernel without a fake implementation) and left the rest of the proof to
+    the static checks. The plan is not refused for it."""
+
+
+class MetaWeightsError(TpplanError, RuntimeError):
+    """A forward on real inputs of a sharded model whose weights are still on the meta
+    device (apply_plan before load_checkpoint or to_empty); raised before torch runs."""
 
 
 class ModelError(TpplanError, ValueError):

@@ -21,6 +21,7 @@ from ..errors import MeshError, ModelError, PlanProblemsError
 from ..plan.load import load_plan
 from ..plan.schema import Plan
 from .guard import guard_inputs, wants_guard
+from .meta_weights import guard_meta_weights
 from .saving import gather_on_save
 
 __all__ = ["apply_plan", "resolve_plan", "tp_mesh"]
@@ -133,5 +134,6 @@ def apply_plan(
     gather_on_save(model)  # save_pretrained writes the unsharded model's tensors
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
+    guard_meta_weights(model)  # a forward before load_checkpoint names the fix, not torch
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
     return model

@@ -47,6 +47,10 @@ def check_attributes(
             except TpplanError as e:
                 out.append(Problem("attribute", where, name, str(e), "see the message."))
                 continue
+            if by == 0:
+                # the heads of `of` neither split over tp nor share ranks evenly at it: the
+                # colwise rule that splits them has that problem already, told once there
+                continue
             for attr in rule.divide:
                 found = _check_attribute(where, name, modules[name], attr, by, rule.of, tp)
                 if found is not None:

@@ -3,6 +3,11 @@ and remembers, when torch raises, which module was running (or getting its gradi
 modules made the tensors it worked on, and which had finished; `failure_problem` turns the
 likeliest culprit that a rule or attribute fix treats into the Problem. Start at
 `failure_problem`; run.py makes the `Failure` it reads.
+
+A failure no rule is to blame for is told apart first (`fake_limit`): an op that reads a
+tensor's values (`.item()`, `nonzero`) or a kernel without a fake implementation fails on
+fake tensors whatever the plan; such a run proves nothing either way, and `failure_note`
+says so in a note instead of a Problem.
 """
 
 from __future__ import annotations
@@ -13,6 +18,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._runtime.tree import tensor_leaves
@@ -21,7 +32,7 @@ from ..plan.schema import Plan
 from ..trace import run_op
 from .shared import rules_by_module
 
-__all__ = ["Failure", "MetaKernels", "Watch", "failure_problem"]
+__all__ = ["Failure", "MetaKernels", "Watch", "failure_note", "failure_problem", "fake_limit"]
 
 
 @dataclass
@@ -151,13 +162,54 @@ class Watch:
         return at, found + before
 
 
+# what fake tensors cannot run, whatever the plan: the exception, and what it means
+_FAKE_LIMITS: list[tuple[type[BaseException], str]] = [
+    (DataDependentOutputException, "reads a tensor's values, which fake tensors do not have"),
+    (GuardOnDataDependentSymNode, "branches on a tensor's values, which fake tensors do not have"),
+    (DynamicOutputShapeException, "makes a tensor whose shape depends on the values"),
+    (UnsupportedOperatorException, "has no fake or meta kernel"),
+]
+# the words of a kernel missing on meta or fake tensors, in a plain NotImplementedError or
+# RuntimeError (a custom op with no register_fake). DTensor's own NotImplementedError (an op
+# with no sharding strategy) is none of these: that one is the plan's to answer.
+_MISSING_KERNEL = ("'Meta' backend", "no fake impl", "meta kernel", "fake kernel", "fake impl")
+
+
+def fake_limit(error: BaseException) -> str | None:
+    """'<op> <why>' when `error` (or an error it came from) is one fake tensors raise for
+    what they cannot run at all, whatever the plan; None for any other failure."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for kind, why in _FAKE_LIMITS:
+            if isinstance(e, kind):
+                func = getattr(e, "func", None)
+                return f"{func if func is not None else type(e).__name__} {why}"
+        if isinstance(e, (NotImplementedError, RuntimeError)):
+            said = _first_line(e).split(". ")[0].rstrip(".")  # its first sentence
+            if any(w in said for w in _MISSING_KERNEL):
+                return f"{said} (no kernel for fake tensors)"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def failure_note(model: nn.Module, failure: Failure, why: str) -> str:
+    """The note for a dry run that met what fake tensors cannot run (`why`, from
+    `fake_limit`): which module, which op, and that the plan is not refused for it."""
+    at = _named(dict(model.named_modules()), failure.at)
+    return (
+        f"could not dry-run {at}: {why}. {failure.phase.capitalize()} on fake ranks "
+        "stopped there; no rule is to blame and the plan is not refused for it (`tpplan "
+        "verify` runs it on real numbers)."
+    )
+
+
 def failure_problem(plan: Plan, model: nn.Module, failure: Failure, tp: int) -> Problem:
     """The failure as a Problem on the rule of its likeliest culprit."""
     modules = dict(model.named_modules())
     blamed = _blame(plan, [n for n in modules if n], failure)
-    at = failure.at or "the model"
-    if at in modules and failure.at:
-        at = f"{failure.at} ({type(modules[failure.at]).__name__})"
+    at = _named(modules, failure.at)
     said = _first_line(failure.error)
     where = (
         f"{failure.phase} on a copy sharded over {tp} fake ranks (fake tensors, no weights) fails"
@@ -183,6 +235,13 @@ def failure_problem(plan: Plan, model: nn.Module, failure: Failure, tp: int) -> 
     else:
         where += f" in {at}{link}"
     return Problem("dry_run", rule, module, f"{where}: {said}", _fix(style, modules.get(module)))
+
+
+def _named(modules: dict[str, nn.Module], at: str) -> str:
+    """`at` with its class ('mlp.up (Linear)'), or 'the model' for the root."""
+    if not at:
+        return "the model"
+    return f"{at} ({type(modules[at]).__name__})" if at in modules else at
 
 
 def _blame(

@@ -11,7 +11,10 @@ Start at `run_plan`; blame.py tells which rule a failure is on.
 No run is tried, and the plan is left to the static checks, where none can be set up:
 inputs tpplan cannot make up, a model that does not run on the meta device even unsharded
 (routing by values), parameters that are already DTensors, or a torch whose private mesh
-pieces (`solo_fake_mesh`) have changed.
+pieces (`solo_fake_mesh`) have changed. A run that meets what fake tensors cannot run at all
+(an op that reads values, a kernel with no fake implementation: `blame.fake_limit`) stops
+there with a `DryRunSkipped` warning, "could not dry-run <module>: <op> ...", never a
+Problem: no plan could pass it, so it is no rule's fault.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from .._runtime.local import outside_simulation, solo_fake_mesh
 from .._runtime.tree import tensor_leaves
 from ..compile.local_regions import RegionNotes
 from ..compile.shard import shard_model
-from ..errors import Problem, TpplanError
+from ..errors import DryRunSkipped, Problem, TpplanError
 from ..plan.schema import Plan
 from ..trace import quiet_fake_tensor_log, repeated_blocks
-from .blame import Failure, MetaKernels, Watch, failure_problem
+from .blame import Failure, MetaKernels, Watch, failure_note, failure_problem, fake_limit
 from .shared import rules_by_module
 
 __all__ = [
@@ -127,12 +130,19 @@ def run_plan(
             failure = None
             for keep in [cut, {}] if cut else [{}]:
                 failure = _run_sharded(plan, model, tp_size, inputs, keep, args=args)
-                if failure is None:
-                    return []
-            if failure is None or not _runs_unsharded(model, inputs, args):
+                if failure is None or fake_limit(failure.error):
+                    break
+            if failure is None:
+                return []
+            why = fake_limit(failure.error)
+            if why is None and not _runs_unsharded(model, inputs, args):
                 return []
         except _CannotRun:
             return []
+    if why is not None:
+        # fake tensors cannot run it, whatever the plan: no rule is to blame (blame.py)
+        warnings.warn(failure_note(model, failure, why), DryRunSkipped, stacklevel=2)
+        return []
     return [failure_problem(plan, model, failure, tp_size)]
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
+from ..errors import DryRunSkipped
 from .answers import Answer, answer_key, load_answer, save_answer
 
 __all__ = ["cmd_check"]
@@ -46,8 +48,15 @@ def _check(args: argparse.Namespace) -> Answer:
 
     # every problem apply_plan would refuse, a fingerprint of another model included: a
     # plan that passes check in CI must apply
-    problems = check_plan(plan, build_model(args.model, overrides), tp_size=args.tp)
-    lines = [f"problem: {p}" for p in problems]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DryRunSkipped)
+        problems = check_plan(plan, build_model(args.model, overrides), tp_size=args.tp)
+    # a dry run that fake tensors could not finish is a note beside the verdict, not a problem
+    notes = [f"note: {w.message}" for w in caught if issubclass(w.category, DryRunSkipped)]
+    for w in caught:
+        if not issubclass(w.category, DryRunSkipped):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    lines = notes + [f"problem: {p}" for p in problems]
     if problems:
         lines.append(f"{args.plan}: {len(problems)} problem(s) at tp {args.tp}.")
     elif splits_nothing(plan):

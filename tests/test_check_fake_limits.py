@@ -1,0 +1,78 @@
+"""What fake tensors cannot run, whatever the plan (an op that reads values, one whose output
+shape depends on them, a kernel with no fake implementation), stops check's dry run with a
+note, "could not dry-run <module>: <op>", and never with a problem on a rule (issue 33)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from fake_limits import FUSED_PLAN, PLAN, Sandwich, fused, no_fake_kernel, nonzero, value_read
+from torch._subclasses.fake_tensor import DataDependentOutputException
+
+from tpplan import check_plan
+from tpplan.check.blame import fake_limit
+from tpplan.errors import DryRunSkipped
+
+pytestmark = pytest.mark.unit
+
+CASES: dict[str, tuple[Callable[[], Sandwich], str]] = {
+    "value_read": (
+        value_read,
+        "could not dry-run mid (_ReadsValue): aten._local_scalar_dense.default reads a "
+        "tensor's values, which fake tensors do not have.",
+    ),
+    "nonzero": (
+        nonzero,
+        "could not dry-run mid (_Nonzero): aten.nonzero.default makes a tensor whose shape "
+        "depends on the values.",
+    ),
+    "no_fake_kernel": (
+        no_fake_kernel,
+        "could not dry-run mid (_NoFakeKernel): RuntimeError: There was no fake impl "
+        "registered for <CustomOpDef(tpplan_tests::scaled)> (no kernel for fake tensors).",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_fake_tensors_cannot_run_is_a_note_naming_module_and_op(case: str) -> None:
+    build, said = CASES[case]
+    with pytest.warns(DryRunSkipped) as caught:
+        assert check_plan(PLAN, build(), tp_size=2) == []
+    (note,) = [str(w.message) for w in caught]
+    assert note.startswith(said), note
+    assert note.endswith(
+        "A forward on fake ranks stopped there; no rule is to blame and the plan is not "
+        "refused for it (`tpplan verify` runs it on real numbers)."
+    )
+
+
+def test_a_fused_layer_gathered_after_it_is_not_refused() -> None:
+    """DiffLlama's v_proj and Mamba's in_proj: two equal pieces, output replicate. On fake
+    tensors torch's own gather of them reads values (torch 2.13); the plan is sound."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DryRunSkipped)
+        assert check_plan(FUSED_PLAN, fused(), tp_size=2) == []
+
+
+def test_a_fake_tensor_limit_is_found_behind_the_error_it_caused() -> None:
+    op = torch.ops.aten._local_scalar_dense.default
+    try:
+        try:
+            raise DataDependentOutputException(op)
+        except DataDependentOutputException as e:
+            raise RuntimeError("the model's own wrapper") from e
+    except RuntimeError as outer:
+        found = fake_limit(outer)
+    assert found == f"{op} reads a tensor's values, which fake tensors do not have"
+
+
+def test_an_op_dtensor_cannot_shard_is_still_the_plan_s_problem() -> None:
+    """DTensor's NotImplementedError is about the layout the plan gave, not fake tensors."""
+    error = NotImplementedError(
+        "Operator aten.cumsum.default does not have a sharding strategy registered."
+    )
+    assert fake_limit(error) is None
