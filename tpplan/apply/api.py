@@ -19,6 +19,7 @@ from ..compile.shard import shard_model
 from ..errors import MeshError, ModelError, PlanProblemsError
 from ..plan.load import load_plan
 from ..plan.schema import Plan
+from .caches import size_caches_by_keys
 from .guard import guard_inputs, wants_guard
 from .saving import gather_on_save
 
@@ -127,6 +128,7 @@ def apply_plan(
         )
     shard_model(model, mesh, plan, local_shards=local_shards)
     gather_on_save(model)  # save_pretrained writes the unsharded model's tensors
+    size_caches_by_keys(model)  # a static cache holds each rank's own heads
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
     model._tpplan_plan = plan  # type: ignore[assignment]  # read back by checkpoint helpers
