@@ -11,7 +11,7 @@ from tpplan import cli
 from tpplan._runtime.models import parse_overrides
 from tpplan.plan import load_plan
 
-__all__ = ["HEADS_64", "OTHER", "PLANS", "ROOT", "SMALL", "WIDTHS", "plan_spec"]
+__all__ = ["HEADS_64", "OTHER", "PLANS", "ROOT", "SMALL", "WIDTHS", "generate_config", "plan_spec"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = sorted((ROOT / "plans").rglob("*.yaml"))
@@ -94,3 +94,37 @@ def plan_spec(path: Path) -> tuple[str, dict[str, object]]:
     assert plan.model is not None and plan.model.command, f"{path.name} records no command"
     args = cli._parser().parse_args(shlex.split(plan.model.command)[1:])
     return args.model, parse_overrides(args.overrides)
+
+
+# The model `generate` runs on: OTHER's widths, one layer where a second adds no other kind
+# of layer (DeepSeek-V3's first is dense, its second has experts; Gemma's alternate sliding
+# and full attention), and a sliding window of 4 tokens where the family has one, so that
+# a 5-token prompt and 6 new tokens slide past it. Every layer costs apply_plan's dry run.
+_ONE_LAYER = {"num_hidden_layers": 1}
+_SLIDING = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+_GENERATE: dict[str, dict[str, object]] = {
+    # the plan's q|k|v pieces of 3072 as 4 heads of 768 (key/value heads not shared), on a
+    # stream of 256 features: 3.5M parameters where OTHER's 3072 features make 50M
+    "phi3": {
+        **_ONE_LAYER,
+        "hidden_size": 256,
+        "head_dim": 768,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+    },
+    "t5": {"num_layers": 1, "num_decoder_layers": 1},
+    # a decoder (causal, with a cache), as BertLMHeadModel is used for generation
+    "bert": {**_ONE_LAYER, "is_decoder": True},
+    "gpt2": {"n_layer": 1},
+    "bloom": {"n_layer": 1},
+    "deepseek_v3": {},
+    "gemma2": _SLIDING,
+    "gemma3": _SLIDING,
+    "mistral": {**_ONE_LAYER, "sliding_window": 4},
+}
+
+
+def generate_config(name: str) -> dict[str, object]:
+    """The config fields of the model `generate` runs on for plan `name` (see _GENERATE)."""
+    return {**OTHER[name], **_GENERATE.get(name, _ONE_LAYER)}
