@@ -24,7 +24,7 @@ CACHES = (
 )
 
 # mode -> generate's keyword arguments (besides the inputs); "padded" and "assisted" get
-# their inputs and draft model in `_call`. Every mode returns its scores, which are compared
+# their inputs and draft model in generate_ranks.py's `_call`. Every mode returns its scores, which are compared
 # too: a tiny random model's attention adds little to its residual stream, so an attention
 # over wrong keys can leave the tokens right (BLOOM's static cache did) but not the scores.
 MODES: dict[str, dict[str, Any]] = {
