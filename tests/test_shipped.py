@@ -13,102 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.shipped import HEADS_64, OTHER, PLANS, ROOT, SMALL, WIDTHS, plan_spec
 
 import tpplan
 from tpplan import cli
 from tpplan._runtime.facts import parameter_shapes
 from tpplan._runtime.local import rank_values, simulated_ranks
-from tpplan._runtime.models import build_model, parse_overrides
+from tpplan._runtime.models import build_model
 from tpplan.check import complete_plan
 from tpplan.diagnose.verify import verify_plan
 from tpplan.plan import load_plan
 from tpplan.plan.shipped import shipped_plans
 
-ROOT = Path(__file__).resolve().parents[1]
-PLANS = sorted((ROOT / "plans").rglob("*.yaml"))
-
-# A small model of each plan's family: the config of the command that wrote the plan, with
-# these fields on top. The widths a plan names (head_dim, fused parts) stay as they are;
-# layers, heads, experts and the vocab shrink.
-_LAYERS = {"num_hidden_layers": 2, "vocab_size": 512}
-_HEADS_128 = {
-    "hidden_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-}
-SMALL: dict[str, dict[str, object]] = {
-    "llama": {**_LAYERS, **_HEADS_128, "intermediate_size": 256},
-    "mistral": {**_LAYERS, **_HEADS_128, "intermediate_size": 256},
-    "qwen2": {**_LAYERS, "hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256},
-    "qwen3": {**_LAYERS, **_HEADS_128, "intermediate_size": 256},
-    # the experts' fused gate|up pieces are the plan's [14336, 14336]: one layer, two experts
-    "mixtral": {**_HEADS_128, "num_hidden_layers": 1, "vocab_size": 512, "num_local_experts": 2, "num_experts_per_tok": 1},
-    "qwen3_moe": {**_LAYERS, **_HEADS_128, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 256},
-    "gemma2": {**_LAYERS, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256},
-    "gemma3": {**_LAYERS, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256},
-    # the fused pieces are the plan's, q|k|v [3072] * 3 (its attention is a DTensor region)
-    # and gate|up [8192] * 2: one layer
-    "phi3": {"num_hidden_layers": 1, "vocab_size": 512, "hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32, "pad_token_id": 0, "eos_token_id": 0},
-    "gpt2": {"n_layer": 2, "vocab_size": 512},
-    "gpt_neox": {**_LAYERS, "intermediate_size": 256},
-    "falcon": {**_LAYERS, "intermediate_size": 256},
-    "opt": {**_LAYERS, "ffn_dim": 256},
-    "bloom": {"n_layer": 2, "vocab_size": 512},
-    "bert": {**_LAYERS, "intermediate_size": 256},
-    "t5": {"num_layers": 2, "num_decoder_layers": 2, "vocab_size": 512, "d_ff": 256},
-    "deepseek_v3": {
-        **_LAYERS, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "intermediate_size": 256, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-    },
-}  # fmt: skip
-
-# A second width of each family: another head_dim, hidden size or fused width than SMALL
-# (the same layers and vocab, so only widths differ), which the plan, leaving those sizes out,
-# reads from the model. phi3's fused q|k|v stays at the plan's [3072] * 3: its forward cuts
-# them by slices, which the trace does not read as pieces, so the plan states them.
-_HEADS_64 = {
-    "hidden_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-}
-OTHER: dict[str, dict[str, object]] = {
-    "llama": {**SMALL["llama"], **_HEADS_64, "intermediate_size": 128},
-    "mistral": {**SMALL["mistral"], **_HEADS_64, "intermediate_size": 128},
-    "qwen2": {**SMALL["qwen2"], "hidden_size": 256, "intermediate_size": 128},
-    "qwen3": {**SMALL["qwen3"], **_HEADS_64, "intermediate_size": 128},
-    "mixtral": {**SMALL["mixtral"], **_HEADS_64, "intermediate_size": 128},
-    "qwen3_moe": {**SMALL["qwen3_moe"], **_HEADS_64, "moe_intermediate_size": 128},
-    "gemma2": {**SMALL["gemma2"], "head_dim": 64, "intermediate_size": 128},
-    "gemma3": {**SMALL["gemma3"], "head_dim": 64, "intermediate_size": 128},
-    "phi3": {**SMALL["phi3"], "intermediate_size": 1024},
-    "gpt2": {**SMALL["gpt2"], "n_embd": 256, "n_head": 8},
-    "gpt_neox": {**SMALL["gpt_neox"], "hidden_size": 256, "num_attention_heads": 4},
-    "falcon": {**SMALL["falcon"], "hidden_size": 256, "num_attention_heads": 8},
-    "opt": {**SMALL["opt"], "hidden_size": 256, "num_attention_heads": 4, "word_embed_proj_dim": 256},
-    "bloom": {**SMALL["bloom"], "hidden_size": 256, "n_head": 4},
-    "bert": {**SMALL["bert"], "hidden_size": 256, "num_attention_heads": 8},
-    "t5": {**SMALL["t5"], "d_model": 256, "d_kv": 32, "num_heads": 4},
-    "deepseek_v3": {
-        **SMALL["deepseek_v3"], "moe_intermediate_size": 128, "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16, "v_head_dim": 32,
-    },
-}  # fmt: skip
-WIDTHS = {"small": SMALL, "other": OTHER}
-
 # fp32, two layers at real head widths: sharding sums the same products in another order
 # (seen: ~1e-6); a wrong shard or a missing reduction is off by O(0.1).
 TOL = 1e-4
-
-
-def _spec(path: Path) -> tuple[str, dict[str, object]]:
-    """MODEL and --set fields of the command a shipped plan records."""
-    plan = load_plan(path)
-    assert plan.model is not None and plan.model.command, f"{path.name} records no command"
-    args = cli._parser().parse_args(shlex.split(plan.model.command)[1:])
-    return args.model, parse_overrides(args.overrides)
 
 
 def test_plans_are_shipped() -> None:
@@ -124,7 +43,7 @@ def test_plans_are_shipped() -> None:
 def test_the_two_widths_of_a_family_differ(path: Path) -> None:
     """OTHER is another width than SMALL (the same layers and vocab): some parameter has
     another shape, so that both tests below prove the plan serves two widths."""
-    spec, overrides = _spec(path)
+    spec, overrides = plan_spec(path)
     small, other = (build_model(spec, {**overrides, **w[path.stem]}) for w in (SMALL, OTHER))
     assert parameter_shapes(small) != parameter_shapes(other)
 
@@ -156,7 +75,7 @@ def test_plan_has_not_drifted(path: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
 def test_plan_checks_and_matches_the_unsharded_model(path: Path, width: str) -> None:
     """At two widths of the family: the sizes the plan leaves out are each model's own."""
-    spec, overrides = _spec(path)
+    spec, overrides = plan_spec(path)
     torch.manual_seed(0)
     model = build_model(spec, {**overrides, **WIDTHS[width][path.stem]}, device="cpu")
     plan = load_plan(path)
@@ -211,7 +130,7 @@ def test_a_plan_stating_another_head_dim_is_one_problem_per_rule(capsys) -> None
     rules that state it, and not again as heads tp does not divide or attributes it could
     not divide."""
     stated = load_plan(ROOT / "plans" / "llama.yaml")
-    model = build_model("llama", {"num_hidden_layers": 1, "vocab_size": 512, **_HEADS_64})
+    model = build_model("llama", {"num_hidden_layers": 1, "vocab_size": 512, **HEADS_64})
     stated, _ = complete_plan(stated, build_model("llama", {"num_hidden_layers": 1}), tp_size=4)
     problems = tpplan.check_plan(stated, model, tp_size=4)
     assert [(p.kind, p.rule.split("match: ")[1]) for p in problems] == [

@@ -20,6 +20,7 @@ from ..compile.shard import shard_model
 from ..errors import MeshError, ModelError, PlanProblemsError
 from ..plan.load import load_plan
 from ..plan.schema import Plan
+from .caches import size_caches_by_keys
 from .guard import guard_inputs, wants_guard
 from .meta_weights import guard_meta_weights
 from .saving import gather_on_save
@@ -132,6 +133,7 @@ def apply_plan(
     notes = prove_local_regions(plan, model, tp_size=tp_size) if local_shards else None
     shard_model(model, mesh, plan, local_shards=local_shards, notes=notes)
     gather_on_save(model)  # save_pretrained writes the unsharded model's tensors
+    size_caches_by_keys(model)  # a static cache holds each rank's own heads
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
     guard_meta_weights(model)  # a forward before load_checkpoint names the fix, not torch
