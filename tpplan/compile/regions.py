@@ -66,6 +66,12 @@ class _ReplicatePlain(TorchFunctionMode):
             args = (_split_alike(*args, **kwargs), *args[1:])
         leaves, _ = tree_flatten((args, kwargs))
         first = next((t for t in leaves if isinstance(t, DTensor)), None)
+        if first is not None and args and _plain(args[0]) and _in_place(func):
+            # a plain tensor written in place with DTensors (a static KV cache's buffer, by
+            # index_copy_): lifted, DTensor would write a sharded copy of it and leave the
+            # buffer itself as it was, with no error. It takes the whole values instead.
+            args, kwargs = tree_map(_whole_of, (args, kwargs))
+            return func(*args, **kwargs)
         if first is not None and any(_plain(t) for t in leaves):
             mesh = first.device_mesh
             placements = [Replicate()] * mesh.ndim
@@ -391,6 +397,15 @@ def _own_part(mask: torch.Tensor, query: DTensor, dims: list[int]) -> torch.Tens
     if not isinstance(whole, DTensor):
         whole = DTensor.from_local(mask, query.device_mesh, [Replicate()], run_check=False)
     return whole.redistribute(placements=[Shard(cut[0])]).to_local()
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+
+
+def _whole_of(t: Any) -> Any:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
