@@ -5,7 +5,7 @@ transformers 5.24), at tp 2 and 4: the tokens, and the scores within TOL, are th
 model's (built from the same seed on the same rank).
 
 One torchrun launch per tp size runs the whole matrix (generate_ranks.py) and writes each
-rank's cells; each test here reads one cell of every rank. What fails today is listed, with
+rank's cells; each test here reads one cell of every rank. What fails is listed, with
 the error seen, in XFAIL (strict: a cell that starts passing fails until its line goes);
 what the unsharded model itself refuses on this machine is in REFUSED and asserted to be
 refused, never counted as a pass of the sharded model.
@@ -27,29 +27,12 @@ from support.shipped import PLANS
 HERE = Path(__file__).parent
 TP_SIZES = (2, 4)
 
-# --- expected failures today: the DTensor regions (BLOOM, Phi-3, T5's cross-attention) ----
-# Beam search reorders the KV cache with a plain index, and the cache holds DTensors.
-_REORDER = (
-    "aten.index_select.default got mixed torch.Tensor and DTensor (transformers "
-    "cache_utils.py:100 reorders a KV cache of DTensors)"
-)
-# A static cache's plain buffer, written in place by a region's DTensor keys, is never
-# written: regions.py lifts it to a replicated DTensor, DTensor runs index_copy_ on a
-# sharded copy of it (see the report of the generate-matrix branch). Phi-3's tokens and
-# BLOOM's scores are wrong with no error; T5's cross-attention then fails.
-_LOST = "static cache never written (DTensor index_copy_ into a lifted plain buffer)"
-_STATIC = ("cache_static", "cache_static_chunked", "cache_sliding_window", "cache_hybrid_chunked")
-XFAIL: dict[tuple[str, str, int], str] = {
-    **{(p, m, tp): _REORDER for p in ("bloom", "phi3", "t5") for m in ("beam", "beam_sample") for tp in TP_SIZES},
-    **{(p, m, tp): f"{_LOST}: wrong tokens" for p in ("phi3",) for m in _STATIC for tp in TP_SIZES},
-    **{(p, m, tp): f"{_LOST}: scores off by 0.06" for p in ("bloom",) for m in _STATIC for tp in TP_SIZES},
-    **{
-        (p, m, tp): f"{_LOST}: RuntimeError: shape '[1, 1, 1, 5]' is invalid for input of size 20"
-        for p in ("t5",)
-        for m in _STATIC
-        for tp in TP_SIZES
-    },
-}  # fmt: skip
+# --- expected failures: none. Until issue 33 the DTensor regions (BLOOM, Phi-3, T5's
+# cross-attention) failed 36 cells: beam search's reorder met a KV cache of DTensors, and a
+# static cache's buffer, lifted to a replicated DTensor and written by index_copy_, stayed
+# zero (Phi-3's tokens and BLOOM's scores wrong with no error). Regions now run on local
+# shards, and a cell that fails again goes here with the error seen (strict).
+XFAIL: dict[tuple[str, str, int], str] = {}
 
 
 # --- modes the unsharded model refuses on this machine (CPU torch, no optimum-quanto) -----

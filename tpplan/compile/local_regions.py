@@ -19,7 +19,8 @@ calls that take sizes change:
 - a whole tensor meeting split ones (an ALiBi bias of every head, a zero position bias) is
   cut to the rank's part as DTensor lays it out; one that needs a gradient has it summed
   over the ranks, as DTensor's `from_local` does (`_Cuts`);
-- a split tensor the module returns, beside what its closing layers sum, is gathered.
+- a split tensor the module returns, beside what its closing layers sum, is handed back as
+  a DTensor over the local shard (no collective until it is read, as on the DTensor path).
 
 Each note is replayed at once on rank 0's local fake tensors and must give DTensor's local
 shapes. A call that fits none of them (a reduction over the split dim, a whole tensor
@@ -44,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import TpplanError
-from .local_run import _all_gather, _rank, copy_to_ranks, group_name
+from .local_run import _rank, copy_to_ranks, group_name
 
 __all__ = ["NotLocal", "Recorder", "RegionNotes", "run_locally"]
 
@@ -552,8 +553,8 @@ class Recorder(TorchFunctionMode):
 
 
 def note_outputs(notes: RegionNotes, out: Any) -> Any:
-    """The split tensors a region returns, noted by the output's structure (gathered at
-    run time), and the output with them gathered, as the run will return it."""
+    """The split tensors a region returns, noted by the output's structure (handed back as
+    DTensors at run time, as the proof's DTensor run returns them); the output, unchanged."""
     leaves, spec = tree_flatten(out)
     split = []
     for i, t in enumerate(leaves):
@@ -562,9 +563,8 @@ def note_outputs(notes: RegionNotes, out: Any) -> Any:
             if not isinstance(at[1], Shard):
                 notes.refuse("it returns a tensor split as fused pieces")
             split.append((i, at[0]))
-            leaves[i] = t.full_tensor()
     notes.outputs[spec] = tuple(split)
-    return tree_unflatten(leaves, spec)
+    return out
 
 
 # --- the run side ------------------------------------------------------------------------------
@@ -586,7 +586,7 @@ class _LocalRegion(TorchFunctionMode):
         return call.call(func, args, kwargs, self.ctx)
 
 
-def _gathered(out: Any, notes: RegionNotes, ctx: _Context, name: str) -> Any:
+def _returned(out: Any, notes: RegionNotes, ctx: _Context, name: str) -> Any:
     leaves, spec = tree_flatten(out)
     split = notes.outputs.get(spec)
     if split is None:
@@ -596,10 +596,29 @@ def _gathered(out: Any, notes: RegionNotes, ctx: _Context, name: str) -> Any:
             "apply the plan with apply_plan(..., local_shards=False) to run it on DTensors."
         )
     for i, dim in split:
+        # no gather here: most such outputs are thrown away by the caller (BLOOM returns its
+        # attention probabilities at every call); as a DTensor it costs nothing until read,
+        # and reads as the whole tensor (`full_tensor()`), as on the DTensor path
         t = leaves[i]
-        moved = t.movedim(dim, -1)
-        leaves[i] = _all_gather(moved, ctx.group, ctx.tp).movedim(-1, dim)
+        shape = list(t.shape)
+        shape[dim] *= ctx.tp
+        leaves[i] = DTensor.from_local(
+            t,
+            ctx.mesh,
+            [Shard(dim)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=_strides(shape),
+        )
     return tree_unflatten(leaves, spec)
+
+
+def _strides(shape: list[int]) -> tuple[int, ...]:
+    out, n = [], 1
+    for size in reversed(shape):
+        out.append(n)
+        n *= size
+    return tuple(reversed(out))
 
 
 def run_locally(module: nn.Module, notes: RegionNotes, mesh: DeviceMesh, name: str) -> None:
@@ -617,7 +636,7 @@ def run_locally(module: nn.Module, notes: RegionNotes, mesh: DeviceMesh, name: s
     def leave(m: nn.Module, args: Any, out: Any) -> Any:
         if modes:
             modes.pop().__exit__(None, None, None)
-        return None if out is None else _gathered(out, notes, ctx, name)
+        return None if out is None else _returned(out, notes, ctx, name)
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
