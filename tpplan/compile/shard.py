@@ -50,7 +50,9 @@ def shard_model(
     """
     names = [n for n, _ in model.named_modules()]
     regions = [n for region in plan.regions for n in match_names(region.match, names)]
-    local = [n for n in regions if _local_notes(notes, model.get_submodule(n)) is not None]
+    # at tp 1 a rank's shard is the whole tensor: a region's code runs as it is, unproven
+    whole = mesh.size() == 1 and notes is not None
+    local = [n for n in regions if whole or _local_notes(notes, model.get_submodule(n))]
     if local:
         plan = _opened_locally(plan, names, local)
     tied = tied_holders(model)
@@ -67,8 +69,10 @@ def shard_model(
         module = model.get_submodule(name)
         found = _local_notes(notes, module)
         # what `tpplan stats` reports
-        how = "local shards" if found is not None else f"DTensor: {_why_dtensor(notes, module)}"
+        how = "local shards" if found or whole else f"DTensor: {_why_dtensor(notes, module)}"
         module.__dict__["_tpplan_region"] = how
+        if whole:
+            continue
         if found is not None:
             run_locally(module, found, mesh, name)
         elif record is not None:
