@@ -38,7 +38,10 @@ TOL = 1e-4
 def rows(n: int = 48) -> torch.Tensor:
     """Counting sequences mod 128: learnable, so the loss falls and the steps differ."""
     g = torch.Generator().manual_seed(0)
-    start, step = torch.randint(0, 128, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
+    start, step = (
+        torch.randint(0, 128, (n, 1), generator=g),
+        torch.randint(1, 4, (n, 1), generator=g),
+    )
     return (start + step * torch.arange(SEQ)) % 128
 
 
@@ -195,7 +198,12 @@ def wrong_setups(mode: str, out: Path, say: Any) -> None:
         t.__class__ = SplitOverEveryRank
         t.train()
 
-    expect("sampler", "fed the ranks of one tp group different batches", every_rank_its_own_batches, say)
+    expect(
+        "sampler",
+        "fed the ranks of one tp group different batches",
+        every_rank_its_own_batches,
+        say,
+    )
 
 
 def main() -> None:

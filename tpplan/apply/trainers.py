@@ -83,7 +83,7 @@ def prepare_for_trainers(
         # transformers' record of how it sharded the model itself: not at all. The Trainer reads
         # it (its FSDP2 no_sync), and save_pretrained gathers nothing more by it: tpplan's
         # save_pretrained hands it whole tensors (saving.py)
-        m.config.distributed_config = DistributedConfig()
+        m.config.distributed_config = DistributedConfig()  # type: ignore[union-attr]
     model._tpplan_meshes = Meshes(tp, dp, fsdp)  # type: ignore[assignment]
     # DDP reads this attribute first thing; iterating it raises the message (_NoDDP)
     model._ddp_params_and_buffers_to_ignore = _NoDDP(tp.size())  # type: ignore[assignment]
@@ -124,7 +124,7 @@ class _NoDDP:
 def _cut_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     """load_state_dict pre-hook: a whole (unsharded) tensor given for a DTensor parameter or
     buffer becomes this rank's slice of it, cut locally (every rank holds the whole tensor)."""
-    own = dict(module.named_parameters())
+    own: dict[str, torch.Tensor] = dict(module.named_parameters())
     own.update(module.named_buffers())
     for name, target in own.items():
         given = state_dict.get(prefix + name)
@@ -159,7 +159,7 @@ def _install() -> None:
         ("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
     ):
         setattr(Trainer, name, _wrapped(getattr(Trainer, name), wrapper))
-    Trainer._tpplan_installed = True
+    Trainer._tpplan_installed = True  # type: ignore[attr-defined]
 
 
 def _wrapped(original: Any, wrapper: Any) -> Any:
