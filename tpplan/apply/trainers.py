@@ -4,14 +4,15 @@ Start at `prepare_for_trainers`, which apply_plan and parallelize call on every 
 model, so a trainer's script as its docs write it needs one change: the line that shards the
 model. What the Trainer then does, and why:
 
-- The model says its tp size and data-parallel size the way a model transformers sharded at
-  load time says them (`_tp_size`, `config.distributed_config`). The Trainer reads them and
-  hands accelerate a `ParallelismConfig(tp_size, dp_shard_size)`: no DDP over the tp ranks,
-  and accelerate's data loader gives the ranks of one tp group the same batch, the data
-  split over the data-parallel axis only. Gradients over dp are FSDP2's, where
-  `tpplan.parallelize` applied it.
-- Four things the Trainer does are not right for a model sharded after loading, and there
-  is no public hook for them, so `_install` wraps three Trainer methods (each wrapper does
+- Why not accelerate's `ParallelismConfig(tp_size=...)`, transformers' route for its own
+  tensor parallelism: accelerate 1.15 refuses it on CPU ranks (gloo), it would build a mesh
+  of its own, and transformers' save_pretrained would then gather by its own plan. Instead
+  the Trainer takes its path for a model that owns its placement and gradient reduction,
+  and accelerate's data loaders get the model's mesh (below). Gradients over dp are FSDP2's,
+  where `tpplan.parallelize` applied it; the Trainer's loss scaling counts tp ranks as data
+  ranks on both sides of its division (items and processes), which cancels.
+- What the Trainer does is not right for a model sharded after loading in four places, and
+  there is no public hook for them, so `_install` wraps three Trainer methods (each wrapper does
   the original's work for any other model; `tests/test_trainers.py` fails when
   transformers changes what they wrap): `__init__` checks the setup (one message per wrong
   one) and then takes transformers' own path for a model that owns its placement and
@@ -22,6 +23,10 @@ model. What the Trainer then does, and why:
   `_save_optimizer_and_scheduler` and `_load_optimizer_and_scheduler` keep the optimizer
   state with torch's distributed checkpoint (each rank its shards, resharded on load: a
   checkpoint resumes at another tp size), where the Trainer would pickle rank 0's shards.
+  And each Trainer's accelerator gets a mesh of the model's layout for its data loaders:
+  every rank of a tp group reads the same batches, the data split over dp only.
+- DistributedDataParallel on a sharded model (accelerate without a Trainer, Lightning's DDP)
+  raises a message as it starts (`_NoDDP`).
 - A checkpoint's model weights are the unsharded model's files; the Trainer's resume loads
   them with `model.load_state_dict`, which a pre-hook (torch's public one) makes cut each
   whole tensor into this rank's slice.
