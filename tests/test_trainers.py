@@ -25,16 +25,16 @@ def _checks(stdout: str) -> dict[str, list[int]]:
 TRAINED = [
     f"{kind} {what}"
     for kind in ("trainer", "sft")
-    for what in ("losses", "eval", "resumed", "saved model")
+    for what in ("losses", "eval", "predict", "resumed", "saved model")
 ]
 
 
 @pytest.mark.slow
 def test_trainers_at_tp_2_train_like_the_unsharded_model(tmp_path: Path) -> None:
     """Trainer and SFTTrainer at tp 2: 6 steps (gradient accumulation 2, clipping on) within
-    1e-4 of the unsharded model's under DDP on the same global batch, evaluate, a resume from
-    step 3 equal to the uninterrupted run, save_model's files loaded by plain transformers;
-    then each wrong setup raises its message (trainer_ranks.py)."""
+    1e-4 of the unsharded model's under DDP on the same global batch, evaluate, predict (each
+    row once, in order, the unsharded logits), a resume from step 3 equal to the uninterrupted
+    run, save_model's files loaded by plain transformers; then each wrong setup raises its message (trainer_ranks.py)."""
     run = torchrun(
         HERE / "trainer_ranks.py",
         "--standalone",
@@ -67,8 +67,8 @@ def test_trainers_on_a_dp_tp_mesh_train_like_the_unsharded_model(tmp_path: Path)
 def test_the_trainer_code_the_integration_wraps_is_still_there() -> None:
     """apply/trainers.py takes the Trainer's path for a model sharded at load time
     (`is_distributed_loading_by_transformers`), set after `__init__`, wraps the optimizer's
-    save and load, and hands accelerate the mesh its data loaders read. Each of these is
-    library code without a public promise; this reads it."""
+    save and load, hands accelerate the mesh its data loaders read, and gathers predictions
+    once per tp group. Each of these is library code without a public promise; this reads it."""
     from accelerate import Accelerator
     from transformers import Trainer
 
@@ -89,6 +89,11 @@ def test_the_trainer_code_the_integration_wraps_is_still_there() -> None:
     ]
     # accelerate's data loaders split by the mesh `_prepare_device_mesh` returns
     assert "self._prepare_device_mesh()" in inspect.getsource(Accelerator.prepare_data_loader)
+    # evaluate and predict gather through the accelerator's gather_for_metrics, looked up
+    # again after each loop, which gathers tensors with the accelerator's gather
+    loop = inspect.getsource(Trainer.evaluation_loop)
+    assert "self.gather_function = self.accelerator.gather_for_metrics" in loop
+    assert "data = self.gather(input_data)" in inspect.getsource(Accelerator.gather_for_metrics)
     # the no_sync of gradient accumulation reads the config tpplan sets
     assert "distributed_config.dp_replicate_size" in inspect.getsource(
         Trainer._defer_fsdp_gradient_reduction

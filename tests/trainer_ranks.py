@@ -5,8 +5,9 @@ over the same ranks on the same global batch.
 `tp DIR` (2 ranks, tp 2) and `dptp DIR` (4 ranks, a (dp 2, tp 2) mesh, FSDP2 over dp): for
 each trainer, 6 steps (gradient accumulation 2, clipping on every step, a linear schedule
 with warmup) give the unsharded losses; the checkpoint of step 3 resumed (model, optimizer,
-scheduler) gives the uninterrupted run's losses; evaluate gives the unsharded eval loss; the
-final save_model loads into plain transformers with the sharded model's logits. `dptp` also
+scheduler) gives the uninterrupted run's losses; evaluate gives the unsharded eval loss;
+predict gives each row of its dataset once, in order, with the unsharded logits; the final
+save_model loads into plain transformers with the sharded model's logits. `dptp` also
 resumes that checkpoint at tp 4. `tp` then sets up each wrong thing once (DDP over the tp
 ranks, a sampler over every rank, a model sharded on fewer ranks) and checks its message;
 `dptp` a mesh with tp as its outer axis. Each rank prints one line per check the test counts.
@@ -118,6 +119,7 @@ def train_and_resume(mode: str, kind: str, out: Path, say: Any) -> None:
     got = losses(run)
     say(f"{kind} losses", worst(got, want))
     say(f"{kind} eval", abs(run.evaluate()["eval_loss"] - want_eval))
+    say(f"{kind} predict", predict_error(kind, run, ref.model))
 
     checkpoint = out / "run" / "checkpoint-3"
     again = trainer(kind, shard(mode), BATCH // dp, out / "again")
@@ -143,6 +145,27 @@ def train_and_resume(mode: str, kind: str, out: Path, say: Any) -> None:
     else:
         err = 0.0
     say(f"{kind} saved model", err)
+
+
+def predict_error(kind: str, run: Any, unsharded: Any) -> float:
+    """How far predict's logits are from the unsharded model's on 7 rows (the last batch short
+    at tp 2 and at dp 2 x tp 2); inf unless predict returned those rows once each, in order
+    (accelerate gathers over every rank, each tp group's rows tp times)."""
+    data = rows(7)
+    if kind == "trainer":
+        given: Any = Counting(7)
+    else:
+        from datasets import Dataset
+
+        given = Dataset.from_dict({"input_ids": data.tolist()})
+    got = run.predict(given).predictions
+    got = torch.as_tensor(got[0] if isinstance(got, tuple) else got)
+    unsharded.eval()
+    with torch.no_grad():
+        want = unsharded(data).logits  # (7, SEQ, vocab), every row on every rank
+    if got.shape != want.shape:
+        return float("inf")
+    return (got - want).abs().max().item()
 
 
 def expect(what: str, message: str, action: Any, say: Any) -> None:

@@ -24,7 +24,9 @@ model. What the Trainer then does, and why:
   state with torch's distributed checkpoint (each rank its shards, resharded on load: a
   checkpoint resumes at another tp size), where the Trainer would pickle rank 0's shards.
   And each Trainer's accelerator gets a mesh of the model's layout for its data loaders:
-  every rank of a tp group reads the same batches, the data split over dp only.
+  every rank of a tp group reads the same batches, the data split over dp only; and a
+  `gather_for_metrics` that keeps one copy of each tp group's rows, so evaluate and predict
+  see each row of their dataset once, in order.
 - DistributedDataParallel on a sharded model (accelerate without a Trainer, Lightning's DDP)
   raises a message as it starts (`_NoDDP`).
 - A checkpoint's model weights are the unsharded model's files; the Trainer's resume loads
@@ -187,6 +189,7 @@ def _init(original: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
     # transformers' own path for a model that owns its placement and gradient reduction
     trainer.is_distributed_loading_by_transformers = True
     _split_data_over_dp(trainer, meshes)
+    _gather_one_copy_per_tp_group(trainer, meshes)
     _check_first_batches(trainer.model, meshes.tp)
 
 
@@ -257,6 +260,48 @@ def _split_data_over_dp(trainer: Any, meshes: Meshes) -> None:
     else:
         mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
     trainer.accelerator._prepare_device_mesh = lambda: mesh
+
+
+def _gather_one_copy_per_tp_group(trainer: Any, meshes: Meshes) -> None:
+    """evaluate and predict gather each batch's outputs from every rank with accelerate's
+    `gather_for_metrics`, then cut the last batch to the rows the dataset has left, counted
+    over dp (the data loader's split). The ranks of a tp group hold the same rows, so each
+    group's copy but the first is dropped before that cut: predict returns the dataset's rows
+    once, in order. On this Trainer's accelerator only. Its `gather` itself is left gathering
+    over every rank: the Trainer's loss scaling counts the tp ranks on both sides (the module
+    docstring)."""
+    from accelerate.utils import recursively_apply
+
+    accelerator = trainer.accelerator
+    gather_every_rank, gather_for_metrics = accelerator.gather, accelerator.gather_for_metrics
+    tp, world = meshes.tp.size(), dist.get_world_size()
+    first_of_group = meshes.tp.get_local_rank() == 0
+
+    def one_copy(t: torch.Tensor) -> torch.Tensor:
+        # (world * n, ...) in rank order, tp the innermost axis -> (dp * n, ...)
+        return t.unflatten(0, (world, -1))[::tp].flatten(0, 1)
+
+    def gather_rows(data: Any) -> Any:
+        return recursively_apply(one_copy, gather_every_rank(data))
+
+    def gather_once(data: Any, use_gather_object: bool = False) -> Any:
+        try:
+            recursively_apply(lambda x: x, data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True  # as accelerate decides: objects are gathered as objects
+        if use_gather_object:  # lists of each rank's rows, concatenated: one rank's per group
+            return gather_for_metrics(data if first_of_group else data[:0], use_gather_object=True)
+        accelerator.gather = gather_rows  # what gather_for_metrics calls for tensors
+        try:
+            return gather_for_metrics(data)
+        finally:
+            del accelerator.gather
+
+    accelerator.gather_for_metrics = gather_once
+    # the Trainer bound gather_for_metrics in its __init__ (and binds it again after each loop)
+    trainer.gather_function = functools.partial(
+        gather_once, use_gather_object=trainer.args.eval_use_gather_object
+    )
 
 
 def _check_first_batches(model: nn.Module, tp: DeviceMesh) -> None:
