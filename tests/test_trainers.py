@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,24 @@ def test_a_sharded_hugging_face_model_tells_ddp_no() -> None:
     with pytest.raises(TrainerSetupError, match=r"DistributedDataParallel was asked to wrap"):
         set(model._ddp_params_and_buffers_to_ignore)
     assert model.config.distributed_config.tp_size == 1  # transformers sharded nothing itself
+
+
+def test_sharding_leaves_the_trainer_unloaded_until_a_script_imports_it() -> None:
+    """apply_plan on a Hugging Face model does not import transformers.trainer (~2 s); the
+    Trainer is wrapped as it loads, and TRL's SFTTrainer, its subclass, goes through the
+    wrapped methods. In a fresh interpreter: this one may have loaded the Trainer already."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(HERE)!r})
+from models import tiny_llama
+from tpplan import apply_plan
+from tpplan._runtime.local import simulated_ranks
+with simulated_ranks(2) as mesh:
+    apply_plan(tiny_llama(), mesh)
+assert "transformers.trainer" not in sys.modules, "apply_plan imported the Trainer"
+from trl import SFTTrainer
+from transformers import Trainer
+assert Trainer._tpplan_installed and SFTTrainer._tpplan_installed
+assert Trainer.__init__.__wrapped__ is not None
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)

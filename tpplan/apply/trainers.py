@@ -11,10 +11,11 @@ model. What the Trainer then does, and why:
   and accelerate's data loaders get the model's mesh (below). Gradients over dp are FSDP2's,
   where `tpplan.parallelize` applied it; the Trainer's loss scaling counts tp ranks as data
   ranks on both sides of its division (items and processes), which cancels.
-- What the Trainer does is not right for a model sharded after loading in four places, and
-  there is no public hook for them, so `_install` wraps three Trainer methods (each wrapper does
-  the original's work for any other model; `tests/test_trainers.py` fails when
-  transformers changes what they wrap): `__init__` checks the setup (one message per wrong
+- What the Trainer does is not right for a model sharded after loading in five places, and
+  there is no public hook for them, so `_install` wraps three Trainer methods, as
+  transformers.trainer loads if it has not loaded yet (each wrapper does the original's work
+  for any other model; `tests/test_trainers.py` fails when transformers changes what they
+  wrap): `__init__` checks the setup (one message per wrong
   one) and then takes transformers' own path for a model that owns its placement and
   gradient reduction (`is_distributed_loading_by_transformers`: every rank joins
   `save_pretrained`, whose gathering tpplan gave the model; accelerate does not wrap it).
@@ -37,6 +38,8 @@ model. What the Trainer then does, and why:
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +100,7 @@ def prepare_for_trainers(
     if not getattr(model, "_tpplan_loads_whole", False):
         model.register_load_state_dict_pre_hook(_cut_whole_tensors)
         model._tpplan_loads_whole = True  # type: ignore[assignment]
-    _install()
+    _install_with_the_trainer()
 
 
 def _hf_models(model: nn.Module) -> list[nn.Module]:
@@ -154,19 +157,50 @@ def _ranks(mesh: DeviceMesh) -> list[int]:
 # ---- the wrapped Trainer methods ------------------------------------------------------------
 
 
-def _install() -> None:
-    """Wrap three of transformers' Trainer methods, once (see the module docstring)."""
-    from transformers import Trainer
+def _install_with_the_trainer() -> None:
+    """Wrap the Trainer now if transformers.trainer is loaded, else as soon as it loads:
+    importing it costs ~2 s, which a script that shards a model and never trains should not
+    pay. Whichever comes second, the sharding or the import, installs."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is not None:
+        _install(trainer_module.Trainer)
+    elif not any(isinstance(f, _WhenTrainerLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenTrainerLoads())
 
-    if getattr(Trainer, "_tpplan_installed", False):
+
+class _WhenTrainerLoads(importlib.abc.MetaPathFinder):
+    """An import hook, once: finds transformers.trainer as the other finders do and wraps
+    the Trainer as the module finishes loading, before any code can construct one."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "transformers.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)  # the finders after this one
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run_module = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            _install(module.Trainer)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's loader only
+        return spec
+
+
+def _install(trainer_class: type) -> None:
+    """Wrap three of transformers' Trainer methods, once (see the module docstring)."""
+    if getattr(trainer_class, "_tpplan_installed", False):
         return
     for name, wrapper in (
         ("__init__", _init),
         ("_save_optimizer_and_scheduler", _save_optimizer_and_scheduler),
         ("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
     ):
-        setattr(Trainer, name, _wrapped(getattr(Trainer, name), wrapper))
-    Trainer._tpplan_installed = True  # type: ignore[attr-defined]
+        setattr(trainer_class, name, _wrapped(getattr(trainer_class, name), wrapper))
+    trainer_class._tpplan_installed = True  # type: ignore[attr-defined]
 
 
 def _wrapped(original: Any, wrapper: Any) -> Any:
