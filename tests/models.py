@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -79,3 +81,17 @@ class SeqParallelNet(nn.Module):
         h = self.embed(tokens)
         h = h + self.mlp(self.norm1(h))
         return self.head(self.norm2(h))
+
+
+def tiny_tokenizer(vocab: int = 128) -> Any:
+    """A word-level tokenizer over the tokens t0 ... t{vocab-1} (t0 pads), built in memory:
+    what TRL's SFTTrainer needs beside a tiny model, without a download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    inner = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=inner, pad_token="t0", eos_token="t1", unk_token="t0"
+    )

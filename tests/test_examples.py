@@ -16,15 +16,20 @@ EXAMPLES = sorted(ROOT.rglob("*.py"))
 NOTEBOOKS = sorted(ROOT.rglob("*.ipynb"))
 # Checked more closely by a test of its own below; run once, not twice.
 OWN_TESTS = {"lightning_tp.py"}
+# Run as their docstrings say, under torchrun with this many processes; the others as plain
+# scripts (they start their ranks themselves).
+TORCHRUN = {"hf_trainer.py": 2, "trl_sft.py": 2}
 # What each example prints when it has checked its result. Each exits non-zero on a mismatch;
 # the line also proves it got as far as the check (an example that returns early exits 0 too).
 SAYS = {
     "fsdp_tp.py": r"^worst loss difference \S+, worst weight difference \S+ \(.*\); tolerance 1e-05$",
     "generate.py": r"^greedy tokens match \(12 new tokens x 2 prompts\)$",
+    "hf_trainer.py": r"^worst difference \S+ \(tolerance 1e-04\)$",
     "infer_and_apply.py": r"^max abs difference from the unsharded model: \S+$",
     "launch_from_notebook.ipynb": r"^max abs difference from the unsharded model, per rank: \[",
     "moe_experts.py": r"^mode expert: shard ",
     "train_loop.py": r"^worst difference \S+ \(tolerance 1e-04\)$",
+    "trl_sft.py": r"^worst difference \S+ \(tolerance 1e-04\)$",
     "workflow.py": r"^plan-as-code workflow done",
 }
 
@@ -40,8 +45,16 @@ def test_there_are_examples() -> None:
 )
 def test_example_runs(script: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = []
+    if script.name in TORCHRUN:
+        launcher = ["-m", "torch.distributed.run", "--standalone"]
+        launcher.append(f"--nproc-per-node={TORCHRUN[script.name]}")
     run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, *launcher, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert script.name in SAYS, "add to SAYS the line this example prints once its check passed"

@@ -24,6 +24,7 @@ from .caches import size_caches_by_keys
 from .guard import guard_inputs, wants_guard
 from .meta_weights import guard_meta_weights
 from .saving import gather_on_save
+from .trainers import prepare_for_trainers
 
 __all__ = ["apply_plan", "resolve_plan", "tp_mesh"]
 
@@ -98,7 +99,9 @@ def apply_plan(
     plans do) are read from the model; `model._tpplan_plan` keeps the plan completed with
     them. Works on models on the meta device (materialize or load weights after)
     as well as on CPU/CUDA. A Hugging Face model's (or peft model's) `save_pretrained`,
-    called on every rank, then writes the unsharded model's files (apply/saving.py).
+    called on every rank, then writes the unsharded model's files (apply/saving.py), and
+    transformers' Trainer and TRL's trainers train it without DDP over the tp ranks
+    (apply/trainers.py).
 
     `check_inputs` (default: the TPPLAN_CHECK_INPUTS environment variable) makes every
     forward verify that the model's tensor inputs are identical on all tp ranks, raising
@@ -134,6 +137,7 @@ def apply_plan(
     shard_model(model, mesh, plan, local_shards=local_shards, notes=notes)
     gather_on_save(model)  # save_pretrained writes the unsharded model's tensors
     size_caches_by_keys(model)  # a static cache holds each rank's own heads
+    prepare_for_trainers(model, mesh)  # transformers' Trainer and TRL train it as it is
     if wants_guard(check_inputs):
         guard_inputs(model, mesh)
     guard_meta_weights(model)  # a forward before load_checkpoint names the fix, not torch

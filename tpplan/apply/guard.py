@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import TpplanError
 
-__all__ = ["ENV_VAR", "InputMismatchError", "guard_inputs", "wants_guard"]
+__all__ = ["ENV_VAR", "InputMismatchError", "check_same_inputs", "guard_inputs", "wants_guard"]
 
 ENV_VAR = "TPPLAN_CHECK_INPUTS"
 
@@ -60,22 +60,26 @@ def guard_inputs(model: nn.Module, mesh: DeviceMesh) -> RemovableHandle:
     """Check the model's tensor inputs are identical on every rank of `mesh` at each forward."""
 
     def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        named = _inputs(args, kwargs)
-        if not named:
-            return
-        local = torch.stack(
-            [_summary(t.to("cpu") if t.device.type == "meta" else t) for _, t in named]
-        )
-        gathered = funcol.wait_tensor(funcol.all_gather_single(local, 0, mesh))
-        per_rank = gathered.reshape(mesh.size(), len(named), 3).tolist()
-        for i, (name, _) in enumerate(named):
-            differ = [r for r in range(1, mesh.size()) if per_rank[r][i] != per_rank[0][i]]
-            if differ:
-                ranks = ", ".join(str(r) for r in differ)
-                raise InputMismatchError(
-                    f"{name} differs across tp ranks: rank(s) {ranks} do not hold what rank 0 holds. "
-                    "Every rank of a tensor-parallel group must get the same batch: give tp ranks the "
-                    "same data-loader seed and shard data over the data-parallel axis only."
-                )
+        check_same_inputs(mesh, args, kwargs)
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def check_same_inputs(mesh: DeviceMesh, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise InputMismatchError when a tensor among `args` and `kwargs` differs across the
+    ranks of `mesh` (one small all-gather)."""
+    named = _inputs(args, kwargs)
+    if not named:
+        return
+    local = torch.stack([_summary(t.to("cpu") if t.device.type == "meta" else t) for _, t in named])
+    gathered = funcol.wait_tensor(funcol.all_gather_single(local, 0, mesh))
+    per_rank = gathered.reshape(mesh.size(), len(named), 3).tolist()
+    for i, (name, _) in enumerate(named):
+        differ = [r for r in range(1, mesh.size()) if per_rank[r][i] != per_rank[0][i]]
+        if differ:
+            ranks = ", ".join(str(r) for r in differ)
+            raise InputMismatchError(
+                f"{name} differs across tp ranks: rank(s) {ranks} do not hold what rank 0 holds. "
+                "Every rank of a tensor-parallel group must get the same batch: give tp ranks the "
+                "same data-loader seed and shard data over the data-parallel axis only."
+            )

@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..errors import MeshError
 from ..plan.schema import Plan
 from .api import apply_plan
+from .trainers import prepare_for_trainers
 
 __all__ = ["parallelize"]
 
@@ -62,6 +63,9 @@ def parallelize(
             "build it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
         )
     apply_plan(model, mesh["tp"], plan, check_inputs=check_inputs)
+    # what a trainer must know: the dp axis, and whether FSDP2 averages gradients over it
+    dp_mesh = mesh["dp"] if "dp" in names else None
+    prepare_for_trainers(model, mesh["tp"], dp_mesh, fsdp=dp == "fsdp" and dp_mesh is not None)
     if dp is None:
         return model
     if dp != "fsdp":
