@@ -105,11 +105,15 @@ def run_plan(
     *,
     tp_size: int,
     given: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+    strict: bool = False,
 ) -> list[Problem]:
     """The Problem of a plan that passes the static checks but does not run: applied to a
     meta copy of `model` on `tp_size` fake ranks, a forward and a backward pass fail. Empty
     when they run, or when no run can be set up (see the module docstring). `given`: the
-    (args, kwargs) to run with, as meta tensors, instead of inputs made up here.
+    (args, kwargs) to run with, as meta tensors, instead of inputs made up here. `strict`:
+    what fake tensors cannot run in the sharded model (blame.fake_limit) is a problem too,
+    not a `DryRunSkipped` note (infer's sequence-parallel fitting offers only what it saw
+    run to the end).
 
     The fake ranks are a process group of their own: this works inside a real gloo or NCCL
     job of any world size without a collective. The model itself is never touched.
@@ -135,11 +139,13 @@ def run_plan(
             if failure is None:
                 return []
             why = fake_limit(failure.error)
-            if why is None and not _runs_unsharded(model, inputs, args):
+            # a model that does not run on fake tensors even unsharded (routing that reads
+            # values) leaves the plan to the static checks, as it always has: no note
+            if not _runs_unsharded(model, inputs, args):
                 return []
         except _CannotRun:
             return []
-    if why is not None:
+    if why is not None and not strict:
         # fake tensors cannot run it, whatever the plan: no rule is to blame (blame.py)
         warnings.warn(failure_note(model, failure, why), DryRunSkipped, stacklevel=2)
         return []

@@ -147,6 +147,8 @@ def try_sequence_parallel(model: nn.Module, plan: Plan, tp: int, example_inputs:
         given = example_call(model, example_inputs)
 
     def first_problem(p: Plan) -> Any:
-        return next(iter(run_plan(p, model, tp_size=tp, given=given)), None)
+        # strict: a stream the dry run cannot follow to the end (a router reading the split
+        # stream's values) is not offered, where a plain plan would only get a note
+        return next(iter(run_plan(p, model, tp_size=tp, given=given, strict=True)), None)
 
     return settle_sequence_parallel(model, plan, tp, example_inputs, first_problem)
