@@ -68,9 +68,11 @@ class _Attention(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, **kw: Any) -> None:
+    """An attention as a block's `attn`, its output (not what it returns beside) handed on."""
+
+    def __init__(self, attn: nn.Module | None = None) -> None:
         super().__init__()
-        self.attn = _Attention(**kw)
+        self.attn = attn if attn is not None else _Attention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn(x)[0]
@@ -139,7 +141,7 @@ def test_a_whole_per_head_parameter_is_cut_and_its_gradient_summed(tp: int) -> N
     """A learnable scale of one entry per head (a plain parameter of the region, whole on
     every rank) meets the split scores: each rank takes its heads' entries, and the
     gradient, each rank's heads' share, is summed over the ranks (parity of its gradient)."""
-    model = _Block(scale=True)
+    model = _Block(_Attention(scale=True))
     x = _randn(2, 5, 32, seed=1)
     with simulated_ranks(tp) as mesh:
         sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, _plan())
@@ -164,17 +166,8 @@ class _Biased(_Attention):
         return self.out(y.transpose(1, 2).reshape(b, t, 32)), y
 
 
-class _BiasedBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = _Biased()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(x)[0]
-
-
 def test_a_region_its_proof_cannot_run_locally_stays_on_dtensors_with_the_reason() -> None:
-    model = _BiasedBlock()
+    model = _Block(_Biased())
     with simulated_ranks(2) as mesh:
         sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, _plan())
         why = sharded.attn._tpplan_region
@@ -192,10 +185,9 @@ def test_stats_say_which_regions_run_on_local_shards() -> None:
     assert stats.execution["attn.qkv"] == "local shards"
 
 
-def test_a_kv_cache_holds_plain_tensors_where_the_region_runs_locally() -> None:
-    """Phi-3's attention (q|k|v cut from the fused output at positions from the config) is
-    a region: run locally, the cache it fills holds each rank's heads as plain tensors, so
-    transformers' own cache code (reorder, crop, static writes) meets no DTensor."""
+def _tiny_phi3() -> nn.Module:
+    """transformers' Phi-3, one layer of 4 heads: q|k|v cut from its fused output by slices
+    at positions from the config (a region)."""
     from tpplan._runtime.models import build_model
 
     torch.manual_seed(0)
@@ -204,7 +196,14 @@ def test_a_kv_cache_holds_plain_tensors_where_the_region_runs_locally() -> None:
         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128,
         "pad_token_id": 0, "eos_token_id": 0,
     }  # fmt: skip
-    model = build_model("phi3", config, device="cpu").eval()
+    return build_model("phi3", config, device="cpu").eval()
+
+
+def test_a_kv_cache_holds_plain_tensors_where_the_region_runs_locally() -> None:
+    """Phi-3's attention (q|k|v cut from the fused output at positions from the config) is
+    a region: run locally, the cache it fills holds each rank's heads as plain tensors, so
+    transformers' own cache code (reorder, crop, static writes) meets no DTensor."""
+    model = _tiny_phi3()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
     plan = tpplan.infer_plan(model, tp_size=2)
     with torch.no_grad():
@@ -231,15 +230,7 @@ def test_sdpa_inside_a_local_region_sees_the_rank_s_heads() -> None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.out(y.transpose(1, 2).reshape(b, t, 32)), y
 
-    class _Top(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn = _Sdpa()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.attn(x)[0]
-
-    assert_parity(_Top(), _plan(), 2, _randn(2, 5, 32))
+    assert_parity(_Block(_Sdpa()), _plan(), 2, _randn(2, 5, 32))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -272,15 +263,7 @@ def test_a_static_cache_is_written_by_a_region_on_either_path(local_shards: bool
     than the unsharded model with no error."""
     from transformers import StaticCache
 
-    from tpplan._runtime.models import build_model
-
-    torch.manual_seed(0)
-    config = {
-        "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128,
-        "pad_token_id": 0, "eos_token_id": 0,
-    }  # fmt: skip
-    model = build_model("phi3", config, device="cpu").eval()
+    model = _tiny_phi3()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
     plan = tpplan.infer_plan(model, tp_size=2)
 
