@@ -38,6 +38,7 @@ from .._runtime.tree import tensor_leaves
 from ..compile.local_regions import RegionNotes
 from ..compile.shard import shard_model
 from ..errors import DryRunSkipped, Problem, TpplanError
+from ..plan.patterns import match_names
 from ..plan.schema import Plan
 from ..trace import quiet_fake_tensor_log, repeated_blocks
 from .blame import Failure, MetaKernels, Watch, failure_note, failure_problem, fake_limit
@@ -191,6 +192,12 @@ def prove_local_regions(plan: Plan, model: nn.Module, *, tp_size: int) -> dict[t
     Empty where no run can be set up (the regions then stay on DTensors)."""
     if not plan.regions or tp_size == 1:
         return {}
+    if any(r.style == "sequence_parallel" for r in plan.rules):
+        # the stream reaches a region split over the sequence, as a DTensor: no local run
+        names = [n for n, _ in model.named_modules()]
+        found = [model.get_submodule(n) for r in plan.regions for n in match_names(r.match, names)]
+        why = "the plan is sequence parallel (the stream reaches the region as a DTensor)"
+        return {type(m): RegionNotes(refused=why, ran=True) for m in found}
     with outside_simulation(), quiet_fake_tensor_log(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

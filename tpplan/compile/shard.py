@@ -96,7 +96,7 @@ def _why_dtensor(notes: dict[type, RegionNotes] | None, module: nn.Module) -> st
     found = notes.get(type(module))
     if found is None or not found.ran:
         return "a DTensor region: its proof on fake ranks could not run it"
-    return f"a DTensor region: its proof found {found.refused}"
+    return f"a DTensor region, not run on local shards: {found.refused}"
 
 
 def _opened_locally(plan: Plan, names: list[str], local: list[str]) -> Plan:
