@@ -346,12 +346,18 @@ def test_stats_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "on DTensors" not in out
 
 
-def test_stats_name_the_layers_a_dtensor_region_keeps_on_dtensors(
+def test_stats_name_the_regions_that_run_on_local_shards(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """BLOOM's attention is a DTensor region in its plan; its proof lets it run on local
+    shards, its layers with it, and stats says so (a region kept on DTensors is named with
+    its reason: tests/test_local_regions.py)."""
     code, out, _ = run(capsys, "stats", "bloom", "--tp", "2", "--set", "n_layer=1")
     assert code == 0
-    assert "on DTensors: transformer.h.0.self_attention.dense: its input is a DTensor" in out
+    assert "regions on local shards: transformer.h.0.self_attention\n" in out
+    local = next(ln for ln in out.splitlines() if ln.startswith("split layers on local shards:"))
+    assert "transformer.h.0.self_attention.dense" in local
+    assert "on DTensors:" not in out
 
 
 def test_infer_prints_a_plan_that_reads_back(capsys: pytest.CaptureFixture[str]) -> None:

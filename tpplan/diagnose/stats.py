@@ -193,7 +193,7 @@ def _record_paths(
             reason = why(mod, tp) if why else f"{type(style).__name__} runs on DTensors"
             if runs_locally(mod):
                 reason = None  # an opener of a region run on local shards
-            if isinstance(first_tensor(args), DTensor):
+            if reason is None and isinstance(first_tensor(args), DTensor):
                 reason = "its input is a DTensor (inside a DTensor region)"
             paths[name] = "local shards" if reason is None else f"DTensor: {reason}"
 
