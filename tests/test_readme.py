@@ -98,6 +98,8 @@ BENCHMARKS_README = (ROOT / "benchmarks" / "README.md").read_text()
         ("memory_tp", ["--no-plot"]),
         ("moe_bar", []),
         ("region_cost", []),
+        ("region_decode", []),
+        ("region_decode", ["--out", "region_decode_deepseek_v3"]),
         ("runtime", ["--no-plot"]),
         ("runtime", ["--gpu", "--no-plot"]),
         ("zoo", []),
