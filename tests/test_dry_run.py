@@ -3,6 +3,7 @@ backward; each failure is a problem on the rule of its likeliest culprit."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -67,7 +68,8 @@ def test_a_model_that_cannot_run_on_meta_is_left_to_the_static_checks() -> None:
     )
     (p,) = run_plan(plan, _Routed(routed=False), tp_size=2)
     assert p.rule == "rules[1] (match: down)" and "fails in down (Linear)" in p.message
-    with pytest.warns(DryRunSkipped, match=r"^could not dry-run the model: aten\._local_scalar"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DryRunSkipped)  # left to the static checks, silently
         assert run_plan(plan, _Routed(routed=True), tp_size=2) == []
 
 
