@@ -66,5 +66,6 @@ def _check(args: argparse.Namespace) -> Answer:
             "rules, none splitting a module): every rank would hold and run the whole model."
         )
     else:
-        lines.append(f"{args.plan}: sound at tp {args.tp} ({len(plan.rules)} rules).")
+        n = len(plan.rules)
+        lines.append(f"{args.plan}: sound at tp {args.tp} ({n} rule{'' if n == 1 else 's'}).")
     return Answer(1 if problems else 0, "".join(f"{line}\n" for line in lines))
