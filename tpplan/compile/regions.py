@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .dtensor_ops import teach_dtensor
-from .local_regions import Recorder, RegionNotes, note_outputs
+from .local_regions import Recorder, RegionNotes, contiguous_strides, note_outputs
 
 __all__ = ["hold_dtensors"]
 
@@ -126,7 +126,7 @@ def _new_alike(func: Any, source: DTensor, *args: Any, **kwargs: Any) -> Any:
         source.placements,
         run_check=False,
         shape=torch.Size(size),
-        stride=_contiguous(size),
+        stride=contiguous_strides(size),
     )
 
 
@@ -163,7 +163,12 @@ def _batched_alike(func: Any, *args: Any, **kwargs: Any) -> Any:
         beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         out = torch.baddbmm(bias, a.to_local(), b.to_local(), beta=beta, alpha=alpha)
     return DTensor.from_local(
-        out, a.device_mesh, [p], run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
+        out,
+        a.device_mesh,
+        [p],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_strides(shape),
     )
 
 
@@ -258,7 +263,7 @@ def _pieces_joined(tensors: Any, dim: int = 0, **kw: Any) -> Any:
         [placement],
         run_check=False,
         shape=torch.Size(shape),
-        stride=_contiguous(tuple(shape)),
+        stride=contiguous_strides(tuple(shape)),
     )
 
 
@@ -301,7 +306,7 @@ def _pieces_sliced(x: DTensor, index: Any) -> Any:
         [_StridedShard(d, split_factor=taken) if taken > 1 else Shard(d)],
         run_check=False,
         shape=torch.Size(shape),
-        stride=_contiguous(tuple(shape)),
+        stride=contiguous_strides(tuple(shape)),
     )
 
 
@@ -373,7 +378,7 @@ def _heads_attention(
         p,
         run_check=False,
         shape=torch.Size(shape),
-        stride=_contiguous(shape),
+        stride=contiguous_strides(shape),
     )
 
 
@@ -406,14 +411,6 @@ def _in_place(func: Any) -> bool:
 
 def _whole_of(t: Any) -> Any:
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= n
-    return tuple(reversed(out))
 
 
 def _plain(t: Any) -> bool:
