@@ -122,6 +122,31 @@ def test_the_padding_row_gets_no_gradient_on_the_local_path() -> None:
     assert torch.count_nonzero(grad[5]) > 0
 
 
+class _ByFeatures(nn.Module):
+    """An embedding split on its features (colwise: each rank its columns, as T5's relative
+    position bias is split by heads; gathered here, T5's split output is the shipped t5
+    plan's parity test), a padding row among its ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Embedding(10, 8, padding_idx=2)
+        self.out = nn.Linear(8, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bias(ids)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_embedding_split_on_its_features_looks_up_its_columns_locally(tp: int) -> None:
+    plan = _plan(("bias", "colwise", {"output": "replicate"}))
+    with fake_ranks(tp) as mesh:
+        model = _ByFeatures()
+        tpplan.apply_plan(model, mesh, plan)
+        assert runs_locally(model.bias) and model.bias.weight.placements[0].dim == 1
+    ids = torch.tensor([[0, 2, 9, 4], [2, 7, 1, 5]])
+    assert_parity(_ByFeatures(), plan, tp, ids, tol=TOL)
+
+
 class _OwnForward(nn.Linear):
     """A Linear whose forward is its own: the fast path does not know its computation."""
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils import _pytree as pytree
 
 from ..errors import TpplanError
+from .local_run import copy_to_ranks, group_name, sum_over_ranks
 from .params import own_start, split_param
 
 __all__ = ["EXPERTS_MARK", "Experts"]
@@ -114,6 +115,7 @@ class Experts(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         mesh = device_mesh
         tp = mesh.size()
+        group = group_name(mesh)
         held = self._hold(module, mesh)
         n_experts = module.get_parameter(next(iter(self.shard))).shape[0]
         for child in self.added_whole:
@@ -129,7 +131,7 @@ class Experts(ParallelStyle):
         def before(mod: nn.Module, args: Any, kwargs: Any) -> Any:
             for owner, pname, how in held:
                 owner.__dict__[pname] = _local(owner._parameters[pname], how, tp)
-            args, kwargs = _tree_map_tensors(lambda x: _enter(x, mesh), (args, kwargs))
+            args, kwargs = _tree_map_tensors(lambda x: _enter(x, mesh, group), (args, kwargs))
             if self.mode == "expert":
                 args, kwargs, back = _own_experts(args, kwargs, n_experts, mesh)
                 undo.append(back)
@@ -138,7 +140,7 @@ class Experts(ParallelStyle):
         def after(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
             if undo:
                 out = _tree_map_tensors(undo.pop(), out)
-            return _tree_map_tensors(lambda x: _sum_partial(x, mesh), out)
+            return _tree_map_tensors(lambda x: sum_over_ranks(x, group, tp), out)
 
         def clean(mod: nn.Module, args: Any, out: Any) -> None:
             for owner, pname, _ in held:
@@ -174,19 +176,15 @@ def _tree_map_tensors(fn: Any, tree: Any) -> Any:
     )
 
 
-def _enter(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The same values on every rank; backward sums the ranks' partial gradients."""
+def _enter(x: torch.Tensor, mesh: DeviceMesh, group: str) -> torch.Tensor:
+    """The same values on every rank; backward sums the ranks' partial gradients (direct
+    collectives on a plain tensor: a DTensor per call costs a decode step more host time
+    than the experts' matmuls)."""
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    elif x.placements != (Replicate(),):
+        return copy_to_ranks(x, group, mesh.size())
+    if x.placements != (Replicate(),):
         x = x.redistribute(placements=[Replicate()])
     return x.to_local(grad_placements=[Partial()])
-
-
-def _sum_partial(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Each rank's partial sum, all-reduced into the whole."""
-    partial_sum = DTensor.from_local(x, mesh, [Partial()], run_check=False)
-    return partial_sum.redistribute(placements=[Replicate()]).to_local()
 
 
 def _own_experts(args: Any, kwargs: Any, n_experts: int, mesh: DeviceMesh) -> tuple[Any, Any, Any]:

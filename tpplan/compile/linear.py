@@ -79,7 +79,9 @@ class Colwise(ColwiseParallel):
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         src = self.src_data_rank
-        split_param(module, "weight", mesh, 1 if self.transposed else 0, self.parts, src)
+        # an embedding's features are its weight's columns, as a transposed layer's outputs
+        features = 1 if self.transposed or isinstance(module, nn.Embedding) else 0
+        split_param(module, "weight", mesh, features, self.parts, src)
         if getattr(module, "bias", None) is not None:
             split_param(module, "bias", mesh, 0, self.parts, src)
 
@@ -119,8 +121,6 @@ class Colwise(ColwiseParallel):
         return out.to_local() if local else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Embedding):
-            return super()._apply(module, device_mesh)
         input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
         output_fn = partial(
             self._own_output, self.output_layouts, self.use_local_output, self.parts
@@ -131,6 +131,8 @@ class Colwise(ColwiseParallel):
             run = LocalRun("colwise", device_mesh, self.transposed, gather, input_fn, output_fn)
             install(module, run)
             return module
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
         return distribute_module(module, device_mesh, self._partition, input_fn, output_fn)
 
     def __repr__(self) -> str:

@@ -105,6 +105,9 @@ class RegionNotes:
     """What the proof found for one region's class: a rewrite per site, or why not."""
 
     sites: dict[Site, Call] = field(default_factory=dict)
+    funcs: set[Any] = field(default_factory=set)
+    """The torch functions called at the sites in `sites`: any other call passes through at
+    run time without looking for its site (a frame walk per call, the mode's main cost)."""
     seen: dict[Site, list[Any]] = field(default_factory=dict)
     """Every site the region's code called, with its rewrite (empty: none)."""
     outputs: dict[Any, tuple[tuple[int, int], ...]] = field(default_factory=dict)
@@ -152,7 +155,7 @@ class Recorder(TorchFunctionMode):
         ):
             raise NotLocal("a partial sum or a layout other than one split dim")
         steps = self._steps(func, args, kwargs, leaves, split_in, split_out)
-        self._merge(site, steps)
+        self._merge(site, func, steps)
         if (split_in or split_out) and not reads_shape(func):
             self._replay(site, func, args, kwargs, outs)
 
@@ -197,7 +200,7 @@ class Recorder(TorchFunctionMode):
             raise NotLocal("narrow on a split tensor")
         return steps
 
-    def _merge(self, site: Site, steps: list[Any]) -> None:
+    def _merge(self, site: Site, func: Any, steps: list[Any]) -> None:
         """One rewrite per site: a site that needs another one call by call (a helper shaping
         split and whole tensors alike) cannot be told apart at run time."""
         have = self.notes.seen.setdefault(site, steps)
@@ -205,6 +208,7 @@ class Recorder(TorchFunctionMode):
             raise NotLocal("one site called with split and whole tensors alike")
         if steps:
             self.notes.sites[site] = Call(steps)
+            self.notes.funcs.add(func)
 
     def _cuts(self, func: Any, leaves: list[Any], out: DTensor) -> tuple[Cut, ...]:
         """Whole tensors meeting split ones: cut where they are full-size on the dim
@@ -275,11 +279,12 @@ class _LocalRegion(TorchFunctionMode):
     def __init__(self, notes: RegionNotes, ctx: Context) -> None:
         super().__init__()
         self.sites = notes.sites
+        self.funcs = notes.funcs
         self.ctx = ctx
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        call = self.sites.get(call_site())  # type: ignore[arg-type]
+        call = self.sites.get(call_site()) if func in self.funcs else None  # type: ignore[arg-type]
         if call is None:
             return func(*args, **kwargs)
         return call.call(func, args, kwargs, self.ctx)

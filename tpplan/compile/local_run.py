@@ -10,6 +10,8 @@ and the only communication is the one Megatron's layers make (the f and g of its
 
 - colwise: the input passes as it is; its gradient is summed over the tp ranks (`_Copy`);
   an output gathered whole (`output: replicate`) is all-gathered on its last dim (`_Gather`);
+  an embedding split on its features (T5's relative position bias, split by heads) looks up
+  the rank's columns;
 - rowwise: the partial outputs are summed over the ranks (`_Sum`), then the bias is added
   once;
 - vocab-parallel lookup: each rank looks up the ids in its share of the rows, zeroes the
@@ -40,7 +42,14 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from .params import own_start
 
-__all__ = ["LocalRun", "copy_to_ranks", "install", "local_run_reason", "runs_locally"]
+__all__ = [
+    "LocalRun",
+    "copy_to_ranks",
+    "install",
+    "local_run_reason",
+    "runs_locally",
+    "sum_over_ranks",
+]
 
 Kind = Literal["colwise", "rowwise", "lookup"]
 
@@ -124,6 +133,12 @@ def _sum(x: torch.Tensor, group: str) -> torch.Tensor:
     return _all_reduce(x, group)
 
 
+def sum_over_ranks(x: torch.Tensor, group: str, tp: int) -> torch.Tensor:
+    """Partial results summed over the `tp` ranks of `group`, the gradient passed as it is
+    (Megatron's g); at tp 1, `x` itself."""
+    return x if tp == 1 else _sum(x, group)
+
+
 @dataclass(frozen=True)
 class LocalRun:
     """How one layer runs on its local shards."""
@@ -181,7 +196,9 @@ def local_run_reason(
     forward = _forward_of(module)
     want = {
         "lookup": ("embedding",),
-        "colwise": ("linear", "conv1d"),
+        # an embedding split on its features (T5's relative position bias: heads) looks up
+        # the rank's columns
+        "colwise": ("linear", "conv1d", "embedding"),
         "rowwise": ("linear", "conv1d"),
     }
     if forward not in want[kind]:
@@ -190,9 +207,9 @@ def local_run_reason(
         return "the rule's `transposed` does not match the layer's weight layout"
     if any(isinstance(getattr(type(module), n, None), property) for n in ("weight", "bias")):
         return "its weight is computed (a parametrization), not a parameter"
-    if kind == "lookup" and getattr(module, "max_norm", None) is not None:
+    if forward == "embedding" and getattr(module, "max_norm", None) is not None:
         return "its lookup renormalizes rows in place (max_norm)"
-    if kind == "lookup" and (module.scale_grad_by_freq or module.sparse):
+    if forward == "embedding" and (module.scale_grad_by_freq or module.sparse):
         return "its gradient is scaled by id counts or sparse"
     if parts is not None and len(set(parts)) > 1:
         return "its fused pieces are of unequal sizes (no local layout)"
@@ -278,8 +295,11 @@ def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     x = args[0] if len(args) == 1 and not kwargs else None
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return _dtensor_call(self, args, kwargs)
-    x = copy_to_ranks(x, run.group, run.tp)
-    out = _matmul(self, run, x, _local(self._parameters.get("bias")))
+    if isinstance(self, nn.Embedding):
+        out = F.embedding(x, _local(self._parameters["weight"]), self.padding_idx)
+    else:
+        x = copy_to_ranks(x, run.group, run.tp)
+        out = _matmul(self, run, x, _local(self._parameters.get("bias")))
     if not run.gather or run.tp == 1:
         return out
     if torch.is_grad_enabled() and out.requires_grad:
