@@ -15,6 +15,7 @@ import pytest
 import torch
 from blocks import assert_parity
 from models import tiny_llama, token_batch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -148,10 +149,72 @@ def test_an_embedding_split_on_its_features_looks_up_its_columns_locally(tp: int
 
 
 class _OwnForward(nn.Linear):
-    """A Linear whose forward is its own: the fast path does not know its computation."""
+    """A Linear whose forward is its own and reads its weight's values: the fast path does
+    not know its computation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * 2
+        return F.linear(x, self.weight * 2, self.bias)
+
+
+# --- forwards extending a known one (known_forwards.py), in the code styles models use ------
+
+
+class _Scaled(nn.Embedding):
+    """Gemma's and BART's scaled word embedding: super().forward, then a scale in the
+    weight's dtype."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__(vocab, dim, padding_idx=1)
+        self.register_buffer("scale", torch.tensor(dim**0.5), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale.to(self.weight.dtype)
+
+
+class _ScaledOld(nn.Embedding):
+    """The same in the two-argument super() of older code, the scale a plain number."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = super(_ScaledOld, self).forward(ids)
+        return out * (self.embedding_dim**0.5)
+
+
+class _Clamped(nn.Linear):
+    """A Linear whose output is clamped, reading its weight's device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.device)).clamp(-0.5, 0.5)
+
+
+class _Extended(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+        self.up = _Clamped(8, 16)
+        self.down = _Clamped(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.embed(ids))))
+
+
+_EXTENDED = _plan(("embed", "vocab_parallel", {}), ("up", "colwise", {}), ("down", "rowwise", {}))
+
+
+@pytest.mark.parametrize("embed", [_Scaled, _ScaledOld])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_forwards_extending_a_known_one_run_locally_with_parity(embed: type, tp: int) -> None:
+    with fake_ranks(tp) as mesh:
+        model = _Extended(embed(16, 8))
+        tpplan.apply_plan(model, mesh, _EXTENDED)
+        assert all(runs_locally(m) for m in (model.embed, model.up, model.down))
+        assert isinstance(model.embed, embed) and type(model.embed).__name__ == embed.__name__
+    ids = torch.tensor([[0, 1, 5, 15], [8, 7, 1, 3]])
+    assert_parity(_Extended(embed(16, 8)), _EXTENDED, tp, ids, tol=TOL)
+
+
+def test_a_forward_reading_its_weights_values_is_not_an_extending_one() -> None:
+    got = plan_stats(_Mixed(), _MIXED, tp_size=2).execution
+    assert got["up"].startswith("DTensor: its forward (_OwnForward.forward) is not one")
 
 
 class _Mixed(nn.Module):

@@ -21,7 +21,9 @@ The parameters stay DTensors (state dicts, optimizers, checkpoints and FSDP see 
 model as on the DTensor path); each call reads their local shards (`to_local`, whose
 gradient flows back into the DTensor's). The layer's forward is replaced by one that does
 the above (`install`), for the forwards whose computation is known: nn.Linear's, nn.Embedding's
-and GPT-2's Conv1D (weight stored (in, out)). A call that is handed a DTensor (a layer inside
+and GPT-2's Conv1D (weight stored (in, out)), and a subclass's own forward that extends one
+of them (known_forwards.py: Gemma's scaled embeddings), whose `super().forward` becomes the
+local one. A call that is handed a DTensor (a layer inside
 a DTensor region) takes the DTensor path for that call, through the style's own input and
 output functions. `local_run_reason` says why a layer cannot take this path at all; stats
 shows it.
@@ -29,7 +31,6 @@ shows it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
@@ -40,6 +41,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
+from .known_forwards import forward_of, known_base, local_class
 from .params import own_start
 
 __all__ = [
@@ -159,27 +161,9 @@ class LocalRun:
     rank: Any = 0
     """This rank's index on the mesh (set by `install`): an int, or on simulated ranks each
     rank's own."""
-
-
-def _conv1d() -> type | None:
-    """transformers' Conv1D (a Linear storing its weight (in, out)), if transformers is
-    imported: a model of it has imported it already."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    return getattr(utils, "Conv1D", None)
-
-
-def _forward_of(module: nn.Module) -> str | None:
-    """'linear', 'conv1d' or 'embedding' when the module's forward is one of those this
-    path knows the computation of, else None."""
-    forward = type(module).forward
-    if forward is nn.Linear.forward:
-        return "linear"
-    if forward is nn.Embedding.forward:
-        return "embedding"
-    conv1d: Any = _conv1d()
-    if conv1d is not None and forward is conv1d.forward:
-        return "conv1d"
-    return None
+    base_forward: Any = None
+    """The known forward (nn.Linear's, ...) the layer's own is or extends (set by `install`):
+    what a call handed a DTensor runs."""
 
 
 def local_run_reason(
@@ -193,7 +177,7 @@ def local_run_reason(
     local_output: bool,
 ) -> str | None:
     """Why `module` cannot run on its local shards under this rule (None: it can)."""
-    forward = _forward_of(module)
+    forward = forward_of(module)
     want = {
         "lookup": ("embedding",),
         # an embedding split on its features (T5's relative position bias: heads) looks up
@@ -205,6 +189,10 @@ def local_run_reason(
         return f"its forward ({type(module).__name__}.forward) is not one whose computation tpplan knows"
     if (forward == "conv1d") != transposed:
         return "the rule's `transposed` does not match the layer's weight layout"
+    if type(module).forward not in (nn.Linear.forward, nn.Embedding.forward) and any(
+        n not in ("weight", "bias") for n, _ in module.named_parameters(recurse=False)
+    ):
+        return "its own forward may read parameters other than the weight and bias"
     if any(isinstance(getattr(type(module), n, None), property) for n in ("weight", "bias")):
         return "its weight is computed (a parametrization), not a parameter"
     if forward == "embedding" and getattr(module, "max_norm", None) is not None:
@@ -232,13 +220,32 @@ def local_run_reason(
 def install(module: nn.Module, run: LocalRun) -> None:
     """Replace `module`'s forward by its local-shard one (its parameters already split)."""
     # the group and rank are read once here: torch.compile traces neither lookup
-    run = replace(run, group=group_name(run.mesh), rank=_rank(run.mesh), tp=run.mesh.size())
+    cls = type(module)
+    found = known_base(cls)
+    assert found is not None, cls  # local_run_reason said it can
+    base_forward = found[0].__dict__["forward"]
+    run = replace(
+        run,
+        group=group_name(run.mesh),
+        rank=_rank(run.mesh),
+        tp=run.mesh.size(),
+        base_forward=base_forward,
+    )
     module._tpplan_local_run = run  # type: ignore[assignment]
     for p in module.parameters(recurse=False):
         if isinstance(p, DTensor):
             _static(p._local_tensor)
     forward = {"colwise": _colwise, "rowwise": _rowwise, "lookup": _lookup}[run.kind]
-    module.forward = forward.__get__(module)
+    if cls.forward is base_forward:
+        module.forward = forward.__get__(module)
+        return
+    # a forward extending the known one: it runs as it is, on plain tensors (its buffers,
+    # made replicated DTensors by distribute_module, back to the whole tensors they were),
+    # and its super() call reaches the local forward
+    module.__class__ = local_class(cls, forward)
+    for name, b in module._buffers.items():
+        if isinstance(b, DTensor):
+            module._buffers[name] = b.to_local()
 
 
 def _run_of(module: nn.Module) -> LocalRun:
@@ -258,7 +265,7 @@ def _dtensor_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     if run.input_fn is not None:
         args = run.input_fn(module, args, run.mesh)
         args = args if isinstance(args, tuple) else (args,)
-    out = type(module).forward(module, *args, **kwargs)
+    out = run.base_forward(module, *args, **kwargs)
     return out if run.output_fn is None else run.output_fn(module, out, run.mesh)
 
 
