@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from blocks import assert_parity
 from models import tiny_llama, token_batch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -175,7 +175,7 @@ class _ScaledOld(nn.Embedding):
     """The same in the two-argument super() of older code, the scale a plain number."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = super(_ScaledOld, self).forward(ids)
+        out = super(_ScaledOld, self).forward(ids)  # noqa: UP008 (the style under test)
         return out * (self.embedding_dim**0.5)
 
 

@@ -38,7 +38,7 @@ def _conv1d() -> type | None:
 
 def _known() -> dict[Any, str]:
     known: dict[Any, str] = {nn.Linear.forward: "linear", nn.Embedding.forward: "embedding"}
-    conv1d = _conv1d()
+    conv1d: Any = _conv1d()
     if conv1d is not None:
         known[conv1d.forward] = "conv1d"
     return known
