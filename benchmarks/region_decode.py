@@ -19,12 +19,15 @@ the tp ranks on gloo, one thread each; every rank builds each method in the same
   what `from_pretrained(tp_plan="auto")` runs), where the family has one;
 - plain: the unsharded model on every rank.
 
-Cases, each a round of every method in turn (the order rotating), timed as the slower rank:
+Cases: every model's every method is built first; then each round runs all of them in
+turn (the order rotating), each timed as the slower rank:
 - decode: one token through a 32-token KV cache under no_grad, the cache cropped back to 32
   after every step (T5: a decoder step over 32 encoder tokens);
 - train: forward and backward of the loss over 1 x 128 tokens.
 Reported: the median over the timed rounds after warm-up, min-max, and the largest
-difference of the logits from the plain model's.
+difference of the logits from the plain model's; each ratio (tpplan against another method,
+or a model's tpplan decode against Llama's) is the median of the ratios within a round, with
+their quartiles, so that the machine's drift over minutes cancels.
 """
 
 from __future__ import annotations
@@ -152,33 +155,38 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result: dict[str, Any] = {}
-    for name in args.models:
-        for case in args.cases:
-            runs: dict[str, Any] = {}
+    for case in args.cases:
+        # every model's every method built first, then all of them take turns in each round
+        # (the order rotating): a ratio between two models is paired within a round, not
+        # read across the minutes that separate one model's rounds from another's
+        runs: dict[tuple[str, str], Any] = {}
+        for name in args.models:
             for method in METHODS:
                 try:
                     model = shard(name, method, mesh)
                     make = decode_step if case == "decode" else train_step
-                    runs[method] = make(name, model)
+                    runs[name, method] = make(name, model)
                 except Exception as e:  # a method the family lacks: reported, not timed
-                    runs[method] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            times: dict[str, list[float]] = {m: [] for m in runs if not isinstance(runs[m], str)}
-            order = list(times)
-            for i in range(args.warmup + args.rounds):
-                k = i % max(1, len(order))
-                for method in order[k:] + order[:k]:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    runs[method][0]()
-                    if i >= args.warmup:
-                        times[method].append(time.perf_counter() - t0)
-            plain = runs["plain"][1]
+                    runs[name, method] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        order = [key for key, run in runs.items() if not isinstance(run, str)]
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in order}
+        for i in range(args.warmup + args.rounds):
+            k = i % max(1, len(order))
+            for key in order[k:] + order[:k]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                runs[key][0]()
+                if i >= args.warmup:
+                    times[key].append(time.perf_counter() - t0)
+        for name in args.models:
+            plain = runs[name, "plain"][1]
             entry: dict[str, Any] = {}
-            for method, run in runs.items():
+            for method in METHODS:
+                run = runs[name, method]
                 if isinstance(run, str):
                     entry[method] = {"error": run}
                     continue
-                t = torch.tensor(times[method], dtype=torch.float64)
+                t = torch.tensor(times[name, method], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 diff = (run[1].float() - plain.float()).abs().max().item()
                 entry[method] = {"times": t.tolist(), "max_diff": diff}
@@ -191,12 +199,24 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def paired(times: list[float], other: list[float], rounds_together: bool) -> str:
+    """With the rounds taken together: the median of the round-by-round ratios as "1.02x
+    (0.95-1.10)", with their quartiles. Results from before they were (each model's rounds
+    apart): the ratio of the medians."""
+    if not rounds_together:
+        return f"{median(times) / median(other):.2f}x"
+    ratios = sorted(a / b for a, b in zip(times, other, strict=True))
+    q = len(ratios) // 4
+    return f"{median(ratios):.2f}x ({ratios[q]:.2f}-{ratios[-1 - q]:.2f})"
+
+
 def render(results: dict[str, Any]) -> str:
     lines = [results["meta"], ""]
+    together = results.get("rounds_together", False)
     for tp, table in results["tp"].items():
         rows = []
         llama = table.get("llama/decode", {}).get("tpplan", {})
-        base = median(llama["times"]) if "times" in llama else None
+        base = llama.get("times")
         for key, entry in table.items():
             row = [key, tp]
             for method in METHODS:
@@ -216,9 +236,9 @@ def render(results: dict[str, Any]) -> str:
             ):
                 run = entry.get(other, {})
                 if "times" in own and "times" in run:
-                    ratios.append(f"{median(own['times']) / median(run['times']):.2f}x {label}")
+                    ratios.append(f"{paired(own['times'], run['times'], together)} {label}")
             if base and key.endswith("/decode") and "times" in own:
-                ratios.append(f"{median(own['times']) / base:.2f}x Llama")
+                ratios.append(f"{paired(own['times'], base, together)} Llama")
             row.append(", ".join(ratios))
             rows.append(row)
         headers = ["model/case", "tp", *[f"{m} ms" for m in METHODS], "tpplan vs"]
@@ -253,6 +273,7 @@ def main() -> None:
         "meta": f"{provenance_line(versions())} gloo, one thread per rank, {platform.machine()}; "
         f"{args.rounds} rounds after {args.warmup} warm-up; median (min-max) ms",
         "tp": {},
+        "rounds_together": True,
     }
     for tp in args.tp:
         cmd = [
