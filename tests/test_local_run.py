@@ -248,6 +248,40 @@ def test_layers_left_on_dtensors_beside_local_ones_keep_parity(tp: int) -> None:
     assert_parity(_Mixed(), _MIXED, tp, torch.randn(3, 8), tol=TOL)
 
 
+class _FalconLinear(nn.Linear):
+    """Falcon's Linear: the matmul and the bias added apart, its own forward reading the
+    weight's values (not one tpplan knows the computation of)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+
+class _OwnLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = _FalconLinear(8, 16)
+        self.down = _FalconLinear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+_OWN = _plan(("up", "colwise", {}), ("down", "rowwise", {}))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_at_tp_1_a_forward_tpplan_does_not_know_runs_as_it_is_on_local_tensors(tp: int) -> None:
+    # at tp 1 the local tensors are the whole ones: any forward computes what it computes
+    # unsharded; at tp 2 the same layers stay on DTensors
+    with fake_ranks(tp) as mesh:
+        model = _OwnLayers()
+        tpplan.apply_plan(model, mesh, _OWN)
+        assert runs_locally(model.up) == runs_locally(model.down) == (tp == 1)
+        assert isinstance(model.up.weight, DTensor)  # the parameters stay DTensors
+    assert_parity(_OwnLayers(), _OWN, tp, torch.randn(3, 8), tol=TOL)
+
+
 def test_a_rowwise_layer_handed_a_dtensor_takes_the_dtensor_path_for_that_call() -> None:
     plan = _plan(("up", "colwise", {"local_output": False}), ("down", "rowwise", {}))
     model = nn.Sequential()

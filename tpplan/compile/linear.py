@@ -75,7 +75,7 @@ class Colwise(ColwiseParallel):
 
     def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
         """Why `module` cannot run on its local shards (local_run.py); None: it can."""
-        return _local_run_reason(self, module, "colwise")
+        return _local_run_reason(self, module, "colwise", tp)
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         src = self.src_data_rank
@@ -139,7 +139,7 @@ class Colwise(ColwiseParallel):
         return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"
 
 
-def _local_run_reason(style: Any, module: nn.Module, kind: Any) -> str | None:
+def _local_run_reason(style: Any, module: nn.Module, kind: Any, tp: int) -> str | None:
     """local_run_reason for a Colwise or Rowwise style's settings."""
     return local_run_reason(
         module,
@@ -149,6 +149,7 @@ def _local_run_reason(style: Any, module: nn.Module, kind: Any) -> str | None:
         input_layout=style.input_layouts[0],
         output_layout=style.output_layouts[0],
         local_output=style.use_local_output,
+        tp=tp,
     )
 
 
@@ -200,7 +201,7 @@ class Rowwise(RowwiseParallel):
     def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
         """Why `module` cannot run on its local shards (local_run.py); None: it can."""
         kind = "lookup" if isinstance(module, nn.Embedding) else "rowwise"
-        return _local_run_reason(self, module, kind)
+        return _local_run_reason(self, module, kind, tp)
 
     def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         dim = 0 if self.transposed else 1

@@ -166,17 +166,8 @@ class LocalRun:
     what a call handed a DTensor runs."""
 
 
-def local_run_reason(
-    module: nn.Module,
-    kind: Kind,
-    *,
-    transposed: bool,
-    parts: tuple[int, ...] | None,
-    input_layout: Any,
-    output_layout: Any,
-    local_output: bool,
-) -> str | None:
-    """Why `module` cannot run on its local shards under this rule (None: it can)."""
+def _forward_reason(module: nn.Module, kind: Kind, transposed: bool) -> str | None:
+    """Why the local forward of `kind` would not compute what `module`'s own does."""
     forward = forward_of(module)
     want = {
         "lookup": ("embedding",),
@@ -193,6 +184,27 @@ def local_run_reason(
         n not in ("weight", "bias") for n, _ in module.named_parameters(recurse=False)
     ):
         return "its own forward may read parameters other than the weight and bias"
+    return None
+
+
+def local_run_reason(
+    module: nn.Module,
+    kind: Kind,
+    *,
+    transposed: bool,
+    parts: tuple[int, ...] | None,
+    input_layout: Any,
+    output_layout: Any,
+    local_output: bool,
+    tp: int,
+) -> str | None:
+    """Why `module` cannot run on its local shards under this rule (None: it can). At tp 1
+    a forward tpplan does not know runs too: as it is, on its parameters' local tensors,
+    which are the whole ones (`_whole`)."""
+    reason = _forward_reason(module, kind, transposed)
+    if reason is not None and tp > 1:
+        return reason
+    forward = forward_of(module)
     if any(isinstance(getattr(type(module), n, None), property) for n in ("weight", "bias")):
         return "its weight is computed (a parametrization), not a parameter"
     if forward == "embedding" and getattr(module, "max_norm", None) is not None:
@@ -222,8 +234,9 @@ def install(module: nn.Module, run: LocalRun) -> None:
     # the group and rank are read once here: torch.compile traces neither lookup
     cls = type(module)
     found = known_base(cls)
-    assert found is not None, cls  # local_run_reason said it can
-    base_forward = found[0].__dict__["forward"]
+    whole = _forward_reason(module, run.kind, run.transposed) is not None
+    assert found is not None or whole, cls  # local_run_reason said it can
+    base_forward = cls.forward if whole or found is None else found[0].__dict__["forward"]
     run = replace(
         run,
         group=group_name(run.mesh),
@@ -236,6 +249,9 @@ def install(module: nn.Module, run: LocalRun) -> None:
         if isinstance(p, DTensor):
             _static(p._local_tensor)
     forward = {"colwise": _colwise, "rowwise": _rowwise, "lookup": _lookup}[run.kind]
+    if whole:
+        assert run.tp == 1, (cls, run.tp)
+        forward = _whole
     if cls.forward is base_forward:
         module.forward = forward.__get__(module)
         return
@@ -325,6 +341,22 @@ def _rowwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     out = _sum(_matmul(self, run, x, None), run.group)
     # the bias is whole on every rank: added once, to the sum
     return out if bias is None else out + bias
+
+
+def _whole(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """At tp 1, a layer whose forward tpplan does not know: that forward, as it is, on its
+    parameters' local tensors (whole at tp 1; a gradient flows back into the DTensors), put
+    in the instance's __dict__ for the call, where attribute lookup finds them first."""
+    if any(isinstance(a, DTensor) for a in (*args, *kwargs.values())):
+        return _dtensor_call(self, args, kwargs)
+    names = [n for n, p in self._parameters.items() if isinstance(p, DTensor)]
+    for n in names:
+        self.__dict__[n] = _local(self._parameters[n])
+    try:
+        return _run_of(self).base_forward(self, *args, **kwargs)
+    finally:
+        for n in names:
+            self.__dict__.pop(n, None)
 
 
 def _lookup(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
