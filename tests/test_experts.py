@@ -291,6 +291,15 @@ def test_expert_weights_held_by_two_children_are_split_at_their_parent(tp: int) 
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
 
 
+def test_experts_at_tp_1_keep_the_numbers_with_their_bias_added_once() -> None:
+    """At tp 1 the experts enter and leave as they are (no tree walk, no division of the
+    bias added after the sum): forward and every gradient as unsharded."""
+    model = BankMoe(biased=True)
+    plan = tpplan.infer_plan(model, tp_size=2)
+    assert "bias" in rule_for(plan, model, "block").after_sum
+    assert_parity(model, plan, 1, _ids())
+
+
 def test_per_expert_biases_in_the_children_are_split_or_added_after_the_sum() -> None:
     """The opening bank's bias is split with its weight; the closing bank's, added to the
     partial sums inside that child, is added 1/tp per rank."""

@@ -131,7 +131,9 @@ class Experts(ParallelStyle):
         def before(mod: nn.Module, args: Any, kwargs: Any) -> Any:
             for owner, pname, how in held:
                 owner.__dict__[pname] = _local(owner._parameters[pname], how, tp)
-            args, kwargs = _tree_map_tensors(lambda x: _enter(x, mesh, group), (args, kwargs))
+            if tp > 1 or _has_dtensor((*args, *kwargs.values())):
+                # at tp 1 a plain input enters as it is: no tree walk per call
+                args, kwargs = _tree_map_tensors(lambda x: _enter(x, mesh, group), (args, kwargs))
             if self.mode == "expert":
                 args, kwargs, back = _own_experts(args, kwargs, n_experts, mesh)
                 undo.append(back)
@@ -140,7 +142,9 @@ class Experts(ParallelStyle):
         def after(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
             if undo:
                 out = _tree_map_tensors(undo.pop(), out)
-            return _tree_map_tensors(lambda x: sum_over_ranks(x, group, tp), out)
+            return (
+                out if tp == 1 else _tree_map_tensors(lambda x: sum_over_ranks(x, group, tp), out)
+            )
 
         def clean(mod: nn.Module, args: Any, out: Any) -> None:
             for owner, pname, _ in held:
@@ -166,7 +170,14 @@ def _local(p: Any, how: str, tp: int) -> torch.Tensor:
     if how == "split":
         return p.to_local()
     local = p.to_local(grad_placements=[Partial()])
-    return local / tp if how == "after_sum" else local
+    return local / tp if how == "after_sum" and tp > 1 else local
+
+
+def _has_dtensor(values: Any) -> bool:
+    """Whether any of `values`, or of the tuples and lists among them, is a DTensor."""
+    return any(
+        isinstance(v, DTensor) or (isinstance(v, (tuple, list)) and _has_dtensor(v)) for v in values
+    )
 
 
 def _tree_map_tensors(fn: Any, tree: Any) -> Any:
