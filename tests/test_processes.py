@@ -105,6 +105,7 @@ def test_compiled_model_matches() -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert _ranks(run.stdout, " compiled local shards") == [0, 1], run.stdout
     assert _ranks(run.stdout, " compiled DTensor path") == [0, 1], run.stdout
+    assert _ranks(run.stdout, " compiled region") == [0, 1], run.stdout
 
 
 @pytest.mark.slow

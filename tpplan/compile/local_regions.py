@@ -327,23 +327,37 @@ def contiguous_strides(shape: Any) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+@dataclass(frozen=True)
+class _RegionRun:
+    """What a region's local forward reads: its notes, the rank's context, its name. A deep
+    copy of the model shares it (the notes hold for the copy, and the mesh is the same)."""
+
+    notes: RegionNotes
+    ctx: Context
+    name: str
+
+    def __deepcopy__(self, memo: Any) -> _RegionRun:
+        return self
+
+
 def run_locally(module: nn.Module, notes: RegionNotes, mesh: DeviceMesh, name: str) -> None:
-    """Run `module`'s forward on local tensors under its region's notes; idempotent."""
+    """Run `module`'s forward on local tensors under its region's notes; idempotent. What
+    it needs is kept on the module and the forward bound to it, so that a deep copy of the
+    model runs its own forward (a closure would run the original's)."""
     if getattr(module, "_tpplan_local_region", False):
         return
-    ctx = context(mesh)
-    modes: list[_LocalRegion] = []
-
-    def enter(m: nn.Module, args: Any) -> None:
-        mode = _LocalRegion(notes, ctx)
-        mode.__enter__()
-        modes.append(mode)
-
-    def leave(m: nn.Module, args: Any, out: Any) -> Any:
-        if modes:
-            modes.pop().__exit__(None, None, None)
-        return None if out is None else _returned(out, notes, ctx, name)
-
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True)
+    module.__dict__["_tpplan_region_run"] = _RegionRun(notes, context(mesh), name)
+    module.__dict__["_tpplan_region_forward"] = module.forward
+    module.forward = _local_forward.__get__(module)
     module._tpplan_local_region = True  # type: ignore[assignment]
+
+
+# torch.compile cannot trace the mode (it finds call sites by their frames): in a compiled
+# model the region runs eagerly, every call the same as without compile, and the rest of the
+# model is compiled around it
+@torch.compiler.disable
+def _local_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    run: _RegionRun = self.__dict__["_tpplan_region_run"]
+    with _LocalRegion(run.notes, run.ctx):
+        out = self.__dict__["_tpplan_region_forward"](*args, **kwargs)
+    return None if out is None else _returned(out, run.notes, run.ctx, run.name)
