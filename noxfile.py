@@ -37,12 +37,23 @@ def _without_zoo(posargs: list[str]) -> list[str]:
     return out if found else ["-m", "not zoo", *out]
 
 
+def _workers(posargs: list[str]) -> list[str]:
+    """pytest-xdist's arguments unless the caller gave its own `-n`: as many workers as
+    CPUs, at most 4, each test file on one worker (a file's module fixtures, such as the
+    generate matrix's launches, then run once), one torch thread each (they share the
+    cores). On 2 cores the suite takes about 28 minutes this way, about 50 in one process."""
+    if any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in posargs):
+        return []
+    return ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite, slow multi-process tests included (pass `-- -m 'not slow'` to skip
     them), but not the zoo: its packages are the `zoo` session's to install."""
     _install(session, "test")
-    session.run("pytest", *_without_zoo(session.posargs))
+    args = [*_workers(session.posargs), *_without_zoo(session.posargs)]
+    session.run("pytest", *args, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

@@ -99,9 +99,9 @@ BENCHMARKS_README = (ROOT / "benchmarks" / "README.md").read_text()
         ("moe_bar", []),
         ("region_cost", []),
         ("region_decode", []),
-        ("region_decode", ["--out", "region_decode_deepseek_v3"]),
         ("runtime", ["--no-plot"]),
         ("runtime", ["--gpu", "--no-plot"]),
+        ("tp1_overhead", []),
         ("zoo", []),
     ],
 )
