@@ -134,7 +134,9 @@ def render(results: dict[str, Any]) -> str:
         spread = f"({ratios[q]:.2f}-{ratios[-1 - q]:.2f})"
         rows.append([stem, *cells, f"{ratio:.3f}x {spread} {verdict}", f"{entry['max_diff']:.1e}"])
     lines.append(
-        markdown(["plan", "plain ms", "tpplan ms", f"tpplan / plain (target <= {TARGET})", "diff"], rows)
+        markdown(
+            ["plan", "plain ms", "tpplan ms", f"tpplan / plain (target <= {TARGET})", "diff"], rows
+        )
     )
     return "\n".join(lines)
 
