@@ -105,15 +105,18 @@ def decode_step(name: str, model: Any) -> tuple[Any, Any]:
     """(one step, its logits): a token through a 32-token cache, cropped back after."""
     import torch
 
+    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 16000, (1, 32), generator=g)
-    nxt = torch.randint(3, 16000, (1, 1), generator=g)
+    ids = torch.randint(3, vocab, (1, 32), generator=g)
+    nxt = torch.randint(3, vocab, (1, 1), generator=g)
     with torch.no_grad():
         if name == "t5":
             enc = model.get_encoder()(input_ids=ids)
             out = model(encoder_outputs=enc, decoder_input_ids=ids, use_cache=True)
             cache = out.past_key_values
 
+            # no_grad inside the step: the step runs later, outside this block
+            @torch.no_grad()
             def step() -> Any:
                 o = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=cache)
                 cache.self_attention_cache.crop(-1)
@@ -121,6 +124,7 @@ def decode_step(name: str, model: Any) -> tuple[Any, Any]:
         else:
             cache = model(input_ids=ids, use_cache=True).past_key_values
 
+            @torch.no_grad()
             def step() -> Any:
                 o = model(input_ids=nxt, past_key_values=cache, use_cache=True)
                 cache.crop(-1)

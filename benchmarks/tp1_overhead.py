@@ -30,46 +30,27 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from _common import load, markdown, median, provenance_line, save, versions  # noqa: E402
+from region_decode import decode_step  # noqa: E402
 
 TARGET = 1.05
 
 
 def _step(model: Any, stem: str) -> tuple[Any, Any]:
-    """(one decode step, its logits) of `model`, as the module docstring describes."""
+    """(one decode step, its logits) of `model`, as the module docstring describes: region
+    decode's step (region_decode.py), or for BERT, an encoder, a no-grad forward."""
+    if stem != "bert":
+        return decode_step(stem, model)
     import torch
 
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (1, 32), generator=g)
-    nxt = torch.randint(3, vocab, (1, 1), generator=g)
-    with torch.no_grad():
-        if stem == "bert":
+    ids = torch.randint(
+        3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1)
+    )
 
-            def step() -> Any:
-                with torch.no_grad():
-                    return model(input_ids=ids)
+    @torch.no_grad()
+    def step() -> Any:
+        return model(input_ids=ids)
 
-        elif stem == "t5":
-            enc = model.get_encoder()(input_ids=ids)
-            cache = model(encoder_outputs=enc, decoder_input_ids=ids, use_cache=True)
-            cache = cache.past_key_values
-
-            def step() -> Any:
-                with torch.no_grad():
-                    o = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=cache)
-                cache.self_attention_cache.crop(-1)
-                return o
-
-        else:
-            cache = model(input_ids=ids, use_cache=True).past_key_values
-
-            def step() -> Any:
-                with torch.no_grad():
-                    o = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                cache.crop(-1)
-                return o
-
-        out = step()
+    out = step()
     logits = getattr(out, "logits", None)
     return step, out.last_hidden_state if logits is None else logits
 
