@@ -22,7 +22,8 @@ the tp ranks on gloo, one thread each; every rank builds each method in the same
 Cases: every model's every method is built first; then each round runs all of them in
 turn (the order rotating), each timed as the slower rank:
 - decode: one token through a 32-token KV cache under no_grad, the cache cropped back to 32
-  after every step (T5: a decoder step over 32 encoder tokens);
+  after every step (T5: a decoder step over 32 encoder tokens); a turn is `--steps` steps
+  (4), timed together, so that one step's jitter on a busy machine weighs a quarter;
 - train: forward and backward of the loss over 1 x 128 tokens.
 Reported: the median over the timed rounds after warm-up, min-max, and the largest
 difference of the logits from the plain model's; each ratio (tpplan against another method,
@@ -173,15 +174,17 @@ def worker(args: argparse.Namespace) -> None:
                 except Exception as e:  # a method the family lacks: reported, not timed
                     runs[name, method] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         order = [key for key, run in runs.items() if not isinstance(run, str)]
+        steps = args.steps if case == "decode" else 1
         times: dict[tuple[str, str], list[float]] = {key: [] for key in order}
         for i in range(args.warmup + args.rounds):
             k = i % max(1, len(order))
             for key in order[k:] + order[:k]:
                 dist.barrier()
                 t0 = time.perf_counter()
-                runs[key][0]()
+                for _ in range(steps):
+                    runs[key][0]()
                 if i >= args.warmup:
-                    times[key].append(time.perf_counter() - t0)
+                    times[key].append((time.perf_counter() - t0) / steps)
         for name in args.models:
             plain = runs[name, "plain"][1]
             entry: dict[str, Any] = {}
@@ -256,6 +259,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[2])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="decode steps a turn, their mean timed")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--render", action="store_true")
@@ -275,7 +279,8 @@ def main() -> None:
 
     results: dict[str, Any] = {
         "meta": f"{provenance_line(versions())} gloo, one thread per rank, {platform.machine()}; "
-        f"{args.rounds} rounds after {args.warmup} warm-up; median (min-max) ms",
+        f"{args.rounds} rounds after {args.warmup} warm-up, {args.steps} decode steps a turn; "
+        "median (min-max) ms a step",
         "tp": {},
         "rounds_together": True,
     }
@@ -288,6 +293,7 @@ def main() -> None:
             f"--nproc-per-node={tp}",
         ]
         cmd += [__file__, "--worker", "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+        cmd += ["--steps", str(args.steps)]
         cmd += ["--models", *args.models, "--cases", *args.cases]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
