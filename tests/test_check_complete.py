@@ -48,7 +48,9 @@ def test_a_wrong_head_dim_is_one_problem_per_rule(tiny: nn.Module) -> None:
     """At tp 4, heads of 8 would also be 2 heads that tp 4 does not divide: that follows
     from the wrong head_dim, so only the head_dim is told, once per rule."""
     plan = Plan(
-        rules=[r.model_copy(update={"head_dim": 8}) if r.head_dim is not None else r for r in SOUND]
+        rules=[
+            r.model_copy(update={"head_dim": 8}) if r.head_size() is not None else r for r in SOUND
+        ]
     )
     said = _said(plan, tiny, tp=4)
     # the messages test_check_messages pins at tp 2, one per rule, and nothing more at tp 4,

@@ -40,7 +40,7 @@ def _tokens(batch: int = 2, seq: int = 8, seed: int = 0) -> torch.Tensor:
 
 def _styles(plan: Plan, model: nn.Module) -> dict[str, tuple[str, str | None]]:
     """{module name: (style, output layout)} of every module with a rule."""
-    return {n: (r.style, r.output) for n, r in expand_rules(plan, model).items()}
+    return {n: (r.style, getattr(r, "output", None)) for n, r in expand_rules(plan, model).items()}
 
 
 def _sharded(plan: Plan, model: nn.Module) -> dict[str, tuple[str, str | None]]:

@@ -48,7 +48,7 @@ def test_an_encoders_attention_is_split_by_heads(tp: int) -> None:
     model = _encoder()
     x = _rnd(2, 6, E, seed=1)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
-    styles = {r.match: (r.style, r.head_dim) for r in plan.rules}
+    styles = {r.match: (r.style, r.head_size()) for r in plan.rules}
     assert styles["layers.*.self_attn"] == ("heads", 8)
     assert styles["layers.*.linear1"][0] == "colwise"
     assert styles["layers.*.linear2"][0] == "rowwise"

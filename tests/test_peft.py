@@ -72,7 +72,10 @@ def test_the_inferred_plan_splits_each_adapter_as_its_base_layer(tp: int) -> Non
         assert rule.why.startswith("LoRA adapter (r=8)"), rule.why
         assert rule.style == (base.style if split else "replicate"), (name, rule.style)
         if split:
-            assert (rule.head_dim, rule.replicate_heads) == (base.head_dim, base.replicate_heads)
+            assert (rule.head_size(), rule.shares_heads()) == (
+                base.head_size(),
+                base.shares_heads(),
+            )
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
 
 
@@ -269,9 +272,7 @@ def test_check_names_an_adapter_split_unlike_its_base_layer() -> None:
     plan = tpplan.infer_plan(model, tp_size=2)
     edited = ("q_proj.lora_B.default", "o_proj.lora_A.default")
     rules = [
-        r.model_copy(update={"style": "replicate", "head_dim": None, "replicate_heads": None})
-        if r.match.endswith(edited)
-        else r
+        tpplan.Rule(match=r.match, style="replicate", why=r.why) if r.match.endswith(edited) else r
         for r in plan.rules
     ]
     problems = tpplan.check_plan(plan.model_copy(update={"rules": rules}), model, tp_size=2)

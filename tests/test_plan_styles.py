@@ -14,7 +14,8 @@ import pytest
 
 from tpplan.plan import SCHEMA_VERSION, STYLES, Plan, Rule, parse_layout
 from tpplan.plan.layouts import check_layout, check_layouts
-from tpplan.plan.styles import STYLE_FIELDS, check_fields_fit_style, check_style
+from tpplan.plan.rule import STYLE_CLASSES
+from tpplan.plan.styles import _Layouts
 from tpplan.plan.versions import READABLE_VERSIONS, check_fields_fit_version, version_problem
 
 pytestmark = pytest.mark.unit
@@ -68,32 +69,32 @@ def test_one_bad_layout_in_a_list_or_mapping(value: Any) -> None:
 
 
 # ---- styles -------------------------------------------------------------------------------
-def test_every_style_lists_its_fields_and_each_is_a_rule_field() -> None:
-    assert set(STYLE_FIELDS) == set(STYLES)
-    for style, fields in STYLE_FIELDS.items():
-        assert fields <= set(Rule.model_fields) - {"match", "style", "why"}, style
-
-
-def test_the_styles_are_the_rule_fields_literal() -> None:
-    assert get_args(Rule.model_fields["style"].annotation) == STYLES
+def test_every_style_is_a_class_of_its_own_named_by_its_style_field() -> None:
+    assert tuple(STYLE_CLASSES) == STYLES
+    for style, cls in STYLE_CLASSES.items():
+        assert issubclass(cls, Rule) and cls.model_fields["style"].default == style
+        assert get_args(cls.model_fields["style"].annotation) == (style,)
 
 
 @pytest.mark.parametrize("style", STYLES)
-def test_a_known_style_passes(style: str) -> None:
-    assert check_style(style) == style
-
-
-@pytest.mark.parametrize("value", [3, None, ["colwise"]])
-def test_check_style_leaves_what_is_not_a_string_to_the_field_type(value: Any) -> None:
-    assert check_style(value) == value
+def test_rule_builds_the_class_of_its_style(style: str) -> None:
+    rule = Rule(match="a", style=style, why="x", **MINIMAL[style])
+    assert type(rule) is STYLE_CLASSES[style]
+    assert type(Rule.parse(rule.model_dump(exclude_none=True))) is STYLE_CLASSES[style]
 
 
 def test_an_unknown_style_names_the_closest_and_all() -> None:
     with pytest.raises(ValueError) as e:
-        check_style("vocab_paralel")
-    assert str(e.value).startswith(
-        "'vocab_paralel' is not a style. Did you mean 'vocab_parallel'? Styles: colwise, "
+        Rule(match="a", style="vocab_paralel", why="x")
+    assert "'vocab_paralel' is not a style. Did you mean 'vocab_parallel'? Styles: colwise, " in (
+        str(e.value)
     )
+
+
+def test_an_unknown_style_is_its_one_problem_whatever_fields_the_rule_gives() -> None:
+    with pytest.raises(ValueError) as e:
+        Rule(match="a", style="colwsie", why="x", head_dim=4)
+    assert "is not a style" in str(e.value) and "head_dim" not in str(e.value)
 
 
 # the least each style needs, as a rule's fields
@@ -111,19 +112,23 @@ MINIMAL: dict[str, dict[str, Any]] = {
 }
 
 
+def _rule(style: str, **fields: Any) -> Rule:
+    return Rule.parse({"match": "a", "style": style, "why": "x", **fields})
+
+
 @pytest.mark.parametrize("style", STYLES)
 def test_the_least_each_style_needs_passes(style: str) -> None:
-    fields = {"match": "a", "style": style, "why": "x", **MINIMAL[style]}
-    check_fields_fit_style(style, fields)
+    assert _rule(style, **MINIMAL[style]).style == style
 
 
 @pytest.mark.parametrize("style", STYLES)
-def test_each_style_takes_all_its_own_fields_and_no_other(style: str) -> None:
-    others = sorted(set().union(*STYLE_FIELDS.values()) - STYLE_FIELDS[style])
+def test_each_style_takes_its_own_fields_and_no_other(style: str) -> None:
+    own = STYLE_CLASSES[style].own_fields()
+    others = sorted(set().union(*(c.own_fields() for c in STYLE_CLASSES.values())) - own)
     if not others:
         return
-    with pytest.raises(ValueError, match=rf"style '{style}' takes no {others[0]}[,;]"):
-        check_fields_fit_style(style, {**MINIMAL[style], others[0]: None})
+    with pytest.raises(ValueError, match=rf"style '{style}' takes no {others[0]}; its optional"):
+        _rule(style, **{**MINIMAL[style], others[0]: None})
 
 
 @pytest.mark.parametrize(
@@ -145,17 +150,40 @@ def test_each_style_takes_all_its_own_fields_and_no_other(style: str) -> None:
         ("prepare", {"outputs": ["shard(1)"], "desired_outputs": None}, "needs both outputs"),
         (
             "prepare",
-            {"input_kwargs": {"m": "replicate"}, "desired_input_kwargs": {"m": None}},
+            {"input_kwargs": {"m": "shard(1)"}, "desired_input_kwargs": {"m": "replicate"}},
             None,
         ),
     ],
 )
 def test_what_a_style_needs(style: str, fields: dict[str, Any], message: str | None) -> None:
     if message is None:
-        check_fields_fit_style(style, fields)
+        _rule(style, **fields)
     else:
         with pytest.raises(ValueError, match=re.escape(message)):
-            check_fields_fit_style(style, fields)
+            _rule(style, **fields)
+
+
+@pytest.mark.parametrize(
+    ("style", "fields", "kind", "dim"),
+    [
+        ("colwise", {}, "linear", 0),
+        ("colwise", {"transposed": True}, "linear", 1),
+        ("colwise", {}, "conv", 0),
+        ("colwise", {}, "embedding", 1),
+        ("rowwise", {}, "linear", 1),
+        ("rowwise", {"transposed": True}, "linear", 0),
+        ("rowwise", {}, "conv", 1),
+        ("rowwise", {}, "embedding", 0),
+        ("vocab_parallel", {}, "embedding", 0),
+        ("vocab_parallel", {}, "linear", None),
+        ("sequence_parallel", {}, "linear", None),
+    ],
+)
+def test_which_dim_of_a_weight_a_style_splits(
+    style: str, fields: dict[str, Any], kind: Any, dim: int | None
+) -> None:
+    rule = _rule(style, **fields)
+    assert isinstance(rule, _Layouts) and rule.weight_dim(kind) == dim
 
 
 # ---- versions -----------------------------------------------------------------------------
@@ -176,21 +204,23 @@ def test_a_plan_without_a_version_is_not_a_plan() -> None:
     )
 
 
-# (what a file names, as the check is given it, the version that added it)
+# (a rule's style and fields, or what else a file names, and the version that added it)
 ADDED = [
-    ({"rules": [("colwise", {"parts"})]}, 2),
-    ({"rules": [("rowwise", {"transposed"})]}, 2),
-    ({"rules": [("experts", set())]}, 3),
-    ({"rules": [("colwise", {"mode"})]}, 3),
-    ({"rules": [("colwise", {"fused"})]}, 3),
-    ({"rules": [("colwise", {"after_sum"})]}, 3),
-    ({"rules": [("split_params", set())]}, 4),
+    ({"rules": [("colwise", {"parts": [2, 2]})]}, 2),
+    ({"rules": [("rowwise", {"transposed": True})]}, 2),
+    ({"rules": [("experts", {"shard": {"w": 1}})]}, 3),
+    ({"rules": [("experts", {"shard": {"w": 1}, "fused": {"w": [2, 2]}})]}, 3),
+    ({"rules": [("split_params", {"shard": {"s": 0}})]}, 4),
     ({"model_fields": {"command"}}, 4),
-    ({"rules": [("experts", {"added_whole"})]}, 5),
-    ({"rules": [("vocab_parallel", {"sum_at"})]}, 6),
-    ({"rules": [("vocab_parallel", {"written"})]}, 7),
-    ({"rules": [("rowwise", {"parts"})]}, 9),
-    ({"rules": [("heads", set())]}, 10),
+    ({"rules": [("experts", {"shard": {"w": 1}, "added_whole": ["e"]})]}, 5),
+    ({"rules": [("vocab_parallel", {"sum_at": "lookup"})]}, 6),
+    ({"rules": [("vocab_parallel", {"written": ["e"]})]}, 7),
+    ({"regions": True}, 8),
+    ({"rules": [("rowwise", {"parts": [2, 2]})]}, 9),
+    ({"rules": [("heads", {})]}, 10),
+    ({"rules": [("colwise", {"replicate_heads": True, "head_dim": 4})]}, 11),
+    ({"attributes": [("by", "of")]}, 11),
+    ({"rules": [("colwise", {"replicate_heads": True})]}, 12),
 ]
 
 
@@ -198,8 +228,14 @@ ADDED = [
 def test_a_field_or_style_needs_the_version_that_added_it(
     given: dict[str, Any], added: int
 ) -> None:
-    kwargs: dict[str, Any] = {"model_fields": set(), "rules": [], **given}
-    check_fields_fit_version(added, **kwargs)
-    check_fields_fit_version(SCHEMA_VERSION, **kwargs)
+    rules = [_rule(style, **fields) for style, fields in given.get("rules", [])]
+
+    def check(version: int) -> None:
+        kwargs = {k: v for k, v in given.items() if k != "rules"}
+        kwargs.setdefault("model_fields", set())
+        check_fields_fit_version(version, rules=[r.newer_than(version) for r in rules], **kwargs)
+
+    check(added)
+    check(SCHEMA_VERSION)
     with pytest.raises(ValueError, match=f"need schema version {added}; change the first line"):
-        check_fields_fit_version(added - 1, **kwargs)
+        check(added - 1)

@@ -89,7 +89,7 @@ def _check_sharded(spec: Spec, model: nn.Module, plan: Plan, tp: int) -> None:
     rules = expand_rules(plan, model)
 
     def style(name: str) -> tuple[str, str | None]:
-        return rules[name].style, rules[name].output
+        return rules[name].style, getattr(rules[name], "output", None)
 
     for b in range(spec.layers):
         if spec.mlp != "gated_fused":
@@ -119,7 +119,7 @@ def _check_reasons(spec: Spec, model: nn.Module, plan: Plan, tp: int) -> None:
             continue
         assert name in rules, f"{name} has no rule"
         rule = rules[name]
-        gathered = rule.style == "colwise" and rule.output == "replicate" and name != "out"
+        gathered = rule.style == "colwise" and rule.output_layout() == "replicate" and name != "out"
         if rule.style != "replicate" and not gathered:
             continue
         assert rule.why.strip(), f"{name} is {rule.style} without a reason"

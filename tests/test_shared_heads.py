@@ -309,7 +309,7 @@ def test_sequence_parallel_with_shared_heads_matches_the_unsharded_model() -> No
     plan = tpplan.infer_plan(
         build_model("llama", TINY, device="meta"), tp_size=4, sequence_parallel=True
     )
-    assert {r.match.rpartition(".")[2] for r in plan.rules if r.replicate_heads} == {
+    assert {r.match.rpartition(".")[2] for r in plan.rules if r.shares_heads()} == {
         "k_proj",
         "v_proj",
     }

@@ -119,7 +119,7 @@ def test_the_llama_plan_applies_to_a_llama_of_head_dim_64(tp: int) -> None:
         got = rank_values(sharded(input_ids=ids).logits)
     assert len(got) == tp and all((g - want).abs().max().item() < TOL for g in got)
     kept = sharded._tpplan_plan  # type: ignore[attr-defined]
-    assert {r.match.rpartition(".")[2]: r.head_dim for r in kept.rules if r.head_dim} == {
+    assert {r.match.rpartition(".")[2]: r.head_size() for r in kept.rules if r.head_size()} == {
         "q_proj": 64, "k_proj": 64, "v_proj": 64, "o_proj": 64,
     }  # fmt: skip
 

@@ -21,7 +21,7 @@ import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
 from tpplan.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from tpplan.errors import TpplanError
-from tpplan.plan import Plan
+from tpplan.plan import Plan, Rule
 
 SPECIAL = 3  # the token whose rows the table overwrites
 
@@ -117,7 +117,9 @@ def test_a_table_that_looks_up_on_its_own_stays_whole() -> None:
 
 def _forced(plan: Plan, **fields: object) -> Plan:
     rules = [
-        r.model_copy(update={"style": "vocab_parallel", **fields}) if r.match == "embed" else r
+        Rule.parse({**r.model_dump(exclude_unset=True), "style": "vocab_parallel", **fields})
+        if r.match == "embed"
+        else r
         for r in plan.rules
     ]
     return Plan.model_validate({**plan.model_dump(exclude_none=True), "rules": rules})

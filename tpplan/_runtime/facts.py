@@ -13,7 +13,7 @@ from torch import nn
 from ..plan.patterns import wildcard
 
 if TYPE_CHECKING:
-    from ..plan.schema import Rule
+    from ..plan.rule import Rule, WeightKind
 
 __all__ = [
     "describe_mismatch",
@@ -21,6 +21,7 @@ __all__ = [
     "parameter_shapes",
     "pointwise_conv",
     "tied_groups",
+    "weight_kind",
     "weight_split",
 ]
 
@@ -110,17 +111,22 @@ def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
     return [g for g in holders.values() if len(g) > 1]
 
 
+def weight_kind(module: nn.Module) -> WeightKind:
+    """What holds a module's weight, as a style's facts take it (`Rule.weight_dim`)."""
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return "conv" if isinstance(module, nn.modules.conv._ConvNd) else "linear"
+
+
 def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:
     """How a rule splits one parameter of its module, in words ("whole" when it does not)."""
-    if rule is None or rule.style not in ("colwise", "rowwise", "vocab_parallel"):
+    kind = weight_kind(module)
+    if rule is None or rule.weight_dim(kind) is None:
         return "whole"
     if param != "weight":
-        if param in (rule.written or ()):
+        if param in (getattr(rule, "written", None) or ()):
             return f"dim {getattr(module, param).dim() - 1}"
-        return (
-            "dim 0" if rule.style == "colwise" and not isinstance(module, nn.Embedding) else "whole"
-        )
-    if isinstance(module, nn.Embedding):
-        return "dim 1" if rule.style == "colwise" else "dim 0"
-    dim = int(rule.style == "rowwise") ^ int(bool(rule.transposed))
-    return f"dim {dim}" + (" as fused parts" if rule.parts else "")
+        dim = rule.bias_dim(kind)
+        return "whole" if dim is None else f"dim {dim}"
+    parts = " as fused parts" if getattr(rule, "parts", None) else ""
+    return f"dim {rule.weight_dim(kind)}" + ("" if kind == "embedding" else parts)

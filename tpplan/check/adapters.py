@@ -58,7 +58,9 @@ def _mismatch(
             "wrapper adds their outputs, which would be split differently."
         )
     elif want != "replicate" and found and base:
-        differ = [f for f in LAYOUT_FIELDS if getattr(found[1], f) != getattr(base[1], f)]
+        differ = [
+            f for f in LAYOUT_FIELDS if getattr(found[1], f, None) != getattr(base[1], f, None)
+        ]
         if not differ:
             return None
         message = (

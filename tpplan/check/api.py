@@ -137,7 +137,7 @@ def _complete(
     plan: Plan, by_rule: dict[int, list[str]], traced: Callable[[], Trace]
 ) -> tuple[Plan, list[Problem]]:
     """complete_sizes on the model's trace; a plan that splits nothing is not traced for it."""
-    if not any(r.style in ("colwise", "rowwise", "experts") for r in plan.rules):
+    if not any(r.sized for r in plan.rules):
         return plan, []
     try:
         return complete_sizes(plan, by_rule, traced())
@@ -148,7 +148,7 @@ def _complete(
 def splits_nothing(plan: Plan) -> bool:
     """Whether applying the plan leaves every parameter and activation whole on every rank
     (no rules, or only replicate ones): sound, but each rank then runs the whole model."""
-    return all(r.style in ("replicate", "replicate_grad_sum") for r in plan.rules)
+    return not any(r.splits for r in plan.rules)
 
 
 def _merge_layers(problems: list[Problem], names: list[str]) -> list[Problem]:

@@ -18,8 +18,9 @@ from torch import nn
 
 from ..errors import Problem
 from ..plan.patterns import match_names, matches
-from ..plan.schema import Plan, Rule
-from .shared import closes_region, opens_region, rule_label, traced_name
+from ..plan.rule import Rule
+from ..plan.schema import Plan
+from .shared import rule_label, traced_name
 from .widths import head_dim_problem, model_head_dim, model_pieces, parts_problem
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def complete_sizes(
             out += problems
             if value is not None:
                 found[size[0] if size[1] is None else f"fused.{size[1]}"] = value
-        if rule.replicate_heads and rule.head_dim is None and "head_dim" not in found:
+        if rule.needs_head_dim() and "head_dim" not in found:
             out.append(_unread_head_dim(i, rule, trace is None, why_not))
         if found:
             rules[i] = _with(rule, found)
@@ -79,7 +80,7 @@ def _leave_out(plan: Plan, by_rule: dict[int, list[str]], trace: Trace) -> Plan:
             if param is None:
                 drop[field] = None
             else:
-                drop.setdefault("fused", dict(rule.fused or {})).pop(param)
+                drop.setdefault("fused", dict(_stated(rule, "fused", None) or {})).pop(param)
         if "fused" in drop and not drop["fused"]:
             drop["fused"] = None
         rules.append(_with(rule, drop) if drop else rule)
@@ -91,28 +92,14 @@ def _sizes(plan: Plan, rule: Rule, names: list[str], *, stated: bool = True) -> 
     layer of a local region, parts for a colwise one outside a DTensor region, the pieces of
     each expert parameter it splits by tensor), and with `stated`, any head_dim or parts the
     rule states (checked against the model's)."""
-    out: list[_Size] = []
-    if rule.style in ("colwise", "rowwise"):
-        # inside a DTensor region the plan states its sizes: nothing there needs a head_dim,
-        # and pieces left out mean a contiguous cut, which check proves or refuses
-        region = _in_dtensor_region(plan, names)
-        local = (opens_region(rule) or closes_region(rule)) and not region
-        if local or (stated and rule.head_dim is not None):
-            out.append(("head_dim", None))
-        # (a layer sharing whole heads among ranks takes no parts)
-        pieces = rule.style == "colwise" and not rule.replicate_heads
-        if pieces and (not region or (stated and rule.parts is not None)):
-            out.append(("parts", None))
-    if rule.style == "experts" and rule.mode != "expert":  # whole experts take no pieces
-        out += [("fused", p) for p in {**(rule.shard or {}), **(rule.fused or {})}]
-    return out
+    return rule.model_sizes(in_region=_in_dtensor_region(plan, names), stated=stated)
 
 
 def _stated(rule: Rule, field: str, param: str | None) -> Any:
     """The size the rule states (None where it leaves it out)."""
     if param is not None:
-        return (rule.fused or {}).get(param)
-    return getattr(rule, field)
+        return (getattr(rule, "fused", None) or {}).get(param)
+    return getattr(rule, field, None)
 
 
 def _in_dtensor_region(plan: Plan, names: list[str]) -> bool:
@@ -130,7 +117,7 @@ def _seen(rule: Rule, size: _Size, names: list[str], trace: Trace) -> dict[str, 
     for name in names:
         t = traced_name(trace, name)
         if field == "head_dim":
-            value: Any = model_head_dim(trace, t, closer=closes_region(rule))
+            value: Any = model_head_dim(trace, t, closer=rule.closes_split())
         else:
             value = model_pieces(trace, t, param)
         if value is not None:
@@ -170,9 +157,9 @@ def _value(v: Any) -> Any:
     return v[0] if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], str) else v
 
 
-def _with(rule: Rule, found: dict[str, Any]) -> Rule:
+def _with(rule: Rule, found: dict[str, Any]) -> Any:
     """`rule` with the sizes found (a `fused.PARAM` key is one expert parameter's pieces),
-    validated again as a Rule."""
+    validated again as a rule of its style."""
     data = rule.model_dump(by_alias=True, exclude_unset=True)
     for key, value in found.items():
         if key.startswith("fused."):
@@ -181,7 +168,7 @@ def _with(rule: Rule, found: dict[str, Any]) -> Rule:
             data.pop(key, None)
         else:
             data[key] = list(value) if isinstance(value, tuple) else value
-    return Rule.model_validate(data)
+    return Rule.parse(data)
 
 
 def _differ(

@@ -16,10 +16,11 @@ from ..compile.shard import attribute_divisor
 from ..errors import Problem, TpplanError
 from ..plan.patterns import match_names
 from ..plan.schema import Plan
+from ..plan.styles import VocabParallelRule
 from .attributes import check_divided
 from .lookups import check_lookups
 from .regions import check_heads, check_regions
-from .shared import Match, closes_region, opens_region, traced_name
+from .shared import Match, traced_name
 from .structure import check_by_structure
 from .widths import check_widths
 
@@ -86,11 +87,11 @@ def _targets(plan: Plan, by_rule: dict[int, list[str]], names: list[str]) -> _Ta
         return [(i, n) for i, r in enumerate(plan.rules) if keep(r) for n in by_rule[i]]
 
     return _Targets(
-        openers=having(opens_region),
-        closers=having(closes_region),
-        vocab_parallel=having(lambda r: r.style == "vocab_parallel"),
+        openers=having(lambda r: r.opens_split()),
+        closers=having(lambda r: r.closes_split()),
+        vocab_parallel=having(lambda r: isinstance(r, VocabParallelRule)),
         # a colwise layer gathered right after is no opener, but its parts must still be right
-        widths=having(lambda r: r.head_dim or r.parts or r.fused),
+        widths=having(lambda r: r.states_sizes()),
         divided=[
             (i, n) for i, a in enumerate(plan.attributes) for n in match_names(a.match, names)
         ],

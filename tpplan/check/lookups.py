@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import Problem
-from ..plan.schema import Plan, Rule
+from ..plan.schema import Plan
+from ..plan.styles import VocabParallelRule
 from .shared import Match, rule_label, traced_name
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ def check_lookups(plan: Plan, embeddings: list[Match], trace: Trace) -> list[Pro
     out: list[Problem] = []
     for i, name in embeddings:
         rule, t = plan.rules[i], traced_name(trace, name)
+        if not isinstance(rule, VocabParallelRule):  # `embeddings` are its rules' modules
+            continue
         found = _sum_problem(rule, t, trace) or _written_problem(rule, t, trace)
         if found is not None:
             out.append(Problem("lookup", rule_label(i, rule), name, *found))
@@ -36,7 +39,7 @@ def check_lookups(plan: Plan, embeddings: list[Match], trace: Trace) -> list[Pro
 _WHOLE = "keep it whole (style: replicate)."
 
 
-def _sum_problem(rule: Rule, t: str, trace: Trace) -> tuple[str, str] | None:
+def _sum_problem(rule: VocabParallelRule, t: str, trace: Trace) -> tuple[str, str] | None:
     """(message, fix) where the rows of the embedding traced as `t` are summed too late or
     cannot be summed where the rule asks."""
     not_linear, at_place = trace.lookups.not_linear.get(t), trace.lookups.at_lookup_place.get(t)
@@ -69,7 +72,7 @@ def _sum_problem(rule: Rule, t: str, trace: Trace) -> tuple[str, str] | None:
     return None
 
 
-def _written_problem(rule: Rule, t: str, trace: Trace) -> tuple[str, str] | None:
+def _written_problem(rule: VocabParallelRule, t: str, trace: Trace) -> tuple[str, str] | None:
     """(message, fix) where the rule's `written` is not what the forward of the embedding
     traced as `t` writes over its looked-up rows."""
     seen = sorted(trace.lookups.written_rows.get(t, ()))

@@ -69,7 +69,7 @@ def _check_openers(
                     "unclosed_region",
                     rule_label(i, rule),
                     name,
-                    f"its output stays sharded ({rule.output or 'shard(-1)'}) up to the model's output.",
+                    f"its output stays sharded ({rule.output_layout()}) up to the model's output.",
                     "gather it with `output: replicate`, or set options.loss_parallel and compute "
                     "the loss under torch.distributed.tensor.parallel.loss_parallel().",
                 )
@@ -110,7 +110,7 @@ def _split_rows(i: int, rule: Rule, name: str) -> Problem:
         rule_label(i, rule),
         name,
         "colwise on an nn.Embedding gives each rank a slice of every looked-up row's "
-        f"features and leaves its output split ({rule.output or 'shard(-1)'}), but the "
+        f"features and leaves its output split ({rule.output_layout()}), but the "
         "layers after a lookup take whole rows.",
         "colwise on an Embedding: use vocab_parallel (each rank holds a share of the vocab; "
         "one all-reduce) or replicate, or gather its rows with `output: replicate`.",
@@ -155,7 +155,7 @@ def check_heads(
     A module in `undivided` has had its divisibility problem told already; where sharing
     its key/value heads would serve, `hints` gets the words to add to that problem's fix."""
     out: list[Problem] = []
-    shared = {traced_name(trace, n) for i, n in openers if plan.rules[i].replicate_heads}
+    shared = {traced_name(trace, n) for i, n in openers if plan.rules[i].shares_heads()}
     for i, name in openers:
         t = traced_name(trace, name)
         units = shared_units(trace, t, tp, shared)

@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import Problem
 from ..plan.patterns import match_names
 from ..plan.schema import Plan
+from ..plan.styles import ReplicateRule
 
 __all__ = ["check_region_collectives", "check_regions"]
 
@@ -49,7 +50,10 @@ def check_region_collectives(plan: Plan, model: nn.Module, tp_size: int) -> list
 
     names = [n for n, _ in model.named_modules() if n]
     split = {
-        n for r in plan.rules if r.style not in ("replicate",) for n in match_names(r.match, names)
+        n
+        for r in plan.rules
+        if not isinstance(r, ReplicateRule)
+        for n in match_names(r.match, names)
     }
     modules = {}
     label = {}

@@ -7,31 +7,38 @@ tied parameter split two ways. Start at `match_rules` and `check_rules`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from .._runtime.facts import pointwise_conv, tied_groups, weight_split
 from ..errors import Problem, did_you_mean
 from ..plan.patterns import collapse, match_names
-from ..plan.schema import Plan, Rule
+from ..plan.rule import Rule
+from ..plan.schema import Plan
+from ..plan.styles import (
+    ColwiseRule,
+    ExpertsRule,
+    HeadsRule,
+    ReplicateGradSumRule,
+    ReplicateRule,
+    RowwiseRule,
+    SequenceParallelRule,
+    SplitParamsRule,
+    VocabParallelRule,
+)
 from .shared import rule_label
 from .sizes import check_size, sharded_dim, split_dims
 
 __all__ = ["Matches", "check_inside_experts", "check_rules", "check_tied", "match_rules"]
 
-# Module types each style can be applied to; None means any module.
-_FITS: dict[str, tuple[type[nn.Module], ...] | None] = {
-    "colwise": (nn.Linear, nn.Embedding),
-    "rowwise": (nn.Linear, nn.Embedding),
-    "vocab_parallel": (nn.Embedding,),
-    "sequence_parallel": None,
-    "prepare": None,
-    "replicate": None,
-    "replicate_grad_sum": None,
-    "experts": None,
-    "split_params": None,
-    "heads": (nn.MultiheadAttention,),
+# Module types each style can be applied to (a style not named: any module).
+_FITS: dict[type[Rule], tuple[type[nn.Module], ...]] = {
+    ColwiseRule: (nn.Linear, nn.Embedding),
+    RowwiseRule: (nn.Linear, nn.Embedding),
+    VocabParallelRule: (nn.Embedding,),
+    HeadsRule: (nn.MultiheadAttention,),
 }
 
 
@@ -100,34 +107,43 @@ def _overlap(i: int, rule: Rule, name: str, j: int, first: Rule) -> Problem:
 
 
 def _check_module(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
-    """The problems of one rule on a module it styles: a style that does not fit the module,
-    then the sizes it splits."""
-    if rule.style == "experts":
-        return _check_own_params(i, rule, name, module, tp) + _check_added_whole(
-            i, rule, name, module
-        )
-    if rule.style == "split_params":
-        return _check_own_params(i, rule, name, module, tp)
+    """The problems of one rule on a module it styles, by its style's own check (by default:
+    a style that does not fit the module, then the sizes it splits)."""
+    return _MODULE_CHECKS.get(type(rule), _check_layer)(i, rule, name, module, tp)
+
+
+def _check_layer(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
     misfit = _misfit(i, rule, name, module)
     if misfit is not None:
         return [misfit]  # no size of a module the style cannot take means anything
-    out: list[Problem] = []
-    if rule.style == "replicate_grad_sum" and not any(True for _ in module.parameters(False)):
-        out.append(
-            Problem(
-                "module_type",
-                rule_label(i, rule),
-                name,
-                "style 'replicate_grad_sum' needs a module with parameters of its own.",
-                "match the module that holds the parameters.",
-            )
+    return _check_split(i, rule, name, module, tp)
+
+
+def _check_grad_sum(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+    if any(True for _ in module.parameters(False)):
+        return _check_layer(i, rule, name, module, tp)
+    return [
+        Problem(
+            "module_type",
+            rule_label(i, rule),
+            name,
+            "style 'replicate_grad_sum' needs a module with parameters of its own.",
+            "match the module that holds the parameters.",
         )
-    return out + _check_split(i, rule, name, module, tp)
+    ]
 
 
-def _conv_misfit(i: int, rule: Rule, name: str, module: nn.modules.conv._ConvNd) -> Problem | None:
+def _check_experts(
+    i: int, rule: ExpertsRule, name: str, module: nn.Module, tp: int
+) -> list[Problem]:
+    return _check_own_params(i, rule, name, module, tp) + _check_added_whole(i, rule, name, module)
+
+
+def _conv_misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
     """colwise and rowwise split a convolution only where it is a Linear over its channels,
     and such a weight has no fused parts and is never stored transposed."""
+    if not isinstance(module, nn.modules.conv._ConvNd):
+        return None
     if not pointwise_conv(module):
         return Problem(
             "module_type",
@@ -139,8 +155,8 @@ def _conv_misfit(i: int, rule: Rule, name: str, module: nn.modules.conv._ConvNd)
             f"{tuple(module.stride)}, padding {module.padding}, groups {module.groups}.",
             "keep this module replicated (style: replicate).",
         )
-    if rule.parts or rule.transposed:
-        field = "parts" if rule.parts else "transposed"
+    if rule.part_sizes() or rule.stored_transposed():
+        field = "parts" if rule.part_sizes() else "transposed"
         return Problem(
             "module_type",
             rule_label(i, rule),
@@ -151,14 +167,9 @@ def _conv_misfit(i: int, rule: Rule, name: str, module: nn.modules.conv._ConvNd)
     return None
 
 
-def _misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
-    """The problem of a style the module cannot take at all, if it cannot."""
-    types = _FITS[rule.style]
-    if rule.style in ("colwise", "rowwise") and isinstance(module, nn.modules.conv._ConvNd):
-        return _conv_misfit(i, rule, name, module)
+def _heads_misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
     if (
-        rule.style == "heads"
-        and isinstance(module, nn.MultiheadAttention)
+        isinstance(module, nn.MultiheadAttention)
         and type(module).forward is not nn.MultiheadAttention.forward
     ):
         return Problem(
@@ -169,7 +180,34 @@ def _misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
             f"{type(module).__name__} has a forward of its own.",
             "keep this module replicated (style: replicate).",
         )
-    if rule.transposed:
+    return None
+
+
+def _embedding_misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
+    if isinstance(module, nn.Embedding):
+        return Problem(
+            "module_type",
+            rule_label(i, rule),
+            name,
+            "style 'sequence_parallel' takes a module's input as this rank's share of the "
+            "sequence, but an nn.Embedding's input is the token ids, which every rank "
+            "holds whole: its rows would be read as 1/tp of a sequence tp times as long.",
+            "use vocab_parallel (`output: shard(1)` starts a sequence-parallel region, "
+            "as `tpplan infer --sequence-parallel` writes it) or replicate.",
+        )
+    return None
+
+
+def _misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
+    """The problem of a style the module cannot take at all, if it cannot: its style's own
+    misfit first (a convolution that is no Linear over its channels, ...), then the module
+    types it applies to."""
+    own = _MISFITS.get(type(rule))
+    found = own(i, rule, name, module) if own is not None else None
+    if found is not None or (isinstance(module, nn.modules.conv._ConvNd) and own is _conv_misfit):
+        return found
+    types = _FITS.get(type(rule))
+    if rule.stored_transposed():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
             return Problem(
@@ -189,31 +227,29 @@ def _misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
             f"style '{rule.style}' applies to {ok}, not to {type(module).__name__}.",
             "match the layers inside this module instead, or use another style.",
         )
-    if rule.style == "sequence_parallel" and isinstance(module, nn.Embedding):
-        return Problem(
-            "module_type",
-            rule_label(i, rule),
-            name,
-            "style 'sequence_parallel' takes a module's input as this rank's share of the "
-            "sequence, but an nn.Embedding's input is the token ids, which every rank "
-            "holds whole: its rows would be read as 1/tp of a sequence tp times as long.",
-            "use vocab_parallel (`output: shard(1)` starts a sequence-parallel region, "
-            "as `tpplan infer --sequence-parallel` writes it) or replicate.",
-        )
     return None
+
+
+# each style's own misfit, checked before the module types it applies to
+_MISFITS: dict[type[Rule], Callable[[int, Any, str, nn.Module], Problem | None]] = {
+    ColwiseRule: _conv_misfit,
+    RowwiseRule: _conv_misfit,
+    HeadsRule: _heads_misfit,
+    SequenceParallelRule: _embedding_misfit,
+}
 
 
 def _check_split(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
     """The dim the style splits: fused parts that add up to it, each of them (or the whole
     dim) a size tp divides, and the parameters `written` names as wide as the rows."""
-    whole = sharded_dim(rule, module)
-    if rule.parts and whole is not None and sum(rule.parts) != whole[1]:
+    whole, parts = sharded_dim(rule, module), rule.part_sizes()
+    if parts and whole is not None and sum(parts) != whole[1]:
         return [
             Problem(
                 "parts",
                 rule_label(i, rule),
                 name,
-                f"parts {rule.parts} add up to {sum(rule.parts)}, but the {whole[0]} is {whole[1]}.",
+                f"parts {parts} add up to {sum(parts)}, but the {whole[0]} is {whole[1]}.",
                 "list the sizes of the fused pieces (e.g. q, k, v) in order; they must add up "
                 "to the whole.",
             )
@@ -221,15 +257,21 @@ def _check_split(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> l
     out: list[Problem] = []
     for what, size in split_dims(rule, module):
         out.extend(check_size(i, rule, name, what, size, tp))
-    return out + _check_written(i, rule, name, module, tp)
+    if isinstance(rule, VocabParallelRule):
+        out += _check_written(i, rule, name, module, tp)
+    return out
 
 
-def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+def _check_own_params(
+    i: int, rule: ExpertsRule | SplitParamsRule, name: str, module: nn.Module, tp: int
+) -> list[Problem]:
     """Every parameter an experts or split_params rule names exists, and each split dim
     divides by tp."""
     # experts may name a child's parameters (`input_linear.weight`) too
-    own = dict(module.named_parameters(recurse=rule.style == "experts"))
-    named = [*(rule.shard or {}), *(rule.after_sum or ())]
+    experts = isinstance(rule, ExpertsRule)
+    own = dict(module.named_parameters(recurse=experts))
+    after = rule.after_sum if isinstance(rule, ExpertsRule) else None
+    named = [*(rule.shard or {}), *(after or ())]
     missing = [p for p in named if p not in own]
     if missing:
         have = ", ".join(f"{n} {tuple(p.shape)}" for n, p in own.items()) or "none"
@@ -242,7 +284,7 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
                 f"not hold (its parameters: {have}).",
                 "name the module's own parameters (a child's by its dotted name) in shard "
                 "and after_sum."
-                if rule.style == "experts"
+                if experts
                 else "name the module's own parameters (not its children's) in shard.",
             )
         ]
@@ -253,7 +295,13 @@ def _check_own_params(i: int, rule: Rule, name: str, module: nn.Module, tp: int)
 
 
 def _check_param_dim(
-    i: int, rule: Rule, name: str, pname: str, dim: int, shape: tuple[int, ...], tp: int
+    i: int,
+    rule: ExpertsRule | SplitParamsRule,
+    name: str,
+    pname: str,
+    dim: int,
+    shape: tuple[int, ...],
+    tp: int,
 ) -> list[Problem]:
     """One `shard: {pname: dim}` entry: a dim the parameter has, fused pieces that add up to
     it, and sizes tp divides."""
@@ -265,11 +313,11 @@ def _check_param_dim(
                 name,
                 f"shard: {pname}: {dim}, but {pname} has {len(shape)} dims {shape}.",
                 "give a dim of the parameter"
-                + (" (0 is the experts)." if rule.style == "experts" else "."),
+                + (" (0 is the experts)." if isinstance(rule, ExpertsRule) else "."),
             )
         ]
-    pieces = (rule.fused or {}).get(pname)
-    experts = rule.style == "experts" and dim == 0
+    pieces = rule.fused_sizes().get(pname)
+    experts = isinstance(rule, ExpertsRule) and dim == 0
     what = f"{pname} dim {dim}" + (" (the number of experts)" if experts else "")
     if pieces is not None and sum(pieces) != shape[dim]:
         return [
@@ -288,7 +336,7 @@ def _check_param_dim(
     return out
 
 
-def _check_added_whole(i: int, rule: Rule, name: str, module: nn.Module) -> list[Problem]:
+def _check_added_whole(i: int, rule: ExpertsRule, name: str, module: nn.Module) -> list[Problem]:
     """Every submodule an experts rule scales by 1/tp exists under the matched module."""
     have = {n for n, _ in module.named_modules() if n}
     missing = [c for c in rule.added_whole or () if c not in have]
@@ -306,7 +354,9 @@ def _check_added_whole(i: int, rule: Rule, name: str, module: nn.Module) -> list
     ]
 
 
-def _check_written(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> list[Problem]:
+def _check_written(
+    i: int, rule: VocabParallelRule, name: str, module: nn.Module, tp: int
+) -> list[Problem]:
     """Each parameter `written` names is the embedding's own and as wide as its rows, a width
     that divides by tp."""
     if not rule.written or not isinstance(module, nn.Embedding):
@@ -338,25 +388,21 @@ def check_inside_experts(plan: Plan, owner: dict[str, int]) -> list[Problem]:
     """An experts module runs its forward on each rank's local tensors with every parameter
     but its expert weights whole, so a module inside it takes no split of its own; nor does
     one inside an nn.MultiheadAttention split by heads, which splits its out_proj itself."""
-    holders = [n for n, i in owner.items() if plan.rules[i].style in ("experts", "heads")]
-    does = {
-        "experts": "whose forward runs on each rank's local tensors with its other parameters whole",
-        "heads": "which splits its out_proj itself",
-    }
+    holders = [n for n, i in owner.items() if plan.rules[i].inside is not None]
     out: list[Problem] = []
     for name, i in owner.items():
         rule = plan.rules[i]
         outer = next((e for e in holders if name.startswith(f"{e}.")), None)
-        if outer is None or rule.style == "replicate":
+        if outer is None or isinstance(rule, ReplicateRule):
             continue
-        style = plan.rules[owner[outer]].style
+        holder = plan.rules[owner[outer]]
         out.append(
             Problem(
                 "overlap",
                 rule_label(i, rule),
                 name,
-                f"it is inside {outer}, matched by rules[{owner[outer]}] (style {style}), "
-                f"{does[style]}.",
+                f"it is inside {outer}, matched by rules[{owner[outer]}] (style {holder.style}), "
+                f"{holder.inside}.",
                 "drop this rule, or keep the module whole (style: replicate).",
             )
         )
@@ -397,3 +443,11 @@ def check_tied(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[Prob
                 )
             )
     return out
+
+
+# each style's own check of a module it styles (a style not named: `_check_layer`)
+_MODULE_CHECKS: dict[type[Rule], Callable[[int, Any, str, nn.Module, int], list[Problem]]] = {
+    ExpertsRule: _check_experts,
+    SplitParamsRule: _check_own_params,
+    ReplicateGradSumRule: _check_grad_sum,
+}

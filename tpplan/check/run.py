@@ -40,6 +40,7 @@ from ..compile.shard import shard_model
 from ..errors import DryRunSkipped, Problem, TpplanError
 from ..plan.patterns import match_names
 from ..plan.schema import Plan
+from ..plan.styles import SequenceParallelRule
 from ..trace import quiet_fake_tensor_log, repeated_blocks
 from .blame import Failure, MetaKernels, Watch, failure_note, failure_problem, fake_limit
 from .shared import rules_by_module
@@ -192,7 +193,7 @@ def prove_local_regions(plan: Plan, model: nn.Module, *, tp_size: int) -> dict[t
     Empty where no run can be set up (the regions then stay on DTensors)."""
     if not plan.regions or tp_size == 1:
         return {}
-    if any(r.style == "sequence_parallel" for r in plan.rules):
+    if any(isinstance(r, SequenceParallelRule) for r in plan.rules):
         # the stream reaches a region split over the sequence, as a DTensor: no local run
         names = [n for n, _ in model.named_modules()]
         found = [model.get_submodule(n) for r in plan.regions for n in match_names(r.match, names)]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..plan.layouts import parse_layout
 from ..plan.patterns import match_names
 from ..plan.schema import AttributeRule, Plan, Rule
 
@@ -23,9 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Match",
     "attribute_label",
-    "closes_region",
     "legal_sizes",
-    "opens_region",
     "rule_label",
     "rules_by_module",
     "traced_name",
@@ -48,14 +45,6 @@ def attribute_label(i: int, rule: AttributeRule) -> str:
 def legal_sizes(n: int) -> str:
     """The tp sizes up to 64 (what machines offer) that divide n."""
     return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0)
-
-
-def opens_region(rule: Rule) -> bool:
-    return rule.style == "colwise" and parse_layout(rule.output or "shard(-1)")[0] == "shard"
-
-
-def closes_region(rule: Rule) -> bool:
-    return rule.style == "rowwise" and parse_layout(rule.input or "shard(-1)")[0] == "shard"
 
 
 def traced_name(trace: Trace, name: str) -> str:

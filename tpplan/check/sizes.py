@@ -7,37 +7,37 @@ from __future__ import annotations
 
 from torch import nn
 
+from .._runtime.facts import weight_kind
 from ..errors import Problem
-from ..plan.schema import Rule
+from ..plan.rule import Rule
+from ..plan.styles import HeadsRule
 from .shared import legal_sizes, rule_label
 
 __all__ = ["check_size", "sharded_dim", "split_dims"]
 
 
+# (what holds the weight, the dim of it a style splits) -> the attribute that sizes the dim
+_SIZED_BY: dict[tuple[type[nn.Module], int], str] = {
+    (nn.Linear, 0): "out_features",
+    (nn.Linear, 1): "in_features",
+    (nn.modules.conv._ConvNd, 0): "out_channels",
+    (nn.modules.conv._ConvNd, 1): "in_channels",
+    (nn.Embedding, 1): "embedding_dim",
+    (nn.Embedding, 0): "num_embeddings",
+}
+
+
 def sharded_dim(rule: Rule, module: nn.Module) -> tuple[str, int] | None:
     """(what is split, its size) for a rule that splits a parameter dim."""
     weight = getattr(module, "weight", None)
-    if rule.transposed and isinstance(weight, nn.Parameter):
-        if rule.style == "colwise":
-            return "out features (weight dim 1)", weight.shape[1]
-        if rule.style == "rowwise":
-            return "in features (weight dim 0)", weight.shape[0]
-    if isinstance(module, nn.Linear):
-        if rule.style == "colwise":
-            return "out_features", module.out_features
-        if rule.style == "rowwise":
-            return "in_features", module.in_features
-    if isinstance(module, nn.modules.conv._ConvNd):
-        if rule.style == "colwise":
-            return "out_channels", module.out_channels
-        if rule.style == "rowwise":
-            return "in_channels", module.in_channels
-    if isinstance(module, nn.Embedding):
-        if rule.style == "colwise":
-            return "embedding_dim", module.embedding_dim
-        if rule.style in ("rowwise", "vocab_parallel"):
-            return "num_embeddings (the vocab)", module.num_embeddings
-    if isinstance(module, nn.MultiheadAttention) and rule.style == "heads":
+    dim = rule.weight_dim(weight_kind(module))
+    if rule.stored_transposed() and isinstance(weight, nn.Parameter) and dim is not None:
+        return f"{'out' if dim == 1 else 'in'} features (weight dim {dim})", weight.shape[dim]
+    for (holder, at), attr in _SIZED_BY.items():
+        if isinstance(module, holder) and at == dim:
+            words = " (the vocab)" if attr == "num_embeddings" else ""
+            return attr + words, getattr(module, attr)
+    if isinstance(module, nn.MultiheadAttention) and isinstance(rule, HeadsRule):
         return "embed_dim (its heads)", module.embed_dim
     return None
 
@@ -47,10 +47,11 @@ def split_dims(rule: Rule, module: nn.Module) -> list[tuple[str, int]]:
     split = sharded_dim(rule, module)
     if split is None:
         return []
-    if not rule.parts:
+    parts = rule.part_sizes()
+    if not parts:
         return [split]
     what, _ = split
-    return [(f"part {k} of the {what}", size) for k, size in enumerate(rule.parts)]
+    return [(f"part {k} of the {what}", size) for k, size in enumerate(parts)]
 
 
 def _legal(heads: int, shared: bool) -> str:
@@ -65,29 +66,30 @@ def check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> 
     """The problem of a split dim (`what`, of `size`) tp does not divide; with a head_dim
     in the rule, the dim must be whole heads, and tp must divide their number."""
     out: list[Problem] = []
-    if rule.head_dim is not None:
-        if size % rule.head_dim:
+    head_dim = rule.head_size()
+    if head_dim is not None:
+        if size % head_dim:
             out.append(
                 Problem(
                     "divisibility",
                     rule_label(i, rule),
                     name,
-                    f"{what} = {size} is not a whole number of heads of head_dim {rule.head_dim}.",
+                    f"{what} = {size} is not a whole number of heads of head_dim {head_dim}.",
                     "correct head_dim in the rule.",
                 )
             )
-        elif rule.replicate_heads and tp % (size // rule.head_dim) == 0:
+        elif rule.shares_heads() and tp % (size // head_dim) == 0:
             pass  # each head goes whole to tp/heads ranks (compile/shared_heads.py)
-        elif (size // rule.head_dim) % tp:
-            heads = size // rule.head_dim
+        elif (size // head_dim) % tp:
+            heads = size // head_dim
             out.append(
                 Problem(
                     "divisibility",
                     rule_label(i, rule),
                     name,
-                    f"{heads} heads (of head_dim {rule.head_dim}) do not split evenly over tp size {tp}; "
+                    f"{heads} heads (of head_dim {head_dim}) do not split evenly over tp size {tp}; "
                     "every rank must hold whole heads.",
-                    f"use a tp size among {_legal(heads, bool(rule.replicate_heads))}, or keep "
+                    f"use a tp size among {_legal(heads, bool(rule.shares_heads()))}, or keep "
                     "this module replicated.",
                 )
             )

@@ -57,7 +57,7 @@ def check_by_structure(
                     "unclosed_region",
                     rule_label(i, rule),
                     name,
-                    f"its output stays sharded ({rule.output or 'shard(-1)'}) but no rowwise "
+                    f"its output stays sharded ({rule.output_layout()}) but no rowwise "
                     f"module under {wildcard(p) or 'the model (top level)'} takes it back to a full tensor.",
                     "add a rowwise rule for the layer that consumes it, or gather the output "
                     "with `output: replicate`.",
@@ -72,7 +72,7 @@ def check_by_structure(
                     "unopened_region",
                     rule_label(i, rule),
                     name,
-                    f"it expects a sharded input ({rule.input or 'shard(-1)'}) but no colwise module "
+                    f"it expects a sharded input ({rule.input_layout()}) but no colwise module "
                     f"under {wildcard(p) or 'the model (top level)'} produces one.",
                     "add colwise rules for the layers that feed it, or declare `input: replicate`.",
                 )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import Problem
 from ..plan.schema import Plan, Rule
-from .shared import Match, closes_region, rule_label, traced_name
+from .shared import Match, rule_label, traced_name
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -35,7 +35,7 @@ def check_widths(plan: Plan, modules: list[Match], trace: Trace) -> list[Problem
     for i, name in modules:
         rule, t = plan.rules[i], traced_name(trace, name)
         out += _check_parts(i, rule, name, t, trace)
-        if rule.head_dim is not None:
+        if rule.head_size() is not None:
             out += _check_head_dim(i, rule, name, t, trace)
     return out
 
@@ -43,7 +43,7 @@ def check_widths(plan: Plan, modules: list[Match], trace: Trace) -> list[Problem
 def _check_parts(i: int, rule: Rule, name: str, t: str, trace: Trace) -> list[Problem]:
     """The rule's parts, and each of its fused parameters' pieces, against the pieces the
     model cuts the features of the module traced as `t` into."""
-    stated = [(None, rule.parts)] + [(p, sizes) for p, sizes in (rule.fused or {}).items()]
+    stated = [(None, rule.part_sizes())] + [(p, sizes) for p, sizes in rule.fused_sizes().items()]
     out: list[Problem] = []
     for param, sizes in stated:
         pieces = model_pieces(trace, t, param)
@@ -76,8 +76,8 @@ def parts_problem(
 
 
 def _check_head_dim(i: int, rule: Rule, name: str, t: str, trace: Trace) -> list[Problem]:
-    seen = model_head_dim(trace, t, closer=closes_region(rule))
-    if seen is None or seen[0] == rule.head_dim:
+    seen = model_head_dim(trace, t, closer=rule.closes_split())
+    if seen is None or seen[0] == rule.head_size():
         return []
     return [head_dim_problem(i, rule, name, seen)]
 
@@ -90,7 +90,7 @@ def head_dim_problem(i: int, rule: Rule, name: str, seen: tuple[int, str]) -> Pr
         "head_dim",
         rule_label(i, rule),
         name,
-        f"the rule states head_dim {rule.head_dim}, but the model's head_dim is "
+        f"the rule states head_dim {rule.head_size()}, but the model's head_dim is "
         f"{head_dim} ({view}).",
         f"set head_dim: {head_dim} in the rule, or infer the plan again for this model "
         "(`tpplan infer`).",

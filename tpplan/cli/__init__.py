@@ -303,8 +303,11 @@ def _cmd_infer(args: argparse.Namespace) -> int:
         print(f"wrote {args.output} ({len(plan.rules)} rules)", file=sys.stderr)
     else:
         sys.stdout.write(text)
-    if args.experts == "expert" and not any(r.mode == "expert" for r in plan.rules):
-        split = [r.match for r in plan.rules if r.style == "experts"]
+    from ..plan.styles import ExpertsRule
+
+    experts = [r for r in plan.rules if isinstance(r, ExpertsRule)]
+    if args.experts == "expert" and not any(r.mode == "expert" for r in experts):
+        split = [r.match for r in experts]
         why = (
             f"the experts it found ({', '.join(split)}) stay split by tensor (their rule's "
             "comment says why)"

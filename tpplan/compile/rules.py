@@ -1,7 +1,8 @@
 """The plan-to-torch compiler: each rule of a plan becomes one torch ParallelStyle.
 
-Start at `plan_to_torch` (whose result `shard_model` applies): every rule is compiled by `rule_to_style` and expanded to the modules its pattern matches. Most rules
-become torch's own styles (ColwiseParallel, RowwiseParallel, SequenceParallel,
+Start at `plan_to_torch` (whose result `shard_model` applies): every rule is compiled by the
+builder registered for its style's class (`builds`, as torch registers a rule per op) and
+expanded to the modules its pattern matches. Most rules become torch's own styles (ColwiseParallel, RowwiseParallel, SequenceParallel,
 PrepareModuleInput/Output); the styles torch lacks are built in the modules beside this one:
 
 - colwise with `parts`, `transposed` or `output`: `Colwise` (linear.py);
@@ -21,7 +22,9 @@ see the unsharded model's layout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -37,6 +40,20 @@ from .._runtime.facts import pointwise_conv
 from ..errors import TpplanError
 from ..plan.layouts import parse_layout
 from ..plan.patterns import match_names
+from ..plan.rule import Rule
+from ..plan.schema import Plan
+from ..plan.styles import (
+    ColwiseRule,
+    ExpertsRule,
+    HeadsRule,
+    PrepareRule,
+    ReplicateGradSumRule,
+    ReplicateRule,
+    RowwiseRule,
+    SequenceParallelRule,
+    SplitParamsRule,
+    VocabParallelRule,
+)
 from .attention import HeadParallelAttention
 from .conv import PointwiseConv
 from .embeddings import SumAtLookup, WrittenRows
@@ -45,10 +62,34 @@ from .linear import Colwise, Rowwise
 from .params import ReplicateGradSum, SplitParams
 from .shared_heads import SharedHeadsColwise
 
-if TYPE_CHECKING:
-    from ..plan.schema import Plan, Rule
+__all__ = ["BUILDERS", "Build", "builds", "placement", "plan_to_torch", "rule_to_style"]
 
-__all__ = ["placement", "plan_to_torch", "rule_to_style"]
+
+@dataclass(frozen=True)
+class Build:
+    """What a builder is told about the modules a rule's style is built for."""
+
+    conv: bool = False
+    """They are 1x1 convolutions (`pointwise_conv`): channels split as a Linear's features."""
+    local_shards: bool = True
+    """Split layers whose sizes are local may run on their shards (local_run.py); False
+    runs every one on DTensors (`apply_plan(..., local_shards=False)`)."""
+
+
+R = TypeVar("R", bound=Rule)
+Builder = Callable[[Any, Build], ParallelStyle | None]
+# style class -> the function that builds its torch style (None: the module is left alone)
+BUILDERS: dict[type[Rule], Builder] = {}
+
+
+def builds(cls: type[R]) -> Callable[[Callable[[R, Build], ParallelStyle | None]], Builder]:
+    """Register the decorated function as the builder of rules of the style class `cls`."""
+
+    def register(fn: Callable[[R, Build], ParallelStyle | None]) -> Builder:
+        BUILDERS[cls] = fn
+        return fn
+
+    return register
 
 
 def plan_to_torch(
@@ -62,45 +103,20 @@ def plan_to_torch(
     names = [n for n in modules if n]
     by_name: dict[str, ParallelStyle] = {}
     for rule in plan.rules:
-        style = rule_to_style(rule, local_shards=local_shards)
-        if style is None:
-            continue
-        conv = None
+        built: dict[bool, ParallelStyle | None] = {}  # one style per kind of module matched
         for name in match_names(rule.match, names):
-            if rule.style in ("colwise", "rowwise") and pointwise_conv(modules[name]):
-                conv = conv or _conv_style(rule)
-                by_name[name] = conv
-            else:
+            conv = pointwise_conv(modules[name])
+            if conv not in built:
+                built[conv] = rule_to_style(rule, Build(conv=conv, local_shards=local_shards))
+            style = built[conv]
+            if style is not None:
                 by_name[name] = style
     return {n: by_name[n] for n in names if n in by_name}
 
 
-def rule_to_style(rule: Rule, *, local_shards: bool = True) -> ParallelStyle | None:
-    """The style object for one rule; None for `replicate` (the module is left alone)."""
-    if rule.style in ("colwise", "rowwise", "vocab_parallel"):
-        return _split_style(rule, local_shards)
-    if rule.style == "sequence_parallel":
-        _, dim = parse_layout(rule.input or "shard(1)")
-        return SequenceParallel(sequence_dim=dim if dim is not None else 1, **_local_output(rule))
-    if rule.style == "prepare":
-        return _prepare(rule)
-    if rule.style == "replicate_grad_sum":
-        return ReplicateGradSum()
-    if rule.style == "split_params":
-        assert rule.shard is not None  # the rule's validator requires it
-        return SplitParams(shard=rule.shard)
-    if rule.style == "experts":
-        assert rule.shard is not None  # the rule's validator requires it
-        return Experts(
-            mode=rule.mode or "tensor",
-            shard=rule.shard,
-            fused=rule.fused,
-            after_sum=rule.after_sum,
-            added_whole=rule.added_whole,
-        )
-    if rule.style == "heads":
-        return HeadParallelAttention()
-    return None  # replicate
+def rule_to_style(rule: Rule, build: Build | None = None) -> ParallelStyle | None:
+    """The style object for one rule, by its style's builder; None for a module left alone."""
+    return BUILDERS[type(rule)](rule, build or Build())
 
 
 def placement(layout: str | None) -> Placement | None:
@@ -118,35 +134,60 @@ def _placements(layouts: list[str | None] | None) -> tuple[Placement | None, ...
     return None if layouts is None else tuple(placement(x) for x in layouts)
 
 
-def _local_output(rule: Rule) -> dict[str, Any]:
+def _local_output(rule: Any) -> dict[str, Any]:
     """The rule's `local_output` as torch's keyword, where the rule gives one."""
     return {} if rule.local_output is None else {"use_local_output": rule.local_output}
 
 
-def _split_style(rule: Rule, local_shards: bool) -> ParallelStyle:
-    """colwise, rowwise and vocab_parallel: tpplan's Colwise and Rowwise (torch's, extended
-    to fused and (in, out) weights and to running on local shards), and the vocab-parallel
-    styles for an embedding whose forward does more than look up."""
+def _layouts(rule: ColwiseRule | RowwiseRule | VocabParallelRule) -> dict[str, Any]:
+    """The rule's input and output layouts and local_output as torch's keywords."""
     kw = _local_output(rule)
     if rule.input is not None:
         kw["input_layouts"] = placement(rule.input)
-    elif rule.style == "vocab_parallel":
-        kw["input_layouts"] = Replicate()
     if rule.output is not None:
         kw["output_layouts"] = placement(rule.output)
-    if rule.style == "colwise" and rule.replicate_heads:
+    return kw
+
+
+@builds(ColwiseRule)
+def _colwise(rule: ColwiseRule, build: Build) -> ParallelStyle:
+    """tpplan's Colwise (torch's, extended to fused and (in, out) weights and to running on
+    local shards); a key/value projection sharing whole heads among ranks, or a 1x1
+    convolution, its own."""
+    if build.conv:
+        return _conv_style(rule, rowwise=False)
+    kw = _layouts(rule)
+    if rule.replicate_heads:
         # check/complete.py reads a head_dim the rule leaves out from the model
         assert rule.head_dim is not None, "plan_to_torch takes a plan complete_plan completed"
         return SharedHeadsColwise(
             head_dim=rule.head_dim,
             input_layouts=kw.get("input_layouts"),
-            local_shards=local_shards,
+            local_shards=build.local_shards,
         )
-    kw["local_shards"] = local_shards
-    if rule.style == "colwise":
-        return Colwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
-    if rule.style == "rowwise":
-        return Rowwise(parts=rule.parts, transposed=bool(rule.transposed), **kw)
+    return Colwise(
+        parts=rule.parts, transposed=bool(rule.transposed), local_shards=build.local_shards, **kw
+    )
+
+
+@builds(RowwiseRule)
+def _rowwise(rule: RowwiseRule, build: Build) -> ParallelStyle:
+    if build.conv:
+        return _conv_style(rule, rowwise=True)
+    return Rowwise(
+        parts=rule.parts,
+        transposed=bool(rule.transposed),
+        local_shards=build.local_shards,
+        **_layouts(rule),
+    )
+
+
+@builds(VocabParallelRule)
+def _vocab_parallel(rule: VocabParallelRule, build: Build) -> ParallelStyle:
+    """torch's RowwiseParallel on an Embedding (or its lookup on the local rows), and the
+    vocab-parallel styles for an embedding whose forward does more than look up."""
+    kw = _layouts(rule)
+    kw.setdefault("input_layouts", Replicate())
     if rule.sum_at == "lookup":
         return SumAtLookup()
     if rule.written is not None:
@@ -155,12 +196,10 @@ def _split_style(rule: Rule, local_shards: bool) -> ParallelStyle:
             output_layouts=kw.get("output_layouts"),
             use_local_output=kw.get("use_local_output", True),
         )
-    # a vocab_parallel embedding: torch's RowwiseParallel on an Embedding, or its lookup on
-    # the local rows
-    return Rowwise(**kw)
+    return Rowwise(local_shards=build.local_shards, **kw)
 
 
-def _conv_style(rule: Rule) -> PointwiseConv:
+def _conv_style(rule: ColwiseRule | RowwiseRule, *, rowwise: bool) -> PointwiseConv:
     """colwise or rowwise on a 1x1 convolution: its channels are split as a Linear's
     features (conv.py). Its weight has no fused parts and is never stored transposed."""
     if rule.parts or rule.transposed:
@@ -169,16 +208,23 @@ def _conv_style(rule: Rule) -> PointwiseConv:
             f"{'parts' if rule.parts else 'transposed'}; drop it from the rule."
         )
     return PointwiseConv(
-        rowwise=rule.style == "rowwise",
+        rowwise=rowwise,
         input_layouts=placement(rule.input),
         output_layouts=placement(rule.output),
         **_local_output(rule),
     )
 
 
-def _prepare(rule: Rule) -> ParallelStyle:
-    """prepare: torch's PrepareModuleInput, PrepareModuleOutput or both, by the layouts the
-    rule gives."""
+@builds(SequenceParallelRule)
+def _sequence_parallel(rule: SequenceParallelRule, build: Build) -> ParallelStyle:
+    _, dim = parse_layout(rule.input or "shard(1)")
+    return SequenceParallel(sequence_dim=dim if dim is not None else 1, **_local_output(rule))
+
+
+@builds(PrepareRule)
+def _prepare(rule: PrepareRule, build: Build) -> ParallelStyle:
+    """torch's PrepareModuleInput, PrepareModuleOutput or both, by the layouts the rule
+    gives."""
     has_in = any(
         x is not None
         for x in (rule.inputs, rule.desired_inputs, rule.input_kwargs, rule.desired_input_kwargs)
@@ -210,3 +256,36 @@ def _prepare(rule: Rule) -> ParallelStyle:
         {} if rule.local_input is None else {"use_local_output": rule.local_input}
     )
     return PrepareModuleInput(**ins, **local_in_only)
+
+
+@builds(ReplicateRule)
+def _replicate(rule: ReplicateRule, build: Build) -> None:
+    return None  # the module is left alone
+
+
+@builds(ReplicateGradSumRule)
+def _replicate_grad_sum(rule: ReplicateGradSumRule, build: Build) -> ParallelStyle:
+    return ReplicateGradSum()
+
+
+@builds(SplitParamsRule)
+def _split_params(rule: SplitParamsRule, build: Build) -> ParallelStyle:
+    assert rule.shard is not None  # the rule's validator requires it
+    return SplitParams(shard=rule.shard)
+
+
+@builds(ExpertsRule)
+def _experts(rule: ExpertsRule, build: Build) -> ParallelStyle:
+    assert rule.shard is not None  # the rule's validator requires it
+    return Experts(
+        mode=rule.mode or "tensor",
+        shard=rule.shard,
+        fused=rule.fused,
+        after_sum=rule.after_sum,
+        added_whole=rule.added_whole,
+    )
+
+
+@builds(HeadsRule)
+def _heads(rule: HeadsRule, build: Build) -> ParallelStyle:
+    return HeadParallelAttention()

@@ -106,7 +106,7 @@ def _opened_locally(plan: Plan, names: list[str], local: list[str]) -> Plan:
     rules = []
     for rule in plan.rules:
         matched = match_names(rule.match, names)
-        if rule.local_output is False and matched and all(m.startswith(inside) for m in matched):
+        if rule.hands_dtensors() and matched and all(m.startswith(inside) for m in matched):
             rule = rule.model_copy(update={"local_output": None})
         rules.append(rule)
     return plan.model_copy(update={"rules": rules})
@@ -161,15 +161,11 @@ def shared_heads(plan: Plan, model: nn.Module, name: str) -> int:
     except AttributeError:
         module = None
     for rule in plan.rules:
-        if (
-            module is not None
-            and rule.replicate_heads
-            and rule.head_dim
-            and matches(rule.match, name)
-        ):
+        heads = rule.head_size() if rule.shares_heads() else None
+        if module is not None and heads and matches(rule.match, name):
             weight = module._parameters["weight"]
             assert weight is not None
-            return int(weight.shape[0]) // rule.head_dim
+            return int(weight.shape[0]) // heads
     raise TpplanError(
         f"an attribute rule divides by the heads of {name}, which no colwise rule with "
         "replicate_heads splits; name the key or value projection in `of`."

@@ -22,6 +22,7 @@ from ..apply.api import apply_plan
 from ..compile.experts import EXPERTS_MARK
 from ..plan.patterns import match_names, wildcard
 from ..plan.schema import Plan
+from ..plan.styles import ColwiseRule
 
 __all__ = ["Verification", "verify_in_processes", "verify_plan"]
 
@@ -92,7 +93,7 @@ def _fused_outputs(sharded: nn.Module) -> dict[str, tuple[int, ...]]:
     names = [n for n, _ in sharded.named_modules() if n]
     out: dict[str, tuple[int, ...]] = {}
     for rule in plan.rules if plan is not None else []:
-        if rule.style == "colwise" and rule.parts:
+        if isinstance(rule, ColwiseRule) and rule.parts:
             out.update((n, tuple(rule.parts)) for n in match_names(rule.match, names))
     return out
 

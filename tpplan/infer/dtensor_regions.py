@@ -40,6 +40,11 @@ from ..check.rules import match_rules
 from ..check.run import Inside, collectives_inside
 from ..plan.patterns import collapse
 from ..plan.schema import Plan, RegionRule, Rule
+from ..plan.styles import (
+    ColwiseRule,
+    ReplicateRule,
+    RowwiseRule,
+)
 from ..plan.versions import SCHEMA_VERSION
 from .region_cuts import Cut, call_fake, cuts
 
@@ -57,7 +62,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     gathered = {
         n
         for n, r in rules.items()
-        if r.style == "colwise" and r.output == "replicate" and r.why.startswith(_GATHERED)
+        if isinstance(r, ColwiseRule) and r.output == "replicate" and r.why.startswith(_GATHERED)
     }
     if not gathered:
         return plan
@@ -99,7 +104,9 @@ def _split_inside(module: str, rules: dict[str, Rule], made: dict[str, Rule]) ->
     """The layers inside `module` a rule splits, the region's own and others (a gathered
     modulation layer in Flux's single-stream block): their collectives are their calls'."""
     per = {**rules, **made}
-    return [n for n, r in per.items() if n.startswith(f"{module}.") and r.style != "replicate"]
+    return [
+        n for n, r in per.items() if n.startswith(f"{module}.") and not isinstance(r, ReplicateRule)
+    ]
 
 
 def _clean(inside: Inside, cut: Cut) -> bool:
@@ -160,14 +167,14 @@ def _rewrite(
     pieces do not fit. `pieces` 0: every opener and closer in pieces of the size all the
     openers' widths share (`_common_pieces`)."""
     opens, closes = cut.opens, cut.closes
-    out = {}
+    out: dict[str, Rule] = {}
     by = ", ".join(n[len(holder) + 1 :] for n in opens)
     to = ", ".join(n[len(holder) + 1 :] for n in closes)
     common = _common_pieces(model, rules, cut, tp) if pieces == 0 else {}
     if common is None:
         return None
     for o in opens:
-        given = rules[o].parts
+        given = rules[o].part_sizes()
         features = sum(given) if given else _width(model, rules, o, 0)
         if features is None:
             return None
@@ -181,11 +188,10 @@ def _rewrite(
             if parts
             else ""
         )
-        out[o] = Rule(
+        out[o] = ColwiseRule(
             match=o,
-            style="colwise",
             parts=parts,
-            transposed=rules[o].transposed,
+            transposed=rules[o].stored_transposed() or None,
             local_output=False,
             why=(
                 f"its {features} output features are split {split}and stay a DTensor through "
@@ -200,20 +206,18 @@ def _rewrite(
             if parts
             else ""
         )
-        out[c] = Rule(
+        out[c] = RowwiseRule(
             match=c,
-            style="rowwise",
             parts=parts,
-            transposed=rules[c].transposed,
+            transposed=rules[c].stored_transposed() or None,
             why=(
                 f"contracts the features split by {by}, which reach it as a DTensor{joined}; "
                 "its output is a partial sum, one all-reduce"
             ),
         )
     for k in cut.kept:
-        out[k] = Rule(
+        out[k] = ReplicateRule(
             match=k,
-            style="replicate",
             why=(
                 f"kept whole: {', '.join(n[len(holder) + 1 :] for n in cut.readers[k])}, which "
                 "opens the region's split, reads its output whole through the module's own "
@@ -235,7 +239,7 @@ def _common_pieces(
     not fit (that size not a multiple of tp, a closer of one piece)."""
     widths = {o: _width(model, rules, o, 0) for o in cut.opens}
     ins = {c: _width(model, rules, c, 1) for c in cut.closes}
-    if any(rules[o].parts for o in cut.opens) or None in (*widths.values(), *ins.values()):
+    if any(rules[o].part_sizes() for o in cut.opens) or None in (*widths.values(), *ins.values()):
         return None
     size = math.gcd(*(w for w in widths.values() if w is not None))
     if size % tp or any(n is None or n % size or n == size for n in ins.values()):
@@ -254,7 +258,7 @@ def _width(model: nn.Module, rules: dict[str, Rule], name: str, side: int) -> in
     w = getattr(m, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         return None
-    return int(w.shape[side if not rules[name].transposed else 1 - side])
+    return int(w.shape[side if not rules[name].stored_transposed() else 1 - side])
 
 
 def _with(
@@ -268,8 +272,8 @@ def _with(
     new_rules = collapsed(per, names)
     kinds: dict[str, list[str]] = {}
     for m, made in regions.items():
-        opens = [n for n, r in made.items() if r.style == "colwise"]
-        closes = [n for n, r in made.items() if r.style == "rowwise"]
+        opens = [n for n, r in made.items() if isinstance(r, ColwiseRule)]
+        closes = [n for n, r in made.items() if isinstance(r, RowwiseRule)]
         why = (
             f"runs on DTensors from {', '.join(o[len(m) + 1 :] for o in opens)} to "
             f"{', '.join(c[len(m) + 1 :] for c in closes)}: its code sizes the split "
@@ -277,7 +281,7 @@ def _with(
             "and DTensor carries the split; proven on fake ranks with no collective inside "
             "it but the closers' sums"
         )
-        kept = [n for n, r in made.items() if r.style == "replicate"]
+        kept = [n for n, r in made.items() if isinstance(r, ReplicateRule)]
         if kept:
             why += (
                 f", and in the backward a gather of the gradient of what "

@@ -45,6 +45,14 @@ from ..check.run import meta_copy
 from ..errors import TpplanError
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan, RegionRule, Rule
+from ..plan.styles import (
+    ColwiseRule,
+    PrepareRule,
+    ReplicateRule,
+    RowwiseRule,
+    SequenceParallelRule,
+    VocabParallelRule,
+)
 from ..plan.versions import SCHEMA_VERSION
 from ..trace import quiet_fake_tensor_log
 from .dtensor_regions import call_fake, collapsed, example_call, per_module
@@ -54,7 +62,7 @@ __all__ = ["fit_sequence_parallel", "settle_sequence_parallel"]
 # styles whose module computes on DTensors itself (its parameters are DTensors, its input is
 # made one): what its own code does is torch's, and its output is a DTensor only as the rule
 # says (`_hands_on_stream`)
-_ON_DTENSORS = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel")
+_ON_DTENSORS = (ColwiseRule, RowwiseRule, VocabParallelRule, SequenceParallelRule)
 # what sequence_parallel.py appends to a layer's reason when it gathers its own input
 _GATHERS_INPUT = re.compile(
     r"; sequence parallel: (its input is gathered over the sequence first"
@@ -153,7 +161,7 @@ def _summed_whole(rules: dict[str, Rule], failed: str | None) -> dict[str, Rule 
             n: r
             for n, r in rules.items()
             if (n == scope or n.startswith(f"{scope}.") or not scope)
-            and r.style == "rowwise"
+            and isinstance(r, RowwiseRule)
             and r.output == "shard(1)"
         }
         if closers:
@@ -171,7 +179,7 @@ def _summed_whole(rules: dict[str, Rule], failed: str | None) -> dict[str, Rule 
     }
     for n, r in rules.items():
         inside = n == scope or n.startswith(f"{scope}.")
-        if inside and r.style == "prepare" and (r.inputs or r.input_kwargs):
+        if inside and isinstance(r, PrepareRule) and (r.inputs or r.input_kwargs):
             out[n] = None
     return out
 
@@ -186,7 +194,7 @@ def _whole_lookups(rules: dict[str, Rule]) -> dict[str, Rule]:
             "tensors to its rows",
         )
         for n, r in rules.items()
-        if r.style == "vocab_parallel" and r.output == "shard(1)"
+        if isinstance(r, VocabParallelRule) and r.output == "shard(1)"
     }
 
 
@@ -212,7 +220,7 @@ def _exits(seen: _Seen, rules: dict[str, Rule], held: set[str]) -> dict[str, Rul
     found: dict[str, Rule] = {}
     for name, (args, kwargs) in seen.given.items():
         kept = rules.get(name)
-        if kept is not None and kept.style != "replicate":
+        if kept is not None and not isinstance(kept, ReplicateRule):
             continue  # (one kept whole can gather too: prepare splits nothing either)
         if name in held or not (any(args) or any(kwargs.values())):
             continue
@@ -223,9 +231,8 @@ def _exits(seen: _Seen, rules: dict[str, Rule], held: set[str]) -> dict[str, Rul
             continue
         inputs = ["shard(1)" if a else None for a in args] if any(args) else None
         taken = {k: "shard(1)" for k, v in kwargs.items() if v} or None
-        found[name] = Rule(
+        found[name] = PrepareRule(
             match=name,
-            style="prepare",
             inputs=inputs,
             desired_inputs=[None if x is None else "replicate" for x in inputs or []] or None,
             input_kwargs=taken,
@@ -245,16 +252,16 @@ def _fitted(rule: Rule, fed: bool | None) -> Rule | None:
     """The rule as the stream reaches its module (`fed`: its input is the stream; None: it
     did not run): unchanged where that holds or cannot be told; where the input is whole,
     without what reads it as the stream (None: no rule, the module runs whole)."""
-    if fed and rule.style == "colwise" and rule.input is None:
+    if fed and isinstance(rule, ColwiseRule) and rule.input is None:
         # the stream (a DTensor) reaches it: gathered in its input hook, as a layout
         return rule.model_copy(update={"input": "shard(1)", "why": rule.why + _GATHERED_WHY})
     if fed is None or fed:
         return rule
-    if rule.style == "sequence_parallel":
+    if isinstance(rule, SequenceParallelRule):
         return None
-    if rule.style == "prepare" and (rule.inputs or rule.input_kwargs):
+    if isinstance(rule, PrepareRule) and (rule.inputs or rule.input_kwargs):
         return None
-    if rule.style == "colwise" and rule.input == "shard(1)":
+    if isinstance(rule, ColwiseRule) and rule.input == "shard(1)":
         return rule.model_copy(update={"input": None, "why": _GATHERS_INPUT.sub("", rule.why)})
     return rule
 
@@ -362,7 +369,7 @@ def _follow(
 
     def enter(name: str) -> Any:
         rule = rules.get(name)
-        quiet = name in held or (rule is not None and rule.style in _ON_DTENSORS)
+        quiet = name in held or (rule is not None and isinstance(rule, _ON_DTENSORS))
 
         def hook(m: nn.Module, a: Any, kw: Any) -> Any:
             mode.running.append(name)
@@ -377,7 +384,7 @@ def _follow(
                 if fed is not None:
                     got = mode.marked(fed)[0]
                     seen.fed[name] = seen.fed.get(name, True) and got
-                    if rule.style == "prepare" and got and rule.local_input:
+                    if isinstance(rule, PrepareRule) and got and rule.local_input:
                         changed = _gathered(rule, a, kw)  # plain whole tensors inside
             if quiet:
                 mode.quiet += 1
@@ -387,13 +394,13 @@ def _follow(
 
     def leave(name: str) -> Any:
         rule = rules.get(name)
-        quiet = name in held or (rule is not None and rule.style in _ON_DTENSORS)
+        quiet = name in held or (rule is not None and isinstance(rule, _ON_DTENSORS))
 
         def hook(m: nn.Module, a: Any, kw: Any, out: Any) -> None:
             mode.running.pop()
             if quiet:
                 mode.quiet -= 1
-            if rule is not None and rule.style in _ON_DTENSORS:
+            if rule is not None and isinstance(rule, _ON_DTENSORS):
                 mode.mark(out, _hands_on_stream(rule, seen.fed.get(name, False)))
             seen.hands_on.setdefault(name, mode.marked(out)[0])
 
@@ -416,7 +423,7 @@ def _follow(
     return seen
 
 
-def _gathered(rule: Rule, args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _gathered(rule: PrepareRule, args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A prepared module's inputs as its own code gets them: the ones its rule gathers are
     new plain tensors (the caller's stays the stream), made where the mode does not see."""
 
@@ -435,23 +442,23 @@ def _gathered(rule: Rule, args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict
 
 def _reads(rule: Rule, args: Any, kwargs: Any) -> Any:
     """What of a module's inputs its rule reads as the stream; None when it reads none."""
-    if rule.style == "sequence_parallel":
+    if isinstance(rule, SequenceParallelRule):
         return args[:1] or list(kwargs.values())[:1]
-    if rule.style == "prepare":
+    if isinstance(rule, PrepareRule):
         picked = [
             a for a, layout in zip(args, rule.inputs or [], strict=False) if layout == "shard(1)"
         ]
         picked += [kwargs[k] for k, v in (rule.input_kwargs or {}).items() if v == "shard(1)"]
         return picked or None
-    if rule.style == "colwise":
+    if isinstance(rule, ColwiseRule):
         return args[:1]
     return None
 
 
 def _hands_on_stream(rule: Rule, fed: bool) -> bool:
     """Whether the module's output is the stream (a DTensor) under its rule."""
-    if rule.output == "shard(1)" and rule.local_output is False:
+    if rule.output_layout() == "shard(1)" and rule.hands_dtensors():
         return True  # reduce-scattered onto sequence shards (or a lookup summed there)
-    if rule.style == "sequence_parallel":
+    if isinstance(rule, SequenceParallelRule):
         return fed
-    return rule.style == "colwise" and rule.local_output is False  # a DTensor region's opener
+    return isinstance(rule, ColwiseRule) and rule.local_output is False  # a DTensor region's opener

@@ -1,9 +1,10 @@
 """Stage 1, the plan file. Imports no torch: reading, printing and validating a plan file is
-instant. Start at schema.py (`Plan`, `Rule`); then, by concern:
+instant. Start at schema.py (`Plan`), then styles.py (one class per style, on rule.py's
+`Rule`); then, by concern:
 
 - load.py: `load_plan`, from a file or a shipped plan's name; shipped.py finds those;
 - comments.py: the YAML text, each rule's `why` the comment above it;
-- styles.py, layouts.py, versions.py: what a rule may say, as plain checks;
+- layouts.py, versions.py: layout strings, and what each schema version added;
 - messages.py: pydantic's errors as one sentence per problem, with its line;
 - patterns.py: module-name patterns, matched as parallelize_module matches;
 - diff.py: what changes between two plans.

@@ -22,7 +22,7 @@ def explain(err: ValidationError, text: str | None) -> list[str]:
     read from) when that is known."""
     issues = []
     for e in err.errors():
-        loc = tuple(e["loc"])
+        loc = _untagged(tuple(e["loc"]))
         kind = e["type"]
         if kind == "extra_forbidden":
             field = loc[-1]
@@ -44,6 +44,14 @@ def explain(err: ValidationError, text: str | None) -> list[str]:
         line = _line_of(text, loc)
         issues.append(f"line {line}: {msg}" if line else msg)
     return issues
+
+
+def _untagged(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`loc` without the style pydantic puts after a rule's index (`('rules', 0, 'colwise',
+    'head_dim')`: the union's tag, not a key of the file)."""
+    if len(loc) > 2 and loc[0] == "rules" and isinstance(loc[1], int):
+        return loc[:2] + loc[3:]
+    return loc
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -1,20 +1,516 @@
-"""The styles a rule can name, the optional fields each takes, and what each needs.
+"""The ten styles a rule can name, one class each: its fields, its checks, its facts.
 
-Start at `check_fields_fit_style`: the whole check of one rule's fields against its style,
-run by `Rule` once every field is valid on its own. Each check is a plain function over the
-fields a rule gives (a field given as null counts as given), and each message says what was
-given, what is allowed and the fix. No torch here.
+Start at `ColwiseRule`. Every class holds only the fields its style takes (a field of another
+style is refused with this style's list, rule.py), the schema version each came in
+(`since`, `field_since`), the checks across its fields (`_check`, run once every field is
+valid on its own; each message says what was given, what is allowed and the fix), and the
+pure facts the rest of tpplan asks of a style (which dim of a weight it splits). Adding a
+style is a class here, its builder in tpplan/compile/, and its tests. No torch here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Collection
+from typing import Annotated, ClassVar, Literal
 
-from ..errors import did_you_mean
-from .layouts import parse_layout
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
-__all__ = ["STYLES", "STYLE_FIELDS", "Style", "check_fields_fit_style", "check_style"]
+from .layouts import Layout, check_layout, check_layouts, parse_layout
+from .rule import STYLE_CLASSES, Rule, WeightKind
+
+__all__ = [
+    "STYLES",
+    "ColwiseRule",
+    "ExpertsRule",
+    "HeadsRule",
+    "PrepareRule",
+    "ReplicateGradSumRule",
+    "ReplicateRule",
+    "RowwiseRule",
+    "SequenceParallelRule",
+    "SplitParamsRule",
+    "Style",
+    "VocabParallelRule",
+    "WeightKind",
+]
+
+_Layout = Annotated[Layout, AfterValidator(check_layout)]
+"""replicate | partial | shard(DIM)."""
+
+
+class _Layouts(Rule):
+    """The base of the styles that take input and output layouts."""
+
+
+class ColwiseRule(_Layouts):
+    """Split a layer's output features (a Linear's rows, a 1x1 convolution's output channels,
+    an Embedding's features): each rank computes its share of the outputs from the whole
+    input, which opens a split the layers after it continue."""
+
+    style: Literal["colwise"] = "colwise"
+    input: _Layout | None = None
+    """Layout of the input as it arrives (default replicate; shard(1) gathers a
+    sequence-split input first)."""
+    output: _Layout | None = None
+    """Layout the output is turned into (default shard(-1): each rank keeps its features;
+    replicate gathers them)."""
+    local_output: bool | None = None
+    """Hand plain local tensors to the next module (default true; false hands DTensors on,
+    to the code of a DTensor region)."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """The split features are attention heads of this size; every rank must get whole heads,
+    so the head count must divide by the tp size. Left out, it is read from the model where
+    its forward views the features as heads (schema 12), so that one plan serves every head
+    size of a family."""
+    replicate_heads: bool | None = None
+    """A key or value projection of grouped-query attention: at a tp size that is a multiple
+    of its head count, each head goes whole to tp/heads consecutive ranks (the ranks whose
+    query heads it serves) instead of tp having to divide the heads. The weight is a DTensor
+    on the tp axis viewed as (heads, tp/heads), split over the first and replicated over the
+    second, so its full tensor is the original; the gradient of a shared head is summed over
+    the ranks that share it. At a tp size dividing the head count the layer is split as plain
+    colwise. Its head_dim may be left out (schema 12)."""
+    parts: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=2)
+    """The output features are several tensors laid end to end (fused q|k|v, or gate|up), of
+    these sizes in order. Each part is split across the ranks on its own, and a rank holds
+    its slice of every part, in order, so it gets its own q, k and v heads (or its gate slice
+    and the matching up slice) rather than a contiguous slice that mixes them. Left out, it
+    is read from the model where its forward cuts the features into pieces (schema 12)."""
+    transposed: bool | None = None
+    """The weight is stored (in_features, out_features), as in GPT-2's Conv1D, so the split
+    is of its dim 1."""
+
+    field_since: ClassVar[dict[str, int]] = {"parts": 2, "transposed": 2, "replicate_heads": 11}
+    sized: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _check(self) -> ColwiseRule:
+        if "partial" in (self.input, self.output):
+            raise ValueError(
+                "style 'colwise' cannot take or give layout 'partial'; use replicate or shard(DIM)."
+            )
+        # its head_dim may be left out: the check reads it from the model (check/complete.py)
+        given = self.model_fields_set
+        if self.replicate_heads and (
+            any(f in given and getattr(self, f) for f in ("parts", "transposed", "output"))
+            or self.local_output is False
+        ):
+            raise ValueError(
+                "colwise with replicate_heads (whole key/value heads shared among ranks) takes "
+                "no parts, transposed, output or local_output: false."
+            )
+        return self
+
+    def omissions(self, given: Collection[str]) -> list[tuple[int, str]]:
+        # version 12 reads the sizes a rule leaves out from the model; its files are refused
+        # by a tpplan that would shard a fused layer without its parts
+        if "replicate_heads" in given and "head_dim" not in given:
+            return [(12, "replicate_heads without head_dim")]
+        return []
+
+    def weight_dim(self, kind: WeightKind) -> int | None:
+        if kind == "embedding":
+            return 1
+        return 1 if self.transposed and kind == "linear" else 0
+
+    def bias_dim(self, kind: WeightKind) -> int | None:
+        return None if kind == "embedding" else 0
+
+    def input_layout(self) -> str | None:
+        return self.input or "replicate"
+
+    def output_layout(self) -> str | None:
+        return self.output or "shard(-1)"
+
+    def opens_split(self) -> bool:
+        return parse_layout(self.output_layout() or "")[0] == "shard"
+
+    def needs_head_dim(self) -> bool:
+        return bool(self.replicate_heads) and self.head_dim is None
+
+    def head_size(self) -> int | None:
+        return self.head_dim
+
+    def part_sizes(self) -> list[int] | None:
+        return self.parts
+
+    def stored_transposed(self) -> bool:
+        return bool(self.transposed)
+
+    def shares_heads(self) -> bool:
+        return bool(self.replicate_heads)
+
+    def model_sizes(self, *, in_region: bool, stated: bool) -> list[tuple[str, str | None]]:
+        out = _head_dim_size(self, in_region=in_region, stated=stated)
+        # pieces left out in a DTensor region mean a contiguous cut, which check proves or
+        # refuses; a layer sharing whole heads among ranks takes none
+        if not self.replicate_heads and (not in_region or (stated and self.parts is not None)):
+            out.append(("parts", None))
+        return out
+
+
+class RowwiseRule(_Layouts):
+    """Split a layer's input features (a Linear's columns, a 1x1 convolution's input
+    channels): each rank contracts its share of the features, and one all-reduce sums the
+    partial outputs, which closes the split the layers before it opened."""
+
+    style: Literal["rowwise"] = "rowwise"
+    input: _Layout | None = None
+    """Layout of the input as it arrives (default shard(-1): the features the layers before
+    it split)."""
+    output: _Layout | None = None
+    """Layout the output is turned into (default replicate, an all-reduce; shard(1)
+    reduce-scatters over the sequence; partial leaves the sum to a later layer)."""
+    local_output: bool | None = None
+    """Hand plain local tensors to the next module (default true)."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """The split input features are attention heads of this size: every rank must get whole
+    heads. Left out, it is read from the model (schema 12)."""
+    parts: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=2)
+    """The input features are pieces of one size laid end to end (attention heads and MLP
+    features joined by `cat` before one projection, Flux's single-stream `proj_out`), and
+    each rank contracts its slice of every piece (schema 9)."""
+    transposed: bool | None = None
+    """The weight is stored (in_features, out_features), as in GPT-2's Conv1D, so the split
+    is of its dim 0."""
+
+    field_since: ClassVar[dict[str, int]] = {"parts": 2, "transposed": 2}
+    sized: ClassVar[bool] = True
+    style_field_since: ClassVar[dict[str, int]] = {"parts": 9}
+
+    @model_validator(mode="after")
+    def _check(self) -> RowwiseRule:
+        if self.parts and len(set(self.parts)) != 1:
+            raise ValueError(
+                f"style 'rowwise' takes parts of one size only (each rank contracts its slice "
+                f"of every piece, a layout only equal pieces have); {list(self.parts)} are not. "
+                "Give the pieces as equal ones (64 and 256 are 5 pieces of 64), or drop parts."
+            )
+        return self
+
+    def weight_dim(self, kind: WeightKind) -> int | None:
+        if kind == "embedding":
+            return 0
+        return 0 if self.transposed and kind == "linear" else 1
+
+    def input_layout(self) -> str | None:
+        return self.input or "shard(-1)"
+
+    def output_layout(self) -> str | None:
+        return self.output or "replicate"
+
+    def closes_split(self) -> bool:
+        return parse_layout(self.input_layout() or "")[0] == "shard"
+
+    def model_sizes(self, *, in_region: bool, stated: bool) -> list[tuple[str, str | None]]:
+        return _head_dim_size(self, in_region=in_region, stated=stated)
+
+    def head_size(self) -> int | None:
+        return self.head_dim
+
+    def part_sizes(self) -> list[int] | None:
+        return self.parts
+
+    def stored_transposed(self) -> bool:
+        return bool(self.transposed)
+
+
+def _head_dim_size(
+    rule: ColwiseRule | RowwiseRule, *, in_region: bool, stated: bool
+) -> list[tuple[str, str | None]]:
+    """A split layer's head_dim, where check reads it from the model: where the split opens
+    or closes on local shards (inside a DTensor region the plan states its sizes: nothing
+    there needs one), or where the rule states one."""
+    local = (rule.opens_split() or rule.closes_split()) and not in_region
+    return [("head_dim", None)] if local or (stated and rule.head_dim is not None) else []
+
+
+class VocabParallelRule(_Layouts):
+    """Split an embedding's rows (the vocab): each rank looks up the ids in its own rows,
+    zeros for the others, and one sum gives every rank the whole rows."""
+
+    style: Literal["vocab_parallel"] = "vocab_parallel"
+    input: _Layout | None = None
+    """Layout of the token ids as they arrive (default replicate)."""
+    output: _Layout | None = None
+    """Layout the rows are turned into (default replicate, an all-reduce; shard(1)
+    reduce-scatters over the sequence)."""
+    local_output: bool | None = None
+    """Hand plain local tensors to the next module (default true)."""
+    sum_at: Literal["lookup"] | None = None
+    """Where each rank's partial rows are summed. By default at the module's output, after its
+    forward. `lookup`: right where nn.Embedding's own lookup hands them back, inside the
+    forward of an Embedding subclass that goes on to do with the rows what is not linear in
+    them (a norm, rows overwritten), so the rest of its forward sees whole rows; its output
+    is then whole and plain."""
+    written: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    """Parameters of the module (by their own names) that its forward writes over some of the
+    looked-up rows, as they are (`rows[ids == eoi] = self.eoi_embedding`). Each is split
+    along its last dim (the rows' features). The forward then runs on each rank's partial
+    rows as plain tensors, each rank writing its share of such a parameter padded with
+    zeros, so the one sum as the forward returns (an all-reduce, or a reduce-scatter with
+    output shard(1)) adds up the whole parameter where it was written."""
+
+    field_since: ClassVar[dict[str, int]] = {"sum_at": 6, "written": 7}
+
+    @model_validator(mode="after")
+    def _check(self) -> VocabParallelRule:
+        whole_in = (self.input or "replicate") == "replicate"
+        if self.sum_at is not None and (
+            not whole_in
+            or (self.output or "replicate") != "replicate"
+            or self.local_output is False
+        ):
+            raise ValueError(
+                "vocab_parallel with sum_at: lookup takes the token ids as they are and sums "
+                "the rows inside the module's forward, so its input and output are whole, plain "
+                "tensors; drop input, output and local_output, or drop sum_at."
+            )
+        if self.written is not None and (
+            self.sum_at is not None or not whole_in or self.output == "partial"
+        ):
+            raise ValueError(
+                "vocab_parallel with written takes the token ids as they are and sums the "
+                "rows as its forward returns (output replicate or shard(DIM)); drop sum_at, "
+                "input and output partial, or drop written."
+            )
+        return self
+
+    def weight_dim(self, kind: WeightKind) -> int | None:
+        return 0 if kind == "embedding" else None
+
+    def input_layout(self) -> str | None:
+        return self.input or "replicate"
+
+    def output_layout(self) -> str | None:
+        return self.output or "replicate"
+
+
+class SequenceParallelRule(_Layouts):
+    """Run a module (a norm, dropout) on each rank's share of the sequence, between the
+    blocks whose collectives reduce-scatter into it and all-gather out of it."""
+
+    style: Literal["sequence_parallel"] = "sequence_parallel"
+    input: _Layout | None = None
+    """The sequence dim, as shard(DIM) (default shard(1))."""
+    local_output: bool | None = None
+    """Hand plain local tensors to the next module (default false: the stream stays a
+    DTensor)."""
+
+    def input_layout(self) -> str | None:
+        return self.input or "shard(1)"
+
+    @model_validator(mode="after")
+    def _check(self) -> SequenceParallelRule:
+        if self.input is not None and parse_layout(self.input)[0] != "shard":
+            raise ValueError(
+                f"sequence_parallel needs input shard(DIM) naming the sequence dim, not "
+                f"'{self.input}'."
+            )
+        return self
+
+
+_LayoutList = list[Layout | None]  # each checked by PrepareRule._layouts
+
+
+class PrepareRule(Rule):
+    """Redistribute a module's inputs or outputs (torch's PrepareModuleInput/Output): each
+    pair of lists says the layouts as they arrive and as they are wanted, in order."""
+
+    style: Literal["prepare"] = "prepare"
+    local_output: bool | None = None
+    """Hand plain local tensors on from the outputs (default false)."""
+    inputs: _LayoutList | None = None
+    """Layouts of the positional inputs as they arrive (null: not a tensor, left alone)."""
+    desired_inputs: _LayoutList | None = None
+    """Layouts the positional inputs are redistributed to."""
+    input_kwargs: dict[str, Layout] | None = None
+    """Layouts of keyword inputs as they arrive."""
+    desired_input_kwargs: dict[str, Layout] | None = None
+    """Layouts the keyword inputs are redistributed to."""
+    outputs: _LayoutList | None = None
+    """Layouts of the outputs as they leave the module."""
+    desired_outputs: _LayoutList | None = None
+    """Layouts the outputs are redistributed to."""
+    local_input: bool | None = None
+    """Hand the module plain local tensors instead of DTensors (default false)."""
+
+    @field_validator(
+        "inputs",
+        "desired_inputs",
+        "outputs",
+        "desired_outputs",
+        "input_kwargs",
+        "desired_input_kwargs",
+    )
+    @classmethod
+    def _layouts(cls, v: object) -> object:
+        return check_layouts(v)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _check(self) -> PrepareRule:
+        given = 0
+        for have, want in (
+            ("inputs", "desired_inputs"),
+            ("input_kwargs", "desired_input_kwargs"),
+            ("outputs", "desired_outputs"),
+        ):
+            a, b = getattr(self, have), getattr(self, want)
+            if a is None and b is None:
+                continue
+            if a is None or b is None:
+                raise ValueError(
+                    f"prepare needs both {have} and {want} (as they arrive, as wanted); only "
+                    f"{have if a is not None else want} is given."
+                )
+            given += 1
+            if len(a) != len(b) or (isinstance(a, dict) and a.keys() != b.keys()):
+                raise ValueError(f"prepare: {have} and {want} must name the same inputs.")
+        if not given:
+            raise ValueError(
+                "prepare needs at least one pair of layouts: inputs/desired_inputs, "
+                "input_kwargs/desired_input_kwargs or outputs/desired_outputs."
+            )
+        return self
+
+
+class ReplicateRule(Rule):
+    """Keep the module whole on every rank (every rank computes it on the same input); the
+    rule's `why` says why it is not split."""
+
+    style: Literal["replicate"] = "replicate"
+
+    splits: ClassVar[bool] = False
+
+
+class ReplicateGradSumRule(Rule):
+    """Keep the module's parameters whole on every rank, and sum their gradients over the
+    ranks: each rank computes the module on its share of something split (a norm on split
+    features, a bias after a partial sum), so each gradient is a partial one."""
+
+    style: Literal["replicate_grad_sum"] = "replicate_grad_sum"
+
+    splits: ClassVar[bool] = False
+
+
+_Shard = dict[str, Annotated[int, Field(ge=0)]]
+
+
+class ExpertsRule(Rule):
+    """Split a mixture of experts' expert weights, by tensor (each expert split like a dense
+    MLP) or by expert (each rank holds whole experts); one all-reduce sums the output."""
+
+    style: Literal["experts"] = "experts"
+    mode: Literal["tensor", "expert"] | None = None
+    """`tensor` (default) splits every expert's own weights like a dense MLP (gate/up by
+    output features, down by input features) and sums the experts' partial outputs with one
+    all-reduce; `expert` gives each rank num_experts/tp whole experts, each rank computes the
+    tokens routed to its own experts, and one all-reduce sums them."""
+    shard: _Shard | None = None
+    """Parameter of the matched module (by its own name, or a child's by its dotted name
+    under the module) -> the dim it is split on; the module's other parameters are
+    replicated."""
+    fused: dict[str, list[Annotated[int, Field(gt=0)]]] | None = None
+    """Parameter -> sizes of the pieces laid end to end along its split dim (gate|up); each
+    rank holds its slice of every piece, as `parts` does for colwise. A parameter left out
+    is read from the model where its forward cuts it into pieces (schema 12)."""
+    after_sum: list[str] | None = None
+    """Mode tensor: parameters added to the experts' output after the down projection's
+    partial sum (its bias): each rank adds its 1/tp share, so the all-reduce adds it once."""
+    added_whole: list[str] | None = None
+    """Mode tensor: submodules of the matched module (by their dotted names under it) whose
+    output its forward adds whole to the experts' partial sums, made the same on every rank
+    without the split weights (an identity expert passing its tokens through): each rank
+    scales their output by 1/tp, so the all-reduce adds it once."""
+
+    since: ClassVar[int] = 3
+    sized: ClassVar[bool] = True
+    inside: ClassVar[str | None] = (
+        "whose forward runs on each rank's local tensors with its other parameters whole"
+    )
+    field_since: ClassVar[dict[str, int]] = {
+        "mode": 3,
+        "shard": 3,
+        "fused": 3,
+        "after_sum": 3,
+        "added_whole": 5,
+    }
+
+    def fused_sizes(self) -> dict[str, list[int]]:
+        return self.fused or {}
+
+    def model_sizes(self, *, in_region: bool, stated: bool) -> list[tuple[str, str | None]]:
+        if self.mode == "expert":  # whole experts take no pieces
+            return []
+        return [("fused", p) for p in {**(self.shard or {}), **(self.fused or {})}]
+
+    @model_validator(mode="after")
+    def _check(self) -> ExpertsRule:
+        shard = self.shard
+        if not shard:
+            raise ValueError(
+                "experts needs shard: {parameter: dim} naming the expert weights it splits "
+                "(e.g. {gate_up_proj: 1, down_proj: 2} for mode tensor, dim 0 for mode expert)."
+            )
+        stray = sorted(set(self.fused or ()) - set(shard))
+        if stray:
+            raise ValueError(
+                f"experts: fused names {', '.join(stray)}, which is not in shard; fused pieces "
+                "are cut along a split dim."
+            )
+        stray = sorted(set(self.after_sum or ()) & set(shard))
+        if stray:
+            raise ValueError(
+                f"experts: after_sum names {', '.join(stray)}, which is also in shard; a "
+                "parameter added after the sum is whole on every rank."
+            )
+        if self.mode == "expert" and (
+            self.fused or self.after_sum or self.added_whole or set(shard.values()) != {0}
+        ):
+            raise ValueError(
+                "experts with mode expert splits every expert weight on dim 0 (the experts) "
+                "and takes no fused, after_sum or added_whole; use shard: {name: 0} for each."
+            )
+        return self
+
+
+class SplitParamsRule(Rule):
+    """Split parameters a module uses element by element on split features (one attention
+    sink per head): each rank holds, and its forward uses, its own contiguous share."""
+
+    style: Literal["split_params"] = "split_params"
+    shard: _Shard | None = None
+    """Parameter of the matched module (by its own name) -> the dim it is split on."""
+
+    since: ClassVar[int] = 4
+
+    @model_validator(mode="after")
+    def _check(self) -> SplitParamsRule:
+        if not self.shard:
+            raise ValueError(
+                "split_params needs shard: {parameter: dim} naming the module's own parameters "
+                "it splits (e.g. {sinks: 0})."
+            )
+        return self
+
+
+class HeadsRule(Rule):
+    """Split torch's nn.MultiheadAttention by heads: its fused input projection by q, k and v
+    heads, its output projection by input features, one all-reduce after it."""
+
+    style: Literal["heads"] = "heads"
+    head_dim: int | None = Field(default=None, gt=0)
+    """The size of one head (read from the module when left out)."""
+
+    since: ClassVar[int] = 10
+    inside: ClassVar[str | None] = "which splits its out_proj itself"
+
+    def head_size(self) -> int | None:
+        return self.head_dim
+
+
+STYLES: tuple[str, ...] = tuple(STYLE_CLASSES)
+"""Every style's name, in the order they are listed."""
 
 Style = Literal[
     "colwise",
@@ -28,193 +524,3 @@ Style = Literal[
     "split_params",
     "heads",
 ]
-STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
-
-# Which optional fields each style accepts; anything else on a rule of that style is an error.
-STYLE_FIELDS: dict[str, frozenset[str]] = {
-    "colwise": frozenset(
-        {"input", "output", "local_output", "head_dim", "parts", "transposed", "replicate_heads"}
-    ),
-    "rowwise": frozenset({"input", "output", "local_output", "head_dim", "parts", "transposed"}),
-    "vocab_parallel": frozenset({"input", "output", "local_output", "sum_at", "written"}),
-    "sequence_parallel": frozenset({"input", "local_output"}),
-    "prepare": frozenset(
-        {
-            "inputs",
-            "desired_inputs",
-            "input_kwargs",
-            "desired_input_kwargs",
-            "outputs",
-            "desired_outputs",
-            "local_input",
-            "local_output",
-        }
-    ),
-    "replicate": frozenset(),
-    "replicate_grad_sum": frozenset(),
-    "experts": frozenset({"mode", "shard", "fused", "after_sum", "added_whole"}),
-    "split_params": frozenset({"shard"}),
-    "heads": frozenset({"head_dim"}),
-}
-_EVERY_RULE = ("match", "style", "why")  # the fields every rule has, whatever its style
-
-Fields = Mapping[str, Any]
-"""The fields a rule gives, by name (those it leaves out are absent)."""
-
-
-def check_style(value: Any) -> Any:
-    """`value` as it is, unless it is a string that names no style; then the closest style
-    and the list of them (a non-string is left to the field's type)."""
-    if isinstance(value, str) and value not in STYLES:
-        raise ValueError(
-            f"'{value}' is not a style.{did_you_mean(value, STYLES)} Styles: {', '.join(STYLES)}."
-        )
-    return value
-
-
-def check_fields_fit_style(style: str, fields: Fields) -> None:
-    """Raise ValueError when a rule of `style` gives a field that style does not take, or
-    leaves out (or combines) what it needs."""
-    allowed = STYLE_FIELDS[style]
-    extra = sorted(set(fields) - set(_EVERY_RULE) - allowed)
-    if extra:
-        ok = ", ".join(sorted(allowed)) or "none"
-        raise ValueError(
-            f"style '{style}' takes no {', '.join(extra)}; its optional fields are: {ok}."
-        )
-    check = _STYLE_CHECKS.get(style)
-    if check is not None:
-        check(fields)
-
-
-def _check_colwise(fields: Fields) -> None:
-    if "partial" in (fields.get("input"), fields.get("output")):
-        raise ValueError(
-            "style 'colwise' cannot take or give layout 'partial'; use replicate or shard(DIM)."
-        )
-    # its head_dim may be left out: the check reads it from the model (check/complete.py)
-    if fields.get("replicate_heads") and (
-        any(fields.get(f) for f in ("parts", "transposed", "output"))
-        or fields.get("local_output") is False
-    ):
-        raise ValueError(
-            "colwise with replicate_heads (whole key/value heads shared among ranks) takes no "
-            "parts, transposed, output or local_output: false."
-        )
-
-
-def _check_rowwise(fields: Fields) -> None:
-    parts = fields.get("parts")
-    if parts and len(set(parts)) != 1:
-        raise ValueError(
-            f"style 'rowwise' takes parts of one size only (each rank contracts its slice of "
-            f"every piece, a layout only equal pieces have); {list(parts)} are not. Give the "
-            "pieces as equal ones (64 and 256 are 5 pieces of 64), or drop parts."
-        )
-
-
-def _check_sequence_parallel(fields: Fields) -> None:
-    layout = fields.get("input")
-    if layout is not None and parse_layout(layout)[0] != "shard":
-        raise ValueError(
-            f"sequence_parallel needs input shard(DIM) naming the sequence dim, not '{layout}'."
-        )
-
-
-def _check_vocab_parallel(fields: Fields) -> None:
-    whole_in = (fields.get("input") or "replicate") == "replicate"
-    if fields.get("sum_at") is not None and (
-        not whole_in
-        or (fields.get("output") or "replicate") != "replicate"
-        or fields.get("local_output") is False
-    ):
-        raise ValueError(
-            "vocab_parallel with sum_at: lookup takes the token ids as they are and sums "
-            "the rows inside the module's forward, so its input and output are whole, plain "
-            "tensors; drop input, output and local_output, or drop sum_at."
-        )
-    if fields.get("written") is not None and (
-        fields.get("sum_at") is not None or not whole_in or fields.get("output") == "partial"
-    ):
-        raise ValueError(
-            "vocab_parallel with written takes the token ids as they are and sums the "
-            "rows as its forward returns (output replicate or shard(DIM)); drop sum_at, "
-            "input and output partial, or drop written."
-        )
-
-
-def _check_prepare(fields: Fields) -> None:
-    pairs = [
-        ("inputs", "desired_inputs"),
-        ("input_kwargs", "desired_input_kwargs"),
-        ("outputs", "desired_outputs"),
-    ]
-    given = 0
-    for have, want in pairs:
-        a, b = fields.get(have), fields.get(want)
-        if a is None and b is None:
-            continue
-        if a is None or b is None:
-            raise ValueError(
-                f"prepare needs both {have} and {want} (as they arrive, as wanted); only "
-                f"{have if a is not None else want} is given."
-            )
-        given += 1
-        if len(a) != len(b) or (isinstance(a, dict) and a.keys() != b.keys()):
-            raise ValueError(f"prepare: {have} and {want} must name the same inputs.")
-    if not given:
-        raise ValueError(
-            "prepare needs at least one pair of layouts: inputs/desired_inputs, "
-            "input_kwargs/desired_input_kwargs or outputs/desired_outputs."
-        )
-
-
-def _check_experts(fields: Fields) -> None:
-    shard = fields.get("shard")
-    if not shard:
-        raise ValueError(
-            "experts needs shard: {parameter: dim} naming the expert weights it splits "
-            "(e.g. {gate_up_proj: 1, down_proj: 2} for mode tensor, dim 0 for mode expert)."
-        )
-    stray = sorted(set(fields.get("fused") or ()) - set(shard))
-    if stray:
-        raise ValueError(
-            f"experts: fused names {', '.join(stray)}, which is not in shard; fused pieces "
-            "are cut along a split dim."
-        )
-    stray = sorted(set(fields.get("after_sum") or ()) & set(shard))
-    if stray:
-        raise ValueError(
-            f"experts: after_sum names {', '.join(stray)}, which is also in shard; a "
-            "parameter added after the sum is whole on every rank."
-        )
-    if fields.get("mode") == "expert" and (
-        fields.get("fused")
-        or fields.get("after_sum")
-        or fields.get("added_whole")
-        or set(shard.values()) != {0}
-    ):
-        raise ValueError(
-            "experts with mode expert splits every expert weight on dim 0 (the experts) and "
-            "takes no fused, after_sum or added_whole; use shard: {name: 0} for each."
-        )
-
-
-def _check_split_params(fields: Fields) -> None:
-    if not fields.get("shard"):
-        raise ValueError(
-            "split_params needs shard: {parameter: dim} naming the module's own parameters "
-            "it splits (e.g. {sinks: 0})."
-        )
-
-
-# What each style needs beyond taking only its own fields (styles not named need nothing).
-_STYLE_CHECKS: dict[str, Callable[[Fields], None]] = {
-    "colwise": _check_colwise,
-    "rowwise": _check_rowwise,
-    "sequence_parallel": _check_sequence_parallel,
-    "vocab_parallel": _check_vocab_parallel,
-    "prepare": _check_prepare,
-    "experts": _check_experts,
-    "split_params": _check_split_params,
-}

@@ -23,26 +23,13 @@ __all__ = [
 SCHEMA_VERSION = 12
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
-# What each version added: a file naming any of these needs at least that version.
-_ADDED_FIELDS = {
-    2: ("parts", "transposed"),
-    3: ("mode", "shard", "fused", "after_sum"),
-    5: ("added_whole",),
-    6: ("sum_at",),
-    7: ("written",),
-    11: ("replicate_heads",),
-}
-_ADDED_STYLES = {3: ("experts",), 4: ("split_params",), 10: ("heads",)}
+# What each version added outside the rules (a rule's own are on its style's class,
+# styles.py: `since`, `field_since`, `style_field_since`, `omissions`): a file naming any of
+# these needs at least that version.
 _ADDED_MODEL_FIELDS = {4: ("command",)}
 _ADDED_TOP_LEVEL = {8: ("regions",)}
 # fields of `attributes` entries, by the version that added them
 _ADDED_ATTRIBUTE_FIELDS = {11: ("by", "of")}
-# fields a style took later than the field itself: (style, field)
-_ADDED_STYLE_FIELDS = {9: (("rowwise", "parts"),)}
-# a field given without one it needed before: (field, the one left out). Version 12 reads the
-# sizes a rule leaves out (head_dim, parts, fused) from the model (check/complete.py); its
-# files are refused by a tpplan that would shard a fused layer without its parts
-_ADDED_OMISSIONS = {12: (("replicate_heads", "head_dim"),)}
 
 
 def version_problem(data: dict[str, Any]) -> str | None:
@@ -67,58 +54,35 @@ def check_fields_fit_version(
     version: int,
     *,
     model_fields: Collection[str],
-    rules: Sequence[tuple[str, Collection[str]]],
+    rules: Sequence[Sequence[tuple[int, int, str]]],
     regions: bool = False,
     attributes: Sequence[Collection[str]] = (),
 ) -> None:
-    """Raise ValueError naming every field and style newer than `version`, with the newest
-    version they need: `rules` is each rule's (style, fields given); `regions`, whether the
-    plan has DTensor regions."""
-    added = {
-        *_ADDED_FIELDS,
-        *_ADDED_STYLES,
-        *_ADDED_MODEL_FIELDS,
-        *_ADDED_TOP_LEVEL,
-        *_ADDED_STYLE_FIELDS,
-        *_ADDED_ATTRIBUTE_FIELDS,
-        *_ADDED_OMISSIONS,
-    }
-    for needed in sorted(added, reverse=True):
-        if version >= needed:
-            break
-        newer = [f for f in _ADDED_TOP_LEVEL.get(needed, ()) if regions]
-        newer += [
-            f"attributes[{i}].{f}"
-            for i, fields in enumerate(attributes)
-            for f in _ADDED_ATTRIBUTE_FIELDS.get(needed, ())
-            if f in fields
-        ]
-        newer += [f"model.{f}" for f in _ADDED_MODEL_FIELDS.get(needed, ()) if f in model_fields]
-        newer += [
-            f"rules[{i}].{f}"
-            for i, (_, fields) in enumerate(rules)
-            for f in _ADDED_FIELDS.get(needed, ())
-            if f in fields
-        ]
-        newer += [
-            f"rules[{i}].{f} (style {style})"
-            for i, (style, fields) in enumerate(rules)
-            for st, f in _ADDED_STYLE_FIELDS.get(needed, ())
-            if style == st and f in fields
-        ]
-        newer += [
-            f"rules[{i}].{f} without {left_out}"
-            for i, (_, fields) in enumerate(rules)
-            for f, left_out in _ADDED_OMISSIONS.get(needed, ())
-            if f in fields and left_out not in fields
-        ]
-        newer += [
-            f"rules[{i}].style {style}"
-            for i, (style, _) in enumerate(rules)
-            if style in _ADDED_STYLES.get(needed, ())
-        ]
-        if newer:
-            raise ValueError(
-                f"{', '.join(newer)} need schema version {needed}; change the first line "
-                f"to 'tpplan: {needed}'."
-            )
+    """Raise ValueError naming everything newer than `version` that the newest version it
+    needs added: `rules` is what each rule needs (`Rule.newer_than`: the version, the
+    kind's place in the message, the words); `regions`, whether the plan has regions."""
+    needs = [v for newer in rules for v, _, _ in newer]
+    needs += [v for v, names in _ADDED_TOP_LEVEL.items() if regions and names]
+    needs += [
+        v for v, names in _ADDED_ATTRIBUTE_FIELDS.items() for a in attributes if set(names) & set(a)
+    ]
+    needs += [v for v, names in _ADDED_MODEL_FIELDS.items() if set(names) & set(model_fields)]
+    needed = max((v for v in needs if v > version), default=None)
+    if needed is None:
+        return
+    newer = [f for f in _ADDED_TOP_LEVEL.get(needed, ()) if regions]
+    newer += [
+        f"attributes[{i}].{f}"
+        for i, fields in enumerate(attributes)
+        for f in _ADDED_ATTRIBUTE_FIELDS.get(needed, ())
+        if f in fields
+    ]
+    newer += [f"model.{f}" for f in _ADDED_MODEL_FIELDS.get(needed, ()) if f in model_fields]
+    # a rule's: its fields, the fields its style took later, omissions, its style; each kind
+    # over every rule before the next kind
+    found = [(kind, i, words) for i, r in enumerate(rules) for v, kind, words in r if v == needed]
+    newer += [f"rules[{i}].{words}" for _, i, words in sorted(found, key=lambda x: x[:2])]
+    raise ValueError(
+        f"{', '.join(newer)} need schema version {needed}; change the first line to "
+        f"'tpplan: {needed}'."
+    )
