@@ -32,7 +32,7 @@ from .attributes import check_attributes
 from .complete import complete_sizes
 from .fingerprint import check_fingerprint
 from .flow import check_flow
-from .regions_dtensor import check_region_collectives, check_regions
+from .regions_dtensor import check_dtensor_regions, check_region_collectives
 from .rules import check_inside_experts, check_rules, check_tied, match_rules
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def complete_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> tuple[Plan, 
     ]
     problems += check_attributes(plan, names, modules, tp_size)
     problems += check_fingerprint(plan, model)
-    problems += check_regions(plan, names)
+    problems += check_dtensor_regions(plan, names)
     if problems:
         return plan, _merge_layers(problems, names)
     # Last, the proof: the plan applied to a meta copy runs a forward and a backward. Only

@@ -19,7 +19,7 @@ from ..plan.schema import Plan
 from ..plan.styles import VocabParallelRule
 from .attributes import check_divided
 from .lookups import check_lookups
-from .regions import check_heads, check_regions
+from .regions import check_heads, check_split_regions
 from .shared import Match, traced_name
 from .structure import check_by_structure
 from .widths import check_widths
@@ -117,7 +117,7 @@ def _check_trace(
 ) -> list[Problem]:
     """Every check of one trace, in the order their problems are reported."""
     return (
-        check_regions(plan, targets.openers, targets.closers, trace)
+        check_split_regions(plan, targets.openers, targets.closers, trace)
         + check_heads(plan, targets.openers, trace, tp, undivided, hints)
         + check_widths(plan, targets.widths, trace)
         + check_lookups(plan, targets.vocab_parallel, trace)

@@ -1,6 +1,6 @@
 """Regions checked by the traced data flow: a column-parallel output must reach row-parallel
 layers only (and a row-parallel input come from column-parallel ones), and split into whole
-heads as the model's own views cut them. Start at `check_regions`; flow.py calls it and
+heads as the model's own views cut them. Start at `check_split_regions`; flow.py calls it and
 `check_heads` on each trace.
 
 The words are the tracer's (tpplan/trace/record.py): opener, closer, region, whole.
@@ -18,10 +18,10 @@ from .shared import Match, legal_sizes, rule_label, traced_name
 if TYPE_CHECKING:
     from ..trace import Trace
 
-__all__ = ["check_heads", "check_regions"]
+__all__ = ["check_heads", "check_split_regions"]
 
 
-def check_regions(
+def check_split_regions(
     plan: Plan, openers: list[Match], closers: list[Match], trace: Trace
 ) -> list[Problem]:
     """Every opener's problems, then every closer's: a region the plan opens and does not

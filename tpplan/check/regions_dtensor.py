@@ -4,7 +4,7 @@ plan runs, no collective runs inside a region's forward outside its split layers
 may gather the gradient of a whole tensor every split head shares (DeepSeek's rotary key),
 as `stats` shows; that is not split work done again.
 
-Start at `check_regions` (static) and `check_region_collectives` (after the dry run).
+Start at `check_dtensor_regions` (static) and `check_region_collectives` (after the dry run).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from ..plan.patterns import match_names
 from ..plan.schema import Plan
 from ..plan.styles import ReplicateRule
 
-__all__ = ["check_region_collectives", "check_regions"]
+__all__ = ["check_dtensor_regions", "check_region_collectives"]
 
 
 def _label(i: int, plan: Plan) -> str:
     return f"regions[{i}] (match: {plan.regions[i].match})"
 
 
-def check_regions(plan: Plan, names: list[str]) -> list[Problem]:
+def check_dtensor_regions(plan: Plan, names: list[str]) -> list[Problem]:
     """A region pattern that matches no module."""
     problems = []
     for i, region in enumerate(plan.regions):
