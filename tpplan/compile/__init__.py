@@ -1,4 +1,4 @@
-"""Stage 3, the plan-to-torch compiler: each plan rule becomes a torch ParallelStyle, and
+"""Stage 5, the plan-to-torch compiler: each plan rule becomes a torch ParallelStyle, and
 `shard_model` applies them module by module.
 
 Start at rules.py (`plan_to_torch`, `rule_to_style`), which maps every style of the schema

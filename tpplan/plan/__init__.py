@@ -1,4 +1,4 @@
-"""Stage 1, the plan file. Imports no torch: reading, printing and validating a plan file is
+"""Stage 3, the plan file. Imports no torch: reading, printing and validating a plan file is
 instant. Start at schema.py (`Plan`), then styles.py (one class per style, on rule.py's
 `Rule`); then, by concern:
 

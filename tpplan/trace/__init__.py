@@ -1,4 +1,4 @@
-"""Stage 2, the tracer: run a model once on fake tensors and record how each layer's output
+"""Stage 1, the tracer: run a model once on fake tensors and record how each layer's output
 features travel (split, viewed into heads, contracted, summed) until a layer contracts them.
 
 Start at run.py (`trace_model`), which returns a `Trace` (record.py): facts that
