@@ -259,7 +259,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[2])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4, help="decode steps a turn, their mean timed")
+    parser.add_argument(
+        "--steps", type=int, default=4, help="decode steps a turn, their mean timed"
+    )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--render", action="store_true")
