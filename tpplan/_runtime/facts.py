@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..plan.patterns import wildcard
+from .torch_compat import ConvNd
 
 if TYPE_CHECKING:
     from ..plan.rule import Rule, WeightKind
@@ -93,7 +94,7 @@ def pointwise_conv(module: nn.Module) -> bool:
         getattr(type(module), f) is not getattr(base, f) for f in ("forward", "_conv_forward")
     ):
         return False
-    conv: nn.modules.conv._ConvNd = module  # type: ignore[assignment]
+    conv: ConvNd = module  # type: ignore[assignment]
     return (
         conv.groups == 1
         and all(k == 1 for k in conv.kernel_size)
@@ -115,7 +116,7 @@ def weight_kind(module: nn.Module) -> WeightKind:
     """What holds a module's weight, as a style's facts take it (`Rule.weight_dim`)."""
     if isinstance(module, nn.Embedding):
         return "embedding"
-    return "conv" if isinstance(module, nn.modules.conv._ConvNd) else "linear"
+    return "conv" if isinstance(module, ConvNd) else "linear"
 
 
 def weight_split(rule: Rule | None, module: nn.Module, param: str) -> str:

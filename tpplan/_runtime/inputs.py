@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import TpplanError
 from .fake import quiet_fake_tensor_log
+from .torch_compat import ConvNd
 
 __all__ = ["InputsError", "example_inputs", "features_input", "inputs_from_specs", "part_inputs"]
 
@@ -48,7 +49,7 @@ def _patch_width(model: nn.Module) -> int | None:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             return m.in_features
-        if isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1:
+        if isinstance(m, ConvNd) and m.groups == 1:
             return math.prod(m.weight.shape[1:])
     return None
 
@@ -183,7 +184,7 @@ def _first_layer_input(
 def _runs_on_fake(model: nn.Module, x: torch.Tensor) -> bool:
     """Whether the forward runs on `x`, computed on fake tensors (shapes only, the model's
     own weights untouched)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from .torch_compat import FakeTensorMode
 
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True)

@@ -1,9 +1,10 @@
 """Every rank of a tensor-parallel mesh in this one process, with real numbers.
 
-The single place that uses torch's private LocalTensorMode, so that a change of that API is
-mended here only. Used by the tests and by `tpplan verify` for numeric parity without
-spawning processes. `fake_ranks` is the same without numbers (shapes and collectives only);
-`solo_fake_mesh` is a fake mesh of its own beside whatever process group is already there.
+The single place that runs torch's private LocalTensorMode (taken from torch_compat.py, like
+every private torch name), so that a change of how it is used is mended here only. Used by
+the tests and by `tpplan verify` for numeric parity without spawning processes.
+`fake_ranks` is the same without numbers (shapes and collectives only); `solo_fake_mesh` is
+a fake mesh of its own beside whatever process group is already there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .torch_compat import (
+    create_fake_backend,
+    fake_store,
+    register_process_group,
+    unregister_process_group,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
@@ -41,10 +49,7 @@ def _fake_group(world_size: int) -> Iterator[None]:
             )
         yield
         return
-    # Imported here: torch.testing._internal needs the expecttest package at import time.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield
     finally:
@@ -54,7 +59,7 @@ def _fake_group(world_size: int) -> Iterator[None]:
 def outside_simulation() -> AbstractContextManager[Any]:
     """Run plain tensor code once, not once per simulated rank (a no-op outside
     `simulated_ranks`)."""
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    from .torch_compat import maybe_disable_local_tensor_mode
 
     return maybe_disable_local_tensor_mode()
 
@@ -76,7 +81,6 @@ def solo_fake_mesh(world_size: int) -> Iterator[DeviceMesh]:
     Built from torch's private pieces (a DeviceMesh without backend init, a registered
     FakeProcessGroup); a torch that changes them raises here, and callers give up the run.
     """
-    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
     from torch.distributed.distributed_c10d import GroupName
 
     # One name per size, and one axis name no user mesh has: DTensor caches sharding
@@ -94,12 +98,12 @@ def solo_fake_mesh(world_size: int) -> Iterator[DeviceMesh]:
     )
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = group
-    _unregister_process_group(name)  # a group left by a run that never got to its finally
-    _register_process_group(name, group)
+    unregister_process_group(name)  # a group left by a run that never got to its finally
+    register_process_group(name, group)
     try:
         yield mesh
     finally:
-        _unregister_process_group(name)
+        unregister_process_group(name)
 
 
 SOLO_AXIS = "tpplan-solo"
@@ -108,13 +112,12 @@ SOLO_AXIS = "tpplan-solo"
 def _fake_group_of(name: GroupName, size: int) -> Any:
     """A fake process group of `size` ranks named `name` (this process rank 0), on CPU and
     meta tensors; not yet registered."""
-    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
-
-    group = ProcessGroup(dist.HashStore(), 0, size)
-    backend = FakeProcessGroup._create_internal(0, size)
+    group = dist.ProcessGroup(dist.HashStore(), 0, size)
+    backend = create_fake_backend(0, size)
+    custom = dist.ProcessGroup.BackendType.CUSTOM
     for device in ("cpu", "meta"):
-        group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
-    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+        group._register_backend(torch.device(device), custom, backend)
+    group._set_default_backend(custom)
     group._set_group_name(name)
     return group
 
@@ -123,7 +126,6 @@ def solo_fake_grid(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh
     """A mesh of `shape` fake ranks (this process is rank 0), one fake group per axis, beside
     any process group: what `solo_fake_mesh` is for a 1-D mesh, for a view of one as several
     axes (compile/shared_heads.py). Its groups stay registered (one per shape and axis)."""
-    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
     from torch.distributed.distributed_c10d import GroupName
 
     mesh = DeviceMesh(
@@ -138,8 +140,8 @@ def solo_fake_grid(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh
         name = GroupName(f"tpplan-solo-fake-{'x'.join(map(str, shape))}-{axis}")
         group = _fake_group_of(name, size)
         mesh._pg_registry[name] = group
-        _unregister_process_group(name)
-        _register_process_group(name, group)
+        unregister_process_group(name)
+        register_process_group(name, group)
         groups.append(name)
     mesh._dim_group_names = groups
     return mesh
@@ -153,7 +155,7 @@ def simulated_ranks(world_size: int) -> Iterator[DeviceMesh]:
     `rank_values`. Make inputs before entering: random ops inside draw different values on
     each rank, as separately seeded processes would.
     """
-    from torch.distributed._local_tensor import LocalTensorMode
+    from .torch_compat import LocalTensorMode
 
     with _fake_group(world_size), LocalTensorMode(world_size):
         yield init_device_mesh("cpu", (world_size,))
@@ -162,8 +164,9 @@ def simulated_ranks(world_size: int) -> Iterator[DeviceMesh]:
 def rank_values(t: Any) -> list[torch.Tensor]:
     """The per-rank values of a tensor computed under `simulated_ranks` (a DTensor is made
     whole first); a plain tensor counts as the same on every rank."""
-    from torch.distributed._local_tensor import LocalTensor
     from torch.distributed.tensor import DTensor
+
+    from .torch_compat import LocalTensor
 
     if isinstance(t, DTensor):
         t = t.full_tensor()
@@ -180,8 +183,9 @@ def own_replicas(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     each hold their own copy; this makes the simulation do the same. Call after apply_plan,
     inside `simulated_ranks`, before building the optimizer.
     """
-    from torch.distributed._local_tensor import LocalTensor
     from torch.distributed.tensor import DTensor
+
+    from .torch_compat import LocalTensor
 
     done: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one parameter
     for module in model.modules():

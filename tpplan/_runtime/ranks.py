@@ -29,7 +29,7 @@ def rank() -> int:
 
 def simulated() -> bool:
     """Whether every rank runs in this process (LocalTensorMode is on)."""
-    from torch.distributed._local_tensor import local_tensor_mode
+    from .torch_compat import local_tensor_mode
 
     return local_tensor_mode() is not None
 
@@ -37,7 +37,7 @@ def simulated() -> bool:
 def each_rank(local: torch.Tensor, fill: Callable[[int, torch.Tensor], None]) -> None:
     """fill(rank, that rank's local tensor) for this process's rank, or for every simulated
     rank when `local` holds one value per rank."""
-    from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
+    from .torch_compat import LocalTensor, local_tensor_mode
 
     mode = local_tensor_mode()
     if mode is not None and isinstance(local, LocalTensor):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._runtime.torch_compat import inductor_mode_options
 from ..compile.local_run import runs_locally
 
 __all__ = ["compile_model", "layout_guard_filter"]
@@ -60,11 +61,9 @@ def compile_model(
     Example::
         >>> model = tpplan.compile_model(tpplan.apply_plan(model, mesh), mode="reduce-overhead")
     """
-    from torch._inductor import list_mode_options
-
     options = dict(options or {})
     if mode is not None:
-        options = {**list_mode_options(mode, kwargs.get("dynamic")), **options}
+        options = {**inductor_mode_options(mode, kwargs.get("dynamic")), **options}
     theirs = options.get("guard_filter_fn")
     ours = layout_guard_filter(model)
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from .._runtime.torch_compat import funcol_all_gather, funcol_wait_tensor
 from ..errors import TpplanError
 
 __all__ = ["ENV_VAR", "InputMismatchError", "check_same_inputs", "guard_inputs", "wants_guard"]
@@ -72,7 +72,7 @@ def check_same_inputs(mesh: DeviceMesh, args: tuple[Any, ...], kwargs: dict[str,
     if not named:
         return
     local = torch.stack([_summary(t.to("cpu") if t.device.type == "meta" else t) for _, t in named])
-    gathered = funcol.wait_tensor(funcol.all_gather_single(local, 0, mesh))
+    gathered = funcol_wait_tensor(funcol_all_gather(local, 0, mesh))
     per_rank = gathered.reshape(mesh.size(), len(named), 3).tolist()
     for i, (name, _) in enumerate(named):
         differ = [r for r in range(1, mesh.size()) if per_rank[r][i] != per_rank[0][i]]

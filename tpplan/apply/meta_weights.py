@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from .._runtime.torch_compat import tree_leaves
 from ..errors import MetaWeightsError
 
 __all__ = ["guard_meta_weights"]
@@ -33,9 +33,7 @@ def guard_meta_weights(model: nn.Module) -> None:
         return
 
     def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        given = next(
-            (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None
-        )
+        given = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
         if given is None or given.is_meta:
             return  # a run on meta tensors (counting, shapes) needs no weights
         left = _meta(module)

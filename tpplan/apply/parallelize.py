@@ -13,11 +13,10 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._runtime.torch_compat import StridedShard, funcol_all_reduce, funcol_wait_tensor
 from ..errors import MeshError
 from ..plan.schema import Plan
 from .api import apply_plan
@@ -94,7 +93,7 @@ def _strided_dim(p: nn.Parameter) -> int | None:
     """The dim of a parameter split as each rank's slice of each fused piece, if any."""
     if not isinstance(p, DTensor):
         return None
-    return next((q.dim for q in p.placements if isinstance(q, _StridedShard)), None)
+    return next((q.dim for q in p.placements if isinstance(q, StridedShard)), None)
 
 
 def _fsdp_placement(p: nn.Parameter) -> Shard | None:
@@ -107,7 +106,7 @@ def _fsdp_placement(p: nn.Parameter) -> Shard | None:
 def _average_over(dp: DeviceMesh, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of a parameter FSDP does not manage, averaged over the dp ranks."""
     local = grad.to_local() if isinstance(grad, DTensor) else grad
-    mean = funcol.wait_tensor(funcol.all_reduce(local, "avg", dp))
+    mean = funcol_wait_tensor(funcol_all_reduce(local, "avg", dp))
     if isinstance(grad, DTensor):
         return DTensor.from_local(
             mean,

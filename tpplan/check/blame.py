@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from .._runtime.torch_compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    TorchDispatchMode,
     UnsupportedOperatorException,
 )
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from .._runtime.tree import tensor_leaves
 from ..errors import Problem
 from ..plan.schema import Plan

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from .._runtime.facts import pointwise_conv, tied_groups, weight_split
+from .._runtime.torch_compat import ConvNd
 from ..errors import Problem, did_you_mean
 from ..plan.patterns import collapse, match_names
 from ..plan.rule import Rule
@@ -142,7 +143,7 @@ def _check_experts(
 def _conv_misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
     """colwise and rowwise split a convolution only where it is a Linear over its channels,
     and such a weight has no fused parts and is never stored transposed."""
-    if not isinstance(module, nn.modules.conv._ConvNd):
+    if not isinstance(module, ConvNd):
         return None
     if not pointwise_conv(module):
         return Problem(
@@ -204,7 +205,7 @@ def _misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
     types it applies to."""
     own = _MISFITS.get(type(rule))
     found = own(i, rule, name, module) if own is not None else None
-    if found is not None or (isinstance(module, nn.modules.conv._ConvNd) and own is _conv_misfit):
+    if found is not None or (isinstance(module, ConvNd) and own is _conv_misfit):
         return found
     types = _FITS.get(type(rule))
     if rule.stored_transposed():

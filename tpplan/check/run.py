@@ -29,11 +29,16 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from .._runtime.inputs import example_inputs
 from .._runtime.local import outside_simulation, solo_fake_mesh
+from .._runtime.torch_compat import (
+    FakeTensorMode,
+    comm_mode_module_tracker,
+    dtensor_rng_tracker,
+    set_dtensor_rng_tracker,
+)
 from .._runtime.tree import tensor_leaves
 from ..compile.local_regions import RegionNotes
 from ..compile.shard import shard_model
@@ -236,13 +241,11 @@ def _inputs(model: nn.Module, tp: int) -> dict[str, Any]:
 def _kept_rng_tracker() -> Iterator[None]:
     """DTensor keeps one random-number tracker per process, made on the mesh of the first
     random op it meets; one made on the fake mesh must not outlive the run."""
-    from torch.distributed.tensor import _random
-
-    saved = _random._rng_tracker
+    saved = dtensor_rng_tracker()
     try:
         yield
     finally:
-        _random._rng_tracker = saved
+        set_dtensor_rng_tracker(saved)
 
 
 def _run_sharded(
@@ -392,9 +395,8 @@ def _comm_counting() -> Any:
     ones, so the second call leaves twice and the forward fails (an IndexError) on any
     such model, sharded or not. Here each call's hook replaces the one before."""
     from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
 
-    class _Tracker(_CommModeModuleTracker):
+    class _Tracker(comm_mode_module_tracker()):  # type: ignore[misc]
         def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
             old = self.register_forward_hook_handles.pop(self._get_mod_name(mod), None)
             if old is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from .._runtime.facts import weight_kind
+from .._runtime.torch_compat import ConvNd
 from ..errors import Problem
 from ..plan.rule import Rule
 from ..plan.styles import HeadsRule
@@ -20,8 +21,8 @@ __all__ = ["check_size", "sharded_dim", "split_dims"]
 _SIZED_BY: dict[tuple[type[nn.Module], int], str] = {
     (nn.Linear, 0): "out_features",
     (nn.Linear, 1): "in_features",
-    (nn.modules.conv._ConvNd, 0): "out_channels",
-    (nn.modules.conv._ConvNd, 1): "in_channels",
+    (ConvNd, 0): "out_channels",
+    (ConvNd, 1): "in_channels",
     (nn.Embedding, 1): "embedding_dim",
     (nn.Embedding, 0): "num_embeddings",
 }

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._runtime.ranks import cause
+from .._runtime.torch_compat import StridedShard
 from .._runtime.tree import local_bytes
 from ..compile.strided import teach_checkpoint_chunks
 from .keys import match_keys
@@ -135,7 +135,7 @@ def dcp_state(model: nn.Module, stored: dict[str, tuple[int, ...]] | None = None
         if name in stored or f"{name}{_PART}0" not in stored:
             continue
         t = state[name]
-        strided = isinstance(t, DTensor) and isinstance(t.placements[-1], _StridedShard)
+        strided = isinstance(t, DTensor) and isinstance(t.placements[-1], StridedShard)
         if not strided or t.device_mesh.ndim != 1:
             raise CheckpointError(
                 f"{name} is stored by pieces ({name}{_PART}0, ...), as earlier tpplan versions "
@@ -145,7 +145,7 @@ def dcp_state(model: nn.Module, stored: dict[str, tuple[int, ...]] | None = None
                 "(sharded=False writes the unsharded layout)."
             )
         placement = t.placements[0]
-        assert isinstance(placement, _StridedShard)  # checked above
+        assert isinstance(placement, StridedShard)  # checked above
         dim, pieces = placement.dim, int(placement.split_factor)
         local, mesh = t.to_local(), t.device_mesh
         step = local.shape[dim] // pieces

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._runtime.ranks import each_rank, simulated
+from .._runtime.torch_compat import StridedShard
 from ..compile.shard import retie, tied_holders
 from ..compile.strided import local_runs
 from .buffers import recompute_buffers
@@ -203,7 +203,7 @@ def _copy_from_file(
         each_rank(target.data, lambda rank, local: fill_region(whole, local))
         return
     mesh, placements = target.device_mesh, target.placements
-    odd = [p for p in placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
+    odd = [p for p in placements if not isinstance(p, (Shard, StridedShard, Replicate))]
     if odd:
         raise CheckpointError(
             f"{key} has placement {odd[0]}; only Shard and Replicate parameters can be read "

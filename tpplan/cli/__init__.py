@@ -263,9 +263,8 @@ def _infer_command(args: argparse.Namespace) -> str:
 
 
 def _cmd_infer(args: argparse.Namespace) -> int:
-    from torch.utils._pytree import tree_map
-
     from .._runtime.inputs import inputs_from_specs
+    from .._runtime.torch_compat import tree_map
     from ..infer import infer_plan
     from ..plan.shipped import shipped_for_class, shipped_plans
 

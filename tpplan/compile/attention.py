@@ -36,6 +36,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .._runtime.torch_compat import canonical_mask, mha_shape_check, none_or_dtype
 from ..errors import TpplanError
 from .params import changeable, split_param
 
@@ -200,9 +201,7 @@ def _head_parallel_forward(
     mesh: DeviceMesh = self.__dict__[_MESH]
     tp = mesh.size()
     heads = self.num_heads // tp
-    is_batched = F._mha_shape_check(  # type: ignore[attr-defined]
-        query, key, value, key_padding_mask, attn_mask, self.num_heads
-    )
+    is_batched = mha_shape_check(query, key, value, key_padding_mask, attn_mask, self.num_heads)
     if self.batch_first and is_batched:
         # keep q is k is v where it holds: self-attention projects once
         if key is value:
@@ -222,10 +221,10 @@ def _head_parallel_forward(
         raise AssertionError(
             f"was expecting embedding dimension of {self.embed_dim}, but got {embed_dim}"
         )
-    key_padding_mask = F._canonical_mask(
+    key_padding_mask = canonical_mask(
         mask=key_padding_mask,
         mask_name="key_padding_mask",
-        other_type=F._none_or_dtype(attn_mask),
+        other_type=none_or_dtype(attn_mask),
         other_name="attn_mask",
         target_type=query.dtype,
     )
@@ -234,7 +233,7 @@ def _head_parallel_forward(
     if is_causal and key_padding_mask is None and not need_weights:
         attn_mask = None
     else:
-        attn_mask = F._canonical_mask(
+        attn_mask = canonical_mask(
             mask=attn_mask,
             mask_name="attn_mask",
             other_type=None,

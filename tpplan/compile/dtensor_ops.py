@@ -26,7 +26,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from .._runtime.torch_compat import (
+    DTensorSpec,
+    OpSchema,
+    OpSpec,
+    RuntimeSchemaInfo,
+    StridedShard,
+    generate_redistribute_costs,
+    normalize_dim,
+    sharding_propagator,
+)
 
 __all__ = ["teach_dtensor"]
 
@@ -95,14 +106,8 @@ def _register_cpu_sdpa() -> None:
 
 
 # ---- fused pieces ---------------------------------------------------------------------------
-def _propagator() -> Any:
-    return DTensor._op_dispatcher.sharding_propagator
-
-
 def _teach_strided_split() -> None:
-    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-
-    table = _propagator().op_strategy_funcs
+    table = sharding_propagator().op_strategy_funcs
     for op in (aten.split.Tensor, aten.split_with_sizes.default):
         _wrap(op, table[op], _split_pieces, RuntimeSchemaInfo(1))
     _wrap(
@@ -111,7 +116,7 @@ def _teach_strided_split() -> None:
         _cat_pieces,
         RuntimeSchemaInfo(1, needs_pytree=True),
     )
-    adjusters = _propagator().op_to_scalar_shape_adjuster
+    adjusters = sharding_propagator().op_to_scalar_shape_adjuster
     for op in (aten.split.Tensor, aten.split_with_sizes.default):
         adjusters[op] = _local_split_sizes
 
@@ -126,7 +131,7 @@ def _wrap(
             found.strategies.extend(more)
         return found
 
-    _propagator().register_op_strategy(op, strategy, info)
+    sharding_propagator().register_op_strategy(op, strategy, info)
 
 
 def _sizes(total: int, split: int | Sequence[int]) -> list[int]:
@@ -137,11 +142,6 @@ def _sizes(total: int, split: int | Sequence[int]) -> list[int]:
 
 def _split_pieces(op_schema: Any) -> list[Any]:
     """split of a `_StridedShard(d, k)` into its k equal pieces along d: each a `Shard(d)`."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSpec
-    from torch.distributed.tensor._ops.utils import generate_redistribute_costs, normalize_dim
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     args = op_schema.args_schema
     source = args[0]
     dim = normalize_dim(args[2] if len(args) > 2 else 0, source.ndim)
@@ -152,7 +152,7 @@ def _split_pieces(op_schema: Any) -> list[Any]:
         strided = [
             i
             for i, p in enumerate(placements)
-            if isinstance(p, _StridedShard) and p.dim == dim and p.split_factor == len(sizes)
+            if isinstance(p, StridedShard) and p.dim == dim and p.split_factor == len(sizes)
         ]
         if len(strided) != 1 or len(set(sizes)) != 1:
             continue
@@ -176,11 +176,6 @@ def _split_pieces(op_schema: Any) -> list[Any]:
 
 def _cat_pieces(op_schema: Any) -> list[Any]:
     """cat of k equal `Shard(d)` pieces along d: a `_StridedShard(d, k)` (split's reverse)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSpec
-    from torch.distributed.tensor._ops.utils import generate_redistribute_costs, normalize_dim
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     args = op_schema.args_schema
     children = args[0].children
     first = children[0]
@@ -193,12 +188,12 @@ def _cat_pieces(op_schema: Any) -> list[Any]:
         sharded = [
             i
             for i, p in enumerate(placements)
-            if isinstance(p, Shard) and p.dim == dim and not isinstance(p, _StridedShard)
+            if isinstance(p, Shard) and p.dim == dim and not isinstance(p, StridedShard)
         ]
         if len(sharded) != 1:
             continue
         out = list(placements)
-        out[sharded[0]] = _StridedShard(dim, split_factor=len(children))
+        out[sharded[0]] = StridedShard(dim, split_factor=len(children))
         in_specs = tuple(
             DTensorSpec(spec.mesh, placements, c.strategies[0].output_spec.tensor_meta)
             for c in children
@@ -219,16 +214,12 @@ def _cat_pieces(op_schema: Any) -> list[Any]:
 def _local_split_sizes(input_specs: list[Any], schema: Any) -> Any:
     """The local op cuts a rank's `_StridedShard` of k pieces into its k local pieces: the
     split sizes, given globally, become local (each divided by the mesh dims that split it)."""
-    from torch.distributed.tensor._op_schema import OpSchema
-    from torch.distributed.tensor._ops.utils import normalize_dim
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     spec = input_specs[0]
     args = list(schema.args_schema)
     dim = normalize_dim(args[2] if len(args) > 2 else 0, spec.ndim)
     ways = 1
     for size, p in zip(spec.mesh.shape, spec.placements, strict=True):
-        if isinstance(p, _StridedShard) and p.dim == dim:
+        if isinstance(p, StridedShard) and p.dim == dim:
             ways *= size
     if ways == 1:
         return schema

@@ -22,8 +22,8 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.utils import _pytree as pytree
 
+from .._runtime.torch_compat import tree_map
 from ..errors import TpplanError
 from .local_run import copy_to_ranks, group_name, sum_over_ranks
 from .params import own_start, split_param
@@ -182,7 +182,7 @@ def _has_dtensor(values: Any) -> bool:
 
 def _tree_map_tensors(fn: Any, tree: Any) -> Any:
     """`fn` applied to every floating-point tensor in `tree`; the rest as it is."""
-    return pytree.tree_map(
+    return tree_map(
         lambda x: fn(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
     )
 

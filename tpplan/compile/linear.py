@@ -32,8 +32,8 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._runtime.torch_compat import StridedShard, rowwise_prepare_output
 from ..errors import TpplanError
 from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
@@ -215,7 +215,7 @@ class Rowwise(RowwiseParallel):
 
     @staticmethod
     def _own_output(layouts: Any, local: bool, mod: nn.Module, out: DTensor, mesh: Any) -> Any:
-        out = RowwiseParallel._prepare_output_fn(layouts, local, mod, out, mesh)
+        out = rowwise_prepare_output(layouts, local, mod, out, mesh)
         return changeable(out) if local else out
 
     @staticmethod
@@ -223,7 +223,7 @@ class Rowwise(RowwiseParallel):
         """The input as rank r's slice of each of `parts` pieces (the weight's layout): a
         local tensor is labelled so, a DTensor laid out otherwise is redistributed."""
         x = inputs[0]
-        pieces = [_StridedShard(x.dim() - 1, split_factor=parts)]
+        pieces = [StridedShard(x.dim() - 1, split_factor=parts)]
         if isinstance(x, DTensor):
             x = x if x.placements == tuple(pieces) else x.redistribute(placements=pieces)
         else:

@@ -37,10 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._runtime.torch_compat import StridedShard, tree_flatten, tree_unflatten
 from ..errors import TpplanError
 from .local_run import group_name
 from .region_rewrites import (
@@ -193,7 +192,7 @@ class Recorder(TorchFunctionMode):
             if cut is None or any(d == at[0] and isinstance(e, int) for d, e in cut):
                 raise NotLocal("an index into the split dim other than a slice")
             if any(d == at[0] and isinstance(e, slice) and e != slice(None) for d, e in cut):
-                if not isinstance(at[1], _StridedShard):
+                if not isinstance(at[1], StridedShard):
                     raise NotLocal("a slice of the split dim that is not a fused piece")
                 steps.append(Slice(at[0]))
         elif func in NARROW and at is not None:
@@ -215,7 +214,7 @@ class Recorder(TorchFunctionMode):
         aligned (from the right) with the output's split dim, used whole otherwise; a
         whole tensor written in place with split values cannot be local."""
         d, p = placement_dim(out)  # type: ignore[misc]
-        piece = out.shape[d] // int(p.split_factor) if isinstance(p, _StridedShard) else None
+        piece = out.shape[d] // int(p.split_factor) if isinstance(p, StridedShard) else None
         name = getattr(func, "__name__", "")
         ref = None
         for j, t in enumerate(leaves):

@@ -38,9 +38,15 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
+from .._runtime.torch_compat import (
+    all_gather_op,
+    all_reduce_op,
+    mark_static_address,
+    resolve_group_name,
+    wait_tensor_op,
+)
 from .known_forwards import forward_of, known_base, local_class
 from .params import own_start
 
@@ -59,14 +65,14 @@ Kind = Literal["colwise", "rowwise", "lookup"]
 def _all_reduce(t: torch.Tensor, group: str) -> torch.Tensor:
     # torch's functional collective ops themselves: funcol's wrappers around them add a
     # tensor subclass per call, host time a decode step pays at every layer
-    out = torch.ops._c10d_functional.all_reduce(t.contiguous(), "sum", group)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    out = all_reduce_op(t.contiguous(), "sum", group)
+    return wait_tensor_op(out)
 
 
 def _all_gather(t: torch.Tensor, group: str, tp: int) -> torch.Tensor:
     """The ranks' tensors joined on the last dim (gathered on dim 0, as the op does)."""
-    out = torch.ops._c10d_functional.all_gather_into_tensor(t.contiguous(), tp, group)
-    out = torch.ops._c10d_functional.wait_tensor(out)
+    out = all_gather_op(t.contiguous(), tp, group)
+    out = wait_tensor_op(out)
     return torch.cat(out.chunk(tp), dim=-1)
 
 
@@ -126,7 +132,7 @@ def copy_to_ranks(x: torch.Tensor, group: str, tp: int) -> torch.Tensor:
 
 def group_name(mesh: DeviceMesh) -> str:
     """The name funcol knows a 1-D mesh's process group by (also a fake mesh's, check's)."""
-    return funcol._resolve_group_name(mesh)
+    return resolve_group_name(mesh)
 
 
 def _sum(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -305,7 +311,7 @@ def _static(t: torch.Tensor) -> None:
     (`mode="reduce-overhead"`) then read it in place instead of copying every weight into
     the graph's inputs at each replay. A tensor replaced later (moved, loaded into new
     storage) is re-recorded, not read stale (torch's mark_static_address, unguarded)."""
-    torch._dynamo.mark_static_address(t)
+    mark_static_address(t)
 
 
 def _matmul(module: nn.Module, run: LocalRun, x: torch.Tensor, bias: Any) -> torch.Tensor:

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .._runtime.torch_compat import funcol_all_reduce, funcol_wait_tensor
 from .strided import equal_parts, split_parts, teach_checkpoint_chunks
 
 __all__ = [
@@ -87,7 +87,7 @@ class ReplicateGradSum(ParallelStyle):
         group = device_mesh
 
         def _sum(grad: Any) -> Any:
-            return funcol.wait_tensor(funcol.all_reduce(grad, "sum", group))
+            return funcol_wait_tensor(funcol_all_reduce(grad, "sum", group))
 
         for p in module.parameters(recurse=False):
             if p.requires_grad:

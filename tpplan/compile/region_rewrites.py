@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._runtime.torch_compat import StridedShard, tree_flatten, tree_unflatten
 from ..errors import TpplanError
 from .local_run import _rank, copy_to_ranks, group_name
 
@@ -175,7 +174,7 @@ def placement_dim(t: Any) -> tuple[int, Any] | None:
     if not isinstance(t, DTensor) or len(t.placements) != 1:
         return None
     p = t.placements[0]
-    if isinstance(p, (Shard, _StridedShard)):
+    if isinstance(p, (Shard, StridedShard)):
         return p.dim % t.ndim, p
     return None
 

@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map
 from .dtensor_ops import teach_dtensor
 from .local_regions import Recorder, RegionNotes, contiguous_strides, note_outputs
 
@@ -149,7 +148,7 @@ def _batched_alike(func: Any, *args: Any, **kwargs: Any) -> Any:
     if not (isinstance(a, DTensor) and isinstance(b, DTensor) and a.placements == b.placements):
         return None
     p = a.placements[0]
-    if len(a.placements) != 1 or not isinstance(p, _StridedShard) or p.dim % a.ndim != 0:
+    if len(a.placements) != 1 or not isinstance(p, StridedShard) or p.dim % a.ndim != 0:
         return None
     if a.ndim != 3 or b.ndim != 3 or a.device_mesh != b.device_mesh:
         return None
@@ -242,11 +241,11 @@ def _pieces_joined(tensors: Any, dim: int = 0, **kw: Any) -> Any:
     count, sizes = 0, set()
     for t in tensors:
         p = t.placements[0]
-        if t.device_mesh != first.device_mesh or not isinstance(p, (Shard, _StridedShard)):
+        if t.device_mesh != first.device_mesh or not isinstance(p, (Shard, StridedShard)):
             return None
         if p.dim % t.ndim != d:
             return None
-        k = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+        k = int(p.split_factor) if isinstance(p, StridedShard) else 1
         if t.shape[d] % (k * tp):
             return None
         count += k
@@ -256,7 +255,7 @@ def _pieces_joined(tensors: Any, dim: int = 0, **kw: Any) -> Any:
     local = torch.cat([t.to_local() for t in tensors], dim=d)
     shape = list(first.shape)
     shape[d] = int(sum(t.shape[d] for t in tensors))
-    placement = _StridedShard(d, split_factor=count) if count > 1 else Shard(d)
+    placement = StridedShard(d, split_factor=count) if count > 1 else Shard(d)
     return DTensor.from_local(
         local,
         first.device_mesh,
@@ -274,7 +273,7 @@ def _pieces_sliced(x: DTensor, index: Any) -> Any:
     the pieces taken is its own local slice, a Shard of one piece or a `_StridedShard` of
     several, with no collective. DTensor itself would gather. None where that does not
     hold."""
-    if len(x.placements) != 1 or not isinstance(x.placements[0], _StridedShard):
+    if len(x.placements) != 1 or not isinstance(x.placements[0], StridedShard):
         return None
     p = x.placements[0]
     d, k = p.dim % x.ndim, int(p.split_factor)
@@ -303,7 +302,7 @@ def _pieces_sliced(x: DTensor, index: Any) -> Any:
     return DTensor.from_local(
         sliced,
         x.device_mesh,
-        [_StridedShard(d, split_factor=taken) if taken > 1 else Shard(d)],
+        [StridedShard(d, split_factor=taken) if taken > 1 else Shard(d)],
         run_check=False,
         shape=torch.Size(shape),
         stride=contiguous_strides(tuple(shape)),

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
@@ -35,6 +33,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._runtime.local import SOLO_AXIS, solo_fake_grid
+from .._runtime.torch_compat import funcol_all_reduce, funcol_wait_tensor, unset_fake_temporarily
 from ..errors import TpplanError
 from .linear import Colwise
 from .local_run import copy_to_ranks, group_name
@@ -86,7 +85,7 @@ class _SumOver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return funcol.wait_tensor(funcol.all_reduce(grad, "sum", ctx.group)), None, None
+        return funcol_wait_tensor(funcol_all_reduce(grad, "sum", ctx.group)), None, None
 
 
 class SharedHeadsColwise(ParallelStyle):

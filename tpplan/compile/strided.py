@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from .._runtime.torch_compat import StridedShard
 
 __all__ = [
     "Run",
@@ -84,7 +85,7 @@ def split_parts(
     return DTensor.from_local(
         local,
         mesh,
-        [_StridedShard(dim, split_factor=len(parts))],
+        [StridedShard(dim, split_factor=len(parts))],
         run_check=False,
         shape=param.shape,
         stride=param.stride(),
@@ -119,7 +120,7 @@ def _chunks(runs: list[range], n: int) -> list[list[range]]:
 
 
 def _split(runs: list[range], p: Placement, n: int, at: int) -> list[range]:
-    if isinstance(p, _StridedShard):
+    if isinstance(p, StridedShard):
         # cut into split_factor pieces, each piece over the ranks; a rank's share is its
         # chunk of every piece, in order
         pieces = _chunks(runs, int(p.split_factor))
@@ -138,7 +139,7 @@ def local_runs(
     DTensor splits. Replicate and Partial keep a dim whole."""
     held = [[range(n)] for n in shape]
     for axis, p in enumerate(placements):
-        if isinstance(p, (Shard, _StridedShard)):
+        if isinstance(p, (Shard, StridedShard)):
             d = p.dim % len(shape)
             held[d] = _split(held[d], p, mesh.size(axis), coordinate[axis])
     out: list[list[Run]] = []

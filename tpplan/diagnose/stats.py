@@ -18,11 +18,11 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInputOutput,
     PrepareModuleOutput,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from .._runtime.inputs import example_inputs
 from .._runtime.local import fake_ranks
+from .._runtime.torch_compat import TorchDispatchMode
 from .._runtime.tree import first_tensor, local_bytes
 from ..apply.api import apply_plan
 from ..check.run import meta_copy

@@ -145,8 +145,7 @@ def collapsed(per: dict[str, Rule], names: list[str]) -> list[Rule]:
 
 def example_call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The (args, kwargs) the tracer calls the model with, as meta tensors."""
-    from torch.utils._pytree import tree_map
-
+    from .._runtime.torch_compat import tree_map
     from ..trace.run import _example_inputs
 
     found = _example_inputs(model, example_inputs, torch.device("meta"))

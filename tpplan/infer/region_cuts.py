@@ -12,10 +12,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
+from .._runtime.torch_compat import FakeTensorMode, tree_flatten
 from ..check.blame import MetaKernels
 from ..check.run import meta_copy
 from ..trace import quiet_fake_tensor_log

@@ -37,10 +37,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
+from .._runtime.torch_compat import DisableTorchFunction, FakeTensorMode, tree_flatten
 from ..check.run import meta_copy
 from ..errors import TpplanError
 from ..plan.patterns import collapse, match_names
@@ -428,7 +427,7 @@ def _gathered(rule: PrepareRule, args: Any, kwargs: Any) -> tuple[tuple[Any, ...
     new plain tensors (the caller's stays the stream), made where the mode does not see."""
 
     def plain(t: Any) -> Any:
-        with torch._C.DisableTorchFunction():
+        with DisableTorchFunction():
             return t.view_as(t) if isinstance(t, torch.Tensor) else t
 
     layouts = rule.inputs or []

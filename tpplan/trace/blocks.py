@@ -12,8 +12,8 @@ import copy
 from typing import Any
 
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._runtime.torch_compat import FakeTensorMode
 from .record import Trace
 
 __all__ = ["block_structure", "fake_copy", "repeated_blocks"]

@@ -15,8 +15,8 @@ from functools import cached_property
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils import _pytree as pytree
+
+from .._runtime.torch_compat import FakeTensor, grouped_mm, tree_leaves
 
 __all__ = [
     "ADDS",
@@ -158,13 +158,13 @@ class Op:
     @cached_property
     def ins(self) -> list[torch.Tensor]:
         """Every tensor among the arguments, nested ones included (a cat's list)."""
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        leaves = tree_leaves((self.args, self.kwargs))
         return [t for t in leaves if isinstance(t, torch.Tensor)]
 
     @cached_property
     def outs(self) -> list[torch.Tensor]:
         """Every tensor the op returned."""
-        return [o for o in pytree.tree_leaves(self.out) if isinstance(o, torch.Tensor)]
+        return [o for o in tree_leaves(self.out) if isinstance(o, torch.Tensor)]
 
 
 def run_op(func: Any, args: Any, kwargs: Any) -> Any:
@@ -172,7 +172,7 @@ def run_op(func: Any, args: Any, kwargs: Any) -> Any:
     (mixture-of-experts layers) takes bf16 only, though CPU runs it in fp32: its shapes are
     the same, so it is asked in bf16 and the result given the dtype the real op would have."""
     if (
-        func is torch.ops.aten._grouped_mm.default
+        func is grouped_mm
         and args[0].dtype == torch.float32
         and (isinstance(args[0], FakeTensor) or args[0].device.type == "meta")
     ):

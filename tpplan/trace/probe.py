@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._runtime.fake import quiet_fake_tensor_log
+from .._runtime.torch_compat import FakeTensorMode, TorchDispatchMode
 
 __all__ = ["linear_like", "plain_forward", "quiet_fake_tensor_log"]
 

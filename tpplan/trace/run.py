@@ -17,17 +17,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
-from torch.utils import _pytree as pytree
 
 from .._runtime.adapters import lora_layers
 from .._runtime.facts import pointwise_conv
 from .._runtime.inputs import example_inputs as _derived_inputs
 from .._runtime.local import outside_simulation
+from .._runtime.torch_compat import (
+    ConvNd,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    tree_leaves,
+    tree_map,
+)
 from .._runtime.tree import tensor_leaves
 from ..errors import TpplanError
 from .attention import AttentionMode
@@ -179,7 +181,7 @@ def _trace_pass(
         run_whole(copy_, model, whole, fake, st)
     running = watch_failures(copy_)
     args, kwargs = _inputs(model, example_inputs, device, fake if not real else None)
-    for x in pytree.tree_leaves((args, kwargs)):
+    for x in tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor):
             st.origins.inputs[id(x)] = x
     try:
@@ -216,7 +218,7 @@ def _find_linears(copy_: nn.Module, fake: FakeTensorMode, trace: Trace) -> dict[
             continue
         if isinstance(m, nn.Linear) and plain_forward(m, nn.Linear):
             trace.layers.linears[name] = (m.in_features, m.out_features, False)
-        elif isinstance(m, nn.modules.conv._ConvNd) and pointwise_conv(m):
+        elif isinstance(m, ConvNd) and pointwise_conv(m):
             trace.layers.linears[name] = (m.in_channels, m.out_channels, False)
             trace.layers.channels.add(name)
         elif not isinstance(m, nn.Embedding):
@@ -237,7 +239,7 @@ def _hook_experts(copy_: nn.Module, st: Trackers) -> None:
         name: m
         for name, m in copy_.named_modules()
         # a convolution's 3-D weight (Conv1d's) is a kernel, not one matrix per expert
-        if not isinstance(m, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd))
+        if not isinstance(m, (nn.Linear, nn.Embedding, ConvNd))
         and name not in linears
         and any(p.dim() == 3 for p in m.parameters(recurse=False))
     }
@@ -270,7 +272,7 @@ def _inputs(
     if fake is None:
         return args, kwargs
     with fake:
-        return pytree.tree_map(
+        return tree_map(
             lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
         )
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from .._runtime.torch_compat import TorchDispatchMode
 from .ops import METADATA, NEW_FROM, Op, run_op
 from .rules import follow, sized_by_a_shard
 from .split import SplitEnds

@@ -20,10 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes
 
+from .._runtime.torch_compat import FakeTensorMode, disable_current_modes, tree_leaves, tree_map
 from .trackers import Trackers
 
 __all__ = ["WHOLE_BYTES", "alike", "failing_module", "run_whole", "watch_failures"]
@@ -123,15 +121,15 @@ def _opaque(real: nn.Module, fake: FakeTensorMode, st: Trackers, reason: str) ->
     device = next((t.device for t in [*real.parameters(), *real.buffers()]), torch.device("cpu"))
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         splits = [s for s in (st.splits.split_of(t) for t in leaves) if s is not None]
         if splits:
             st.trace.regions.break_(frozenset().union(*(s.sources for s in splits)), reason)
         where = next((t.device for t in leaves), torch.device("meta"))
-        with _disable_current_modes(), torch.no_grad():
-            out = real(*pytree.tree_map(lambda t: _made(t, device), args),
-                       **pytree.tree_map(lambda t: _made(t, device), kwargs))  # fmt: skip
-            return pytree.tree_map(lambda t: _faked(t, fake, where), out)
+        with disable_current_modes(), torch.no_grad():
+            out = real(*tree_map(lambda t: _made(t, device), args),
+                       **tree_map(lambda t: _made(t, device), kwargs))  # fmt: skip
+            return tree_map(lambda t: _faked(t, fake, where), out)
 
     return forward
 

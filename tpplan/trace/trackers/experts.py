@@ -15,8 +15,8 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from ..._runtime.torch_compat import tree_leaves
 from ..ops import ADDS, LINEAR_IN_PARTIAL, MADE_LIKE, METADATA, PASS_THROUGH, Op, linear_in
 from ..record import AttributeRead, ExpertFacts, RegionFacts
 from ..split import Split, norm_dim, permutation
@@ -387,7 +387,7 @@ class Experts:
         routing (the chosen experts and their weights, or tokens grouped by expert and the
         count of each group, for `experts`: its numbers of experts) as inputs."""
         self.running.append(name)
-        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(self.splits.split_of(t) is not None for t in leaves):
             self.facts.exits[name] = "its input arrives split"
         ids = [t for t in leaves if not t.is_floating_point()]
@@ -447,7 +447,7 @@ class Experts:
         if self.grouped.pop(name, False) and self.facts.routing.get(name) == _UNPROVEN_GROUPS:
             self.facts.by_counts.add(name)
             self.facts.routing[name] = None
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         outs = [t for t in outs if t.is_floating_point()]
         partial = [self.partial_of(t) for t in outs]
         if not outs or not all(partial):

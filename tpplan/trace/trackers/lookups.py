@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from ..._runtime.torch_compat import tree_leaves
 from ..ops import LINEAR_IN_PARTIAL, METADATA, PASS_THROUGH, Op
 from ..record import LookupFacts
 from .origins import Origins
@@ -97,7 +97,7 @@ class Lookups:
         if not linear and name not in METADATA:
             not_linear.append(name)
             return
-        for o in pytree.tree_leaves(op.out):
+        for o in tree_leaves(op.out):
             if isinstance(o, torch.Tensor):
                 rows[id(o)] = o
 

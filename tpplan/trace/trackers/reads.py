@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils import _pytree as pytree
-
+from ..._runtime.torch_compat import tree_leaves
 from ..ops import COPIES, SIZED, Op
 from ..record import AttributeRead, ReadFacts
 from ..split import Split, SplitEnds, carved
@@ -225,7 +224,7 @@ class AttributeReads:
         split tensor would resize these too, so they must not be divided."""
         if op.name not in SIZED:
             return
-        for v in pytree.tree_leaves((op.args, op.kwargs)):
+        for v in tree_leaves((op.args, op.kwargs)):
             if type(v) is int and v > 1:
                 for module, attr, value in self.fresh:
                     if value == v:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from ..._runtime.torch_compat import tree_leaves
 from ..ops import ADDS, METADATA, Op, linear_in
 from ..record import ExpertFacts
 from .dense import DenseSplits
@@ -45,7 +45,7 @@ class WholeOutputs:
         instead, if anything."""
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return None
-        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(self.of(t) is not None for t in ins):
             return None  # made from another's whole output: that one is scaled already
         if self.splits.split_of(out) is not None:
