@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 HERE = Path(__file__).resolve().parent
-# the zoo's models and the parity check are the tests' own (tests/model_zoo, tests/blocks.py),
+# the zoo's models and the parity check are the tests' own (tests/model_zoo, tests/support/blocks.py),
 # which import no pytest: the benchmark puts tests/ on the path to share them
 TESTS = HERE.parent / "tests"
 MARK = "ZOO_RESULT "
@@ -99,8 +99,8 @@ def _reason(stage: str, e: BaseException) -> str:
 
 def _run_one(name: str, tp: int, sp: bool) -> dict[str, Any]:
     """Infer, measure and hold to parity one plan of one model."""
-    from blocks import assert_parity
     from model_zoo import ZOO, build, measure
+    from support.blocks import assert_parity
 
     import tpplan
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import tiny_llama, token_batch
+from support.models import tiny_llama, token_batch
 
 import tpplan
 import tpplan.checkpoint.dcp
@@ -63,7 +63,7 @@ def fused(folder: Path, rank: int, world: int, *, saving: bool, legacy: bool = F
     """GPT-2's fused q|k|v (`parts`) through DCP: saved at one tp, loaded at another. With
     `legacy`, saved as earlier tpplan versions did (each piece a tensor of its own, split over
     the ranks) with torch's DCP, then loaded by load_checkpoint at this tp."""
-    from infer_models import gpt2
+    from support.infer_models import gpt2
 
     x = token_batch()
     ref = gpt2()

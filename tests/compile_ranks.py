@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import tiny_llama, token_batch
-from rank_exit import finish
+from support.models import tiny_llama, token_batch
+from support.ranks import finish
 from support.shipped import PLANS, generate_config, plan_spec
 
 import tpplan

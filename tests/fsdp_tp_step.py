@@ -16,9 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from infer_models import gpt2, phi3
-from models import tiny_llama, token_batch
-from rank_exit import finish
+from support.infer_models import gpt2, phi3
+from support.models import tiny_llama, token_batch
+from support.ranks import finish
 
 import tpplan
 

@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import tiny_llama, token_batch
-from rank_exit import finish
+from support.models import tiny_llama, token_batch
+from support.ranks import finish
 
 import tpplan
 
@@ -28,7 +28,7 @@ TOL = 1e-5  # as in test_apply.py
 
 
 def _refuse(model: torch.nn.Module, mesh: DeviceMesh) -> None:
-    from unrunnable import unrunnable
+    from support.unrunnable import unrunnable
 
     bad = unrunnable("prepare_in_the_wrong_place")
     for problems in (tpplan.check_plan(bad, model, tp_size=4), _refusal(model, mesh, bad)):

@@ -28,7 +28,7 @@ from tpplan._runtime.models import build_model
 from tpplan.diagnose.stats import plan_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
-from blocks import assert_parity, expand_rules
+from support.blocks import assert_parity, expand_rules
 
 
 # ---- whole tensors beside split heads ------------------------------------------------------

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from infer_models import opt
-from models import HeadNormBlock, tiny_llama, token_batch
+from support.infer_models import opt
+from support.models import HeadNormBlock, tiny_llama, token_batch
+from support.unrunnable import CASES, unrunnable
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from unrunnable import CASES, unrunnable
 
 import tpplan
 from tpplan import MeshError, Plan, PlanProblemsError, apply_plan, load_plan
@@ -299,7 +299,7 @@ def test_replicated_parameters_in_a_sharded_region_get_summed_gradients(grad_sum
 def test_sequence_parallel_styles_parity(tp: int) -> None:
     """vocab_parallel reduce-scatter, sequence_parallel norms, prepare on a positional input,
     rowwise reduce-scatter and a colwise layer that gathers a sequence-sharded input."""
-    from models import SeqParallelNet
+    from support.models import SeqParallelNet
 
     torch.manual_seed(0)
     ref = SeqParallelNet()

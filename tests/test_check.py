@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from infer_models import opt
-from models import tiny_llama
+from support.infer_models import opt
+from support.models import tiny_llama
+from support.unrunnable import CASES, unrunnable
 from torch import nn
-from unrunnable import CASES, unrunnable
 
 from tpplan import Plan, Problem, Rule, check_plan, infer_plan, load_plan
 from tpplan._runtime.facts import fingerprint, parameter_shapes
@@ -190,7 +190,7 @@ def test_a_region_that_spans_sibling_modules_is_closed() -> None:
 
 
 def test_an_untraceable_model_gets_the_structural_check() -> None:
-    from models import HeadNormBlock
+    from support.models import HeadNormBlock
 
     class TwoInputs(HeadNormBlock):  # two inputs: none can be made up, so no trace
         def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -208,7 +208,7 @@ def _sink_plan(shard: dict[str, int]) -> Plan:
 
 
 def test_split_params_naming_a_parameter_the_module_lacks() -> None:
-    from infer_models import SinkBlock
+    from support.infer_models import SinkBlock
 
     p = _only(check_plan(_sink_plan({"sinks": 0}), SinkBlock(), tp_size=2), "module_type")
     assert p.message == (
@@ -218,7 +218,7 @@ def test_split_params_naming_a_parameter_the_module_lacks() -> None:
 
 
 def test_split_params_whose_size_the_tp_size_does_not_divide() -> None:
-    from infer_models import SinkBlock
+    from support.infer_models import SinkBlock
 
     p = _only(check_plan(_sink_plan({"s": 0}), SinkBlock(), tp_size=8), "divisibility")
     assert "s dim 0" in p.message and "1, 2, 4" in p.fix

@@ -9,7 +9,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from fake_limits import FUSED_PLAN, PLAN, Sandwich, fused, no_fake_kernel, nonzero, value_read
+from support.fake_limits import (
+    FUSED_PLAN,
+    PLAN,
+    Sandwich,
+    fused,
+    no_fake_kernel,
+    nonzero,
+    value_read,
+)
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from tpplan import check_plan

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 import torch
-from models import tiny_llama, token_batch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support.models import tiny_llama, token_batch
 from transformers import LlamaForCausalLM
 
 import tpplan
@@ -707,7 +707,7 @@ def test_a_buffer_no_one_can_rebuild_is_named(tmp_path: Path) -> None:
 
 
 def _gpt2(device: str = "cpu") -> torch.nn.Module:
-    from infer_models import gpt2
+    from support.infer_models import gpt2
 
     with torch.device(device):
         return gpt2()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from unrunnable import CASES
+from support.unrunnable import CASES
 
 from tpplan import Plan
 from tpplan.cli import main
@@ -160,11 +160,11 @@ def test_check_notes_what_fake_tensors_cannot_run_and_passes(
     """A fused colwise output gathered after its layer: torch's gather of its pieces reads
     values on fake tensors (the unsharded model never does). check passes the plan with a
     note naming the module and the op."""
-    from fake_limits import FUSED_PLAN
+    from support.fake_limits import FUSED_PLAN
 
     plan = tmp_path / "fused.yaml"
     plan.write_text(FUSED_PLAN.to_yaml())
-    code, out, _ = run(capsys, "check", str(plan), "fake_limits:fused", "--tp", "2")
+    code, out, _ = run(capsys, "check", str(plan), "support.fake_limits:fused", "--tp", "2")
     assert code == 0
     assert out == (
         "note: could not dry-run up (Linear): aten._local_scalar_dense.default reads a "
@@ -278,7 +278,7 @@ def test_diff_against_a_model_compares_module_by_module(
     respelled.write_text(
         text.replace("match: model.layers.*.mlp.up_proj", "match: model.layers.*.mlp.up_*")
     )
-    from models import tiny_llama
+    from support.models import tiny_llama
 
     from tpplan.plan import load_plan
     from tpplan.plan.diff import diff_plans

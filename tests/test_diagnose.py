@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import tiny_llama
+from support.models import tiny_llama
 
 from tpplan.diagnose.stats import plan_stats
 from tpplan.diagnose.verify import Verification, _error, verify_plan

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from models import tiny_llama
+from support.models import tiny_llama
+from support.unrunnable import CASES, LLAMA_PLAN, unrunnable
 from torch import nn
-from unrunnable import CASES, LLAMA_PLAN, unrunnable
 
 from tpplan import Plan, load_plan
 from tpplan._runtime.local import fake_ranks

@@ -23,8 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from blocks import assert_parity, expand_rules
 from model_zoo.nanogpt import NanoGpt
+from support.blocks import assert_parity, expand_rules
 from torch import nn
 
 import tpplan

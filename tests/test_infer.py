@@ -10,8 +10,8 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from blocks import assert_parity as assert_block_parity
-from infer_models import (
+from support.blocks import assert_parity as assert_block_parity
+from support.infer_models import (
     ODD_NAMES,
     PLAIN_NAMES,
     ROLES,
@@ -40,7 +40,7 @@ from infer_models import (
     t5,
     whisper,
 )
-from models import tiny_llama, token_batch
+from support.models import tiny_llama, token_batch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM

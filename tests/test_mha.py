@@ -24,7 +24,7 @@ from tpplan._runtime.local import rank_values, simulated_ranks
 from tpplan.compile.attention import HeadParallelAttention
 
 sys.path.insert(0, str(Path(__file__).parent))
-from blocks import assert_parity
+from support.blocks import assert_parity
 
 pytestmark = pytest.mark.unit
 

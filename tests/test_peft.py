@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from blocks import assert_parity, expand_rules
-from models import tiny_llama, token_batch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
+from support.blocks import assert_parity, expand_rules
+from support.models import tiny_llama, token_batch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -35,7 +35,7 @@ TOL = 1e-5
 
 
 def lora_llama(*, r: int = 8, seed: int = 0) -> PeftModel:
-    """tests/models.py's tiny Llama with LoRA on every attention and MLP projection. lora_B
+    """tests/support/models.py's tiny Llama with LoRA on every attention and MLP projection. lora_B
     is drawn nonzero: peft starts it at zero, which would hide a wrong split of it."""
     with torch.random.fork_rng():  # peft draws lora_A from the global generator
         torch.manual_seed(seed)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from blocks import assert_matches, reference_run, sharded_run
-from models import tiny_llama, token_batch
+from support.blocks import assert_matches, reference_run, sharded_run
+from support.models import tiny_llama, token_batch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

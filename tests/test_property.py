@@ -1,4 +1,4 @@
-"""Property tests of infer_plan over hand-written transformer variants (tests/blocks.py).
+"""Property tests of infer_plan over hand-written transformer variants (tests/support/blocks.py).
 
 Hypothesis draws a `Spec` (attention kind, fused or separate projections, MLP kind, norm
 placement, residual layout, tying, biases, q/k norms, head views, depth), builds the model, and
@@ -25,9 +25,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from blocks import ROLE_NAMES, Spec, assert_parity, build, expand_rules, token_ids
 from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
+from support.blocks import ROLE_NAMES, Spec, assert_parity, build, expand_rules, token_ids
 from torch import nn
 
 import tpplan

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import tiny_llama, token_batch
 from peft import PeftModel
 from safetensors.torch import load_file
+from support.models import tiny_llama, token_batch
 from test_peft import lora_llama, train_step
 from torch import nn
 from transformers import LlamaForCausalLM

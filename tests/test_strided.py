@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 import torch
-from infer_models import fused_gqa, gpt2
-from models import token_batch
+from support.infer_models import fused_gqa, gpt2
+from support.models import token_batch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import _StridedShard

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from blocks import assert_parity
-from infer_models import Mlp
+from support.blocks import assert_parity
+from support.infer_models import Mlp
 from test_infer import rule_for, styles
 from torch import nn
 

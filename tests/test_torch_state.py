@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from infer_models import gpt2, phi3
-from models import token_batch
+from support.infer_models import gpt2, phi3
+from support.models import token_batch
 from test_experts import qwen3_moe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard

@@ -17,7 +17,7 @@ import tpplan
 from tpplan.trace import TraceError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from blocks import assert_parity
+from support.blocks import assert_parity
 
 pytestmark = pytest.mark.unit
 

@@ -105,7 +105,7 @@ def test_the_trainer_code_the_integration_wraps_is_still_there() -> None:
 def test_a_sharded_hugging_face_model_tells_ddp_no() -> None:
     """DistributedDataParallel reads `_ddp_params_and_buffers_to_ignore` first; a sharded model's
     refuses with the message (here on one simulated group of 2 ranks: no real DDP starts)."""
-    from models import tiny_llama
+    from support.models import tiny_llama
 
     from tpplan._runtime.local import simulated_ranks
     from tpplan.apply.trainers import TrainerSetupError
@@ -126,7 +126,7 @@ def test_sharding_leaves_the_trainer_unloaded_until_a_script_imports_it() -> Non
     code = f"""
 import sys
 sys.path.insert(0, {str(HERE)!r})
-from models import tiny_llama
+from support.models import tiny_llama
 from tpplan import apply_plan
 from tpplan._runtime.local import simulated_ranks
 with simulated_ranks(2) as mesh:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from infer_models import bert, gpt2
-from models import tiny_llama, token_batch
+from support.infer_models import bert, gpt2
+from support.models import tiny_llama, token_batch
 from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel

@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-from blocks import assert_parity
 from model_zoo import ZOO, Measured, build, measure
+from support.blocks import assert_parity
 
 import tpplan
 from tpplan.errors import TpplanError

@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import token_batch
-from rank_exit import finish
+from support.models import token_batch
+from support.ranks import finish
 from test_torch_state import MODELS, _adam, _step
 
 import tpplan

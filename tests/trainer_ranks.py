@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import tiny_llama, tiny_tokenizer, token_batch
-from rank_exit import finish
+from support.models import tiny_llama, tiny_tokenizer, token_batch
+from support.ranks import finish
 
 import tpplan
 from tpplan.apply.trainers import TrainerSetupError

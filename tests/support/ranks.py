@@ -1,4 +1,5 @@
-"""How the torchrun scripts of the tests end: all ranks meet, tear down, and leave at once.
+"""The tests' torchrun helpers. `finish`: how the rank scripts (tests/*_ranks.py,
+gloo_parity.py, ...) end: all ranks meet, tear down, and leave at once.
 
 With torch 2.13 on gloo a process sometimes aborts after its work is done ("terminate called
 without an active exception") while background threads wind down at interpreter exit; the
@@ -11,6 +12,8 @@ import os
 import sys
 
 import torch.distributed as dist
+
+__all__ = ["finish"]
 
 
 def finish(failure: str | None) -> None:

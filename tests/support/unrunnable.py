@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from tpplan import Plan
 
-LLAMA_PLAN = Path(__file__).parent / "plans" / "llama.yaml"
+LLAMA_PLAN = Path(__file__).parents[1] / "plans" / "llama.yaml"
 
 
 class Case(NamedTuple):

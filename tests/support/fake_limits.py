@@ -3,7 +3,7 @@ a value (`.item()`), one whose output shape depends on the values (`nonzero`), o
 a kernel with no fake implementation, and a fused layer whose gathered output DTensor itself
 cannot make on fake tensors (torch 2.13's `_StridedShard` to `Replicate`: DiffLlama's v_proj,
 Mamba's in_proj). Each is split by PLAN (tests/plans/sandwich.yaml), which is sound; `tpplan verify` proves it on numbers.
-Shared by test_check_fake_limits and test_cli (as `fake_limits:value_read`)."""
+Shared by test_check_fake_limits and test_cli (as `support.fake_limits:fused`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from tpplan import Plan, load_plan
 
-PLAN = load_plan(Path(__file__).parent / "plans" / "sandwich.yaml")
+PLAN = load_plan(Path(__file__).parents[1] / "plans" / "sandwich.yaml")
 
 
 @torch.library.custom_op("tpplan_tests::scaled", mutates_args=())
