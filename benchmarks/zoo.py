@@ -16,7 +16,7 @@ and measured:
 - parameters per rank: bytes the most loaded rank holds over the model's (0.5 at tp 2 when
   everything splits evenly);
 - parity: the forward output's max abs difference from the unsharded model's, and "ok" when
-  the forward and every parameter's gradient are within 1e-4 (tests/blocks.py's
+  the forward and every parameter's gradient are within 1e-4 (tests/support/parity.py's
   `assert_parity`; fp32, two blocks per stack);
 - blocks (without sequence parallel): the attention and MLP blocks are listed per model by
   module path in tests/model_zoo/models.py (`Entry.blocks`, read off each package's source,
@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 HERE = Path(__file__).resolve().parent
-# the zoo's models and the parity check are the tests' own (tests/model_zoo, tests/support/blocks.py),
-# which import no pytest: the benchmark puts tests/ on the path to share them
+# the zoo's models and the parity check are the tests' own (tests/model_zoo,
+# tests/support/parity.py), which import no pytest: the benchmark puts tests/ on the path
 TESTS = HERE.parent / "tests"
 MARK = "ZOO_RESULT "
 TPS = (2, 4)
@@ -100,7 +100,7 @@ def _reason(stage: str, e: BaseException) -> str:
 def _run_one(name: str, tp: int, sp: bool) -> dict[str, Any]:
     """Infer, measure and hold to parity one plan of one model."""
     from model_zoo import ZOO, build, measure
-    from support.blocks import assert_parity
+    from support.parity import assert_parity
 
     import tpplan
 

@@ -28,7 +28,8 @@ from tpplan._runtime.models import build_model
 from tpplan.diagnose.stats import plan_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity, expand_rules
+from support.parity import assert_parity
+from support.plans import expand_rules
 
 
 # ---- whole tensors beside split heads ------------------------------------------------------

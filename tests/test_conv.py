@@ -22,7 +22,7 @@ from tpplan import Plan, Rule, check_plan
 from tpplan._runtime.local import simulated_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity
+from support.parity import assert_parity
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,9 @@ import copy
 import pytest
 import torch
 import transformers
-from test_infer import _tokens, assert_parity, rule_for
+from support.models import token_batch
+from support.parity import assert_parity
+from support.plans import rule_for
 from torch import nn
 
 import tpplan
@@ -347,11 +349,11 @@ def test_jetmoe_experts_are_split_at_the_block() -> None:
     rule = rule_for(plan, model, "model.layers.0.mlp")
     assert rule.shard == {"input_linear.weight": 1, "output_linear.weight": 2}
     assert rule.fused == {"input_linear.weight": [64, 64]} and rule.after_sum == ["bias"]
-    assert_parity(model, plan, 2, _tokens())
+    assert_parity(model, plan, 2, token_batch())
 
 
 def _ids() -> torch.Tensor:
-    return _tokens() % 64
+    return token_batch() % 64
 
 
 # ---- tensor-parallel experts ------------------------------------------------------------------
@@ -370,7 +372,7 @@ def test_qwen3_moe_experts_are_split_like_a_dense_mlp(implementation: str, tp: i
     assert rule.shard == {"gate_up_proj": 1, "down_proj": 2}
     assert rule.fused == {"gate_up_proj": [32, 32]}
     assert "down_proj" in rule.why and "all-reduce" in rule.why
-    assert_parity(model, plan, tp, _tokens())
+    assert_parity(model, plan, tp, token_batch())
 
 
 def test_gpt_oss_biases_and_interleaved_gate_up() -> None:
@@ -381,7 +383,7 @@ def test_gpt_oss_biases_and_interleaved_gate_up() -> None:
     rule = rule_for(plan, model, "model.layers.0.mlp.experts")
     assert rule.shard == {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
     assert rule.after_sum == ["down_proj_bias"] and not rule.fused
-    assert_parity(model, plan, 2, _tokens())
+    assert_parity(model, plan, 2, token_batch())
 
 
 def test_experts_written_by_hand_are_found_by_their_data_flow() -> None:
@@ -486,7 +488,7 @@ def test_longcat_flash_zero_experts_are_counted_once(tp: int) -> None:
     assert (rule.style, rule.mode) == ("experts", "tensor")
     assert rule.shard == {"gate_up_proj": 1, "down_proj": 2}
     assert rule.added_whole == ["identity_expert"]
-    assert_parity(model, plan, tp, _tokens())
+    assert_parity(model, plan, tp, token_batch())
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -514,7 +516,7 @@ def test_expert_parallel_holds_whole_experts_per_rank(tp: int, implementation: s
     # beside the attention's repeat count (divided by the ranks sharing a key/value head)
     (attr,) = [a for a in plan.attributes if a.by is None]
     assert attr.divide == ["num_experts"] and attr.match == "model.layers.*.mlp.experts"
-    assert_parity(model, plan, tp, _tokens())
+    assert_parity(model, plan, tp, token_batch())
     with simulated_ranks(tp) as mesh:
         sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
         experts = sharded.model.layers[0].mlp.experts
@@ -555,7 +557,7 @@ def test_gpt_oss_expert_parallel_keeps_its_biases() -> None:
     plan = tpplan.infer_plan(model, tp_size=2, experts="expert")
     rule = rule_for(plan, model, "model.layers.0.mlp.experts")
     assert rule.mode == "expert" and rule.shard["down_proj_bias"] == 0
-    assert_parity(model, plan, 2, _tokens())
+    assert_parity(model, plan, 2, token_batch())
 
 
 def test_routing_that_depends_on_the_values_cannot_be_traced_on_meta() -> None:

@@ -19,7 +19,7 @@ from torch import nn
 import tpplan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity
+from support.parity import assert_parity
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_zoo.nanogpt import NanoGpt
-from support.blocks import assert_parity, expand_rules
+from support.parity import assert_parity
+from support.plans import expand_rules
 from torch import nn
 
 import tpplan

@@ -10,7 +10,6 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from support.blocks import assert_parity as assert_block_parity
 from support.infer_models import (
     ODD_NAMES,
     PLAIN_NAMES,
@@ -41,44 +40,20 @@ from support.infer_models import (
     whisper,
 )
 from support.models import tiny_llama, token_batch
+from support.parity import assert_parity
+from support.plans import rule_for, styles
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tpplan
 import tpplan._runtime.inputs
-from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan._runtime.local import simulated_ranks
 from tpplan._runtime.models import build_model
 from tpplan.diagnose.verify import verify_plan
 from tpplan.plan import Plan, load_plan
 from tpplan.plan.patterns import match_names
 
-# fp32 forward and backward of a two-layer model: a sharded run sums the same products in
-# another order, which moves the last bits only (seen: ~1e-6); 1e-4 leaves room, and any real
-# mistake (a wrong shard, a missing reduction) is off by O(0.1).
-TOL = 1e-4
-
 HF_FAMILIES = {"llama_mha": llama_mha, "llama_gqa": llama_gqa, "qwen2": qwen2, "qwen3": qwen3}
-
-
-def styles(
-    plan: Plan, model: nn.Module, *, sharded_only: bool = True
-) -> dict[str, tuple[str, str | None]]:
-    """{module name: (style, output layout)} with every rule expanded."""
-    names = [n for n, _ in model.named_modules() if n]
-    out = {}
-    for rule in plan.rules:
-        if sharded_only and rule.style == "replicate":
-            continue
-        for n in match_names(rule.match, names):
-            out[n] = (rule.style, getattr(rule, "output", None))
-    return out
-
-
-def rule_for(plan: Plan, model: nn.Module, name: str) -> tpplan.Rule:
-    names = [n for n, _ in model.named_modules() if n]
-    (rule,) = [r for r in plan.rules if name in match_names(r.match, names)]
-    return rule
 
 
 # ---- oracles --------------------------------------------------------------------------------
@@ -126,30 +101,6 @@ def test_hf_plans_match_transformers_own(family: str) -> None:
 # ---- numeric parity ---------------------------------------------------------------------------
 def _tokens() -> torch.Tensor:
     return token_batch(batch=2, seq=8)
-
-
-def _logits(out: object) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out  # type: ignore[attr-defined, return-value]
-
-
-def assert_parity(ref: nn.Module, plan: Plan, tp: int, x: torch.Tensor) -> None:
-    """Forward output and every parameter's gradient equal the unsharded model's, on each rank."""
-    ref = copy.deepcopy(ref)
-    want = _logits(ref(x))
-    want.float().pow(2).mean().backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    with simulated_ranks(tp) as mesh:
-        model = copy.deepcopy(ref)
-        model.zero_grad(set_to_none=True)
-        tpplan.apply_plan(model, mesh, plan)
-        got = _logits(model(x))
-        for value in rank_values(got):
-            assert (value - want).abs().max().item() <= TOL
-        got.float().pow(2).mean().backward()
-        for name, p in model.named_parameters():
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            for value in rank_values(grad):
-                assert (value - ref_grads[name]).abs().max().item() <= TOL, name
 
 
 PARITY = [
@@ -1007,7 +958,7 @@ def test_a_part_the_forward_does_not_call_is_traced_on_its_own(tp: int) -> None:
         "input_ids": torch.randint(0, 64, (2, 5), generator=g),
         "pixel_values": torch.randn(2, 3, 8, 8, generator=g),
     }
-    assert_block_parity(model, plan, tp, x)
+    assert_parity(model, plan, tp, x)
 
 
 def test_a_part_that_cannot_run_alone_is_traced_layer_by_layer() -> None:
@@ -1024,7 +975,7 @@ def test_a_part_that_cannot_run_alone_is_traced_layer_by_layer() -> None:
         "input_ids": torch.randint(0, 64, (2, 5), generator=g),
         "pixel_values": torch.randn(2, 3, 8, 8, generator=g),
     }
-    assert_block_parity(model, plan, 2, x)
+    assert_parity(model, plan, 2, x)
 
 
 def test_a_part_sharing_a_parameter_with_the_rest_stays_whole() -> None:
@@ -1112,7 +1063,7 @@ def test_a_packed_patch_tower_and_its_projector_are_traced_on_their_own() -> Non
         "pixel_values": torch.randn(8, 2 * 3 * 4 * 4, generator=g),
         "image_grid_thw": grid,
     }
-    assert_block_parity(model, plan, 2, x)
+    assert_parity(model, plan, 2, x)
 
 
 def test_check_traces_a_part_the_forward_does_not_call_on_its_own() -> None:
@@ -1154,7 +1105,7 @@ def test_a_layer_whose_weight_the_forward_uses_directly_is_not_split_alone() -> 
     plan = tpplan.infer_plan(model, example_inputs=x, tp_size=2)
     assert "direct" not in styles(plan, model)
     assert "uses its parameters directly" in rule_for(plan, model, "direct").why
-    assert_block_parity(model, plan, 2, x)  # (its bias gets no gradient on either side)
+    assert_parity(model, plan, 2, x)  # (its bias gets no gradient on either side)
 
 
 class _ClassToken(nn.Module):
@@ -1287,7 +1238,7 @@ def test_a_part_that_did_not_run_takes_the_decisions_of_its_twin_that_did(tp: in
         "input_ids": torch.randint(0, 64, (2, 5), generator=g),
         "extra": torch.randn(2, 3, 32, generator=g),
     }
-    assert_block_parity(model, plan, tp, x)
+    assert_parity(model, plan, tp, x)
 
 
 class _PiecesThenHeads(nn.Module):

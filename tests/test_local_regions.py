@@ -29,7 +29,7 @@ from tpplan import Plan
 from tpplan._runtime.local import rank_values, simulated_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity
+from support.parity import assert_parity
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:

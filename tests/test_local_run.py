@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from support.blocks import assert_parity
 from support.models import tiny_llama, token_batch
+from support.parity import assert_parity
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode

@@ -24,7 +24,7 @@ from tpplan._runtime.local import rank_values, simulated_ranks
 from tpplan.compile.attention import HeadParallelAttention
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity
+from support.parity import assert_parity
 
 pytestmark = pytest.mark.unit
 

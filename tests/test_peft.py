@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from support.blocks import assert_parity, expand_rules
 from support.models import tiny_llama, token_batch
+from support.parity import assert_parity
+from support.plans import expand_rules
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.blocks import assert_matches, reference_run, sharded_run
 from support.models import tiny_llama, token_batch
+from support.parity import assert_matches, reference_run, sharded_run
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

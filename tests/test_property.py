@@ -27,7 +27,9 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
-from support.blocks import ROLE_NAMES, Spec, assert_parity, build, expand_rules, token_ids
+from support.blocks import ROLE_NAMES, Spec, build, token_ids
+from support.parity import assert_parity
+from support.plans import expand_rules
 from torch import nn
 
 import tpplan

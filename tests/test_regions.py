@@ -29,7 +29,7 @@ from tpplan.compile.strided import split_parts
 from tpplan.errors import PlanFileError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity
+from support.parity import assert_parity
 from test_handwritten import NanoGpt, _build, _tokens
 
 pytestmark = pytest.mark.unit

@@ -33,7 +33,7 @@ from tpplan.checkpoint import load_checkpoint, save_checkpoint
 from tpplan.diagnose.stats import plan_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity
+from support.parity import assert_parity
 
 TINY = {
     "num_hidden_layers": 2,

@@ -20,7 +20,7 @@ import tpplan
 from tpplan.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity
+from support.parity import assert_parity
 from test_handwritten import Vit, _build, _images
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from support.blocks import assert_parity
 from support.infer_models import Mlp
-from test_infer import rule_for, styles
+from support.parity import assert_parity
+from support.plans import rule_for, styles
 from torch import nn
 
 import tpplan

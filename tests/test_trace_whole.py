@@ -17,7 +17,7 @@ import tpplan
 from tpplan.trace import TraceError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.blocks import assert_parity
+from support.parity import assert_parity
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ import functools
 
 import pytest
 from model_zoo import ZOO, Measured, build, measure
-from support.blocks import assert_parity
+from support.parity import assert_parity
 
 import tpplan
 from tpplan.errors import TpplanError

@@ -8,44 +8,20 @@ norms, and how the heads are reshaped (-1 for the head count, or a stored attrib
 torch only, no transformers, and module names that say nothing about their role, so the tracer
 has the data flow alone to go on.
 
-`assert_parity` is the numeric check shared by the tests that use these models: forward and
-backward of a sharded copy on simulated ranks against the unsharded model.
+tests/support/parity.py holds these models to the unsharded numbers (`assert_parity`).
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-import tpplan
-from tpplan._runtime.local import rank_values, simulated_ranks
-from tpplan.compile.local_run import runs_locally
-from tpplan.plan import Plan
-from tpplan.plan.patterns import match_names
-
-__all__ = [
-    "HEAD_DIM",
-    "ROLE_NAMES",
-    "TOL",
-    "Spec",
-    "assert_parity",
-    "build",
-    "expand_rules",
-    "token_ids",
-]
+__all__ = ["HEAD_DIM", "ROLE_NAMES", "Spec", "build", "token_ids"]
 
 HEAD_DIM = 8
-
-# fp32 forward and backward of a model of at most three layers: a sharded run sums the same
-# products in another order, which moves the last bits only (~1e-6); 1e-4 leaves room, and a
-# real mistake (a wrong shard, a missing reduction, heads mixed up) is off by O(0.1).
-TOL = 1e-4
 
 # Attribute names per role: short and meaningless, so that names are no evidence.
 ROLE_NAMES = {
@@ -322,160 +298,3 @@ def token_ids(vocab: int, *, batch: int = 2, seq: int = 8, seed: int = 0) -> tor
     """The same tokens on every rank: drawn from a generator of our own, not the global RNG."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
-
-
-# ---- checks ---------------------------------------------------------------------------------
-def expand_rules(plan: Plan, model: nn.Module) -> dict[str, tpplan.Rule]:
-    """{module name: its rule}, every pattern expanded (a later rule wins, as in apply)."""
-    names = [n for n, _ in model.named_modules() if n]
-    out: dict[str, tpplan.Rule] = {}
-    for rule in plan.rules:
-        for n in match_names(rule.match, names):
-            out[n] = rule
-    return out
-
-
-def _output(out: object) -> torch.Tensor:
-    """The tensor a model's output holds: its logits, a diffusers model's sample, or the
-    first entry of a tuple (`return_dict=False`)."""
-    if isinstance(out, tuple):
-        return _output(out[0])
-    for field in ("logits", "sample"):
-        if hasattr(out, field):
-            return getattr(out, field)  # type: ignore[no-any-return]
-    return out  # type: ignore[return-value]
-
-
-def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _layout(stored: torch.Tensor, original: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How a parameter's gathered value maps back to the original's order.
-
-    Usually the identity. A fused layer (q|k|v, gate|up) is stored with each rank's slice of
-    every part side by side, so its gathered weight (and gradient) is the original permuted
-    along one dim. The permutation is found from the values themselves (the weights are exact
-    copies), so this check does not depend on how the plan chose to store them.
-    """
-    if stored.shape == original.shape and torch.equal(stored, original):
-        return lambda t: t
-    for d in range(original.dim()):
-        if stored.shape != original.shape:
-            break
-        rows = stored.movedim(d, 0).reshape(stored.shape[d], -1).tolist()
-        where = {tuple(r): i for i, r in enumerate(rows)}
-        wanted = original.movedim(d, 0).reshape(original.shape[d], -1).tolist()
-        found = [where.get(tuple(r)) for r in wanted]  # row i of the original is row found[i]
-        if None not in found and len(set(found)) == len(found):
-            index = torch.tensor(found)
-            return lambda t, d=d, index=index: t.index_select(d, index)
-    raise AssertionError(
-        f"a sharded parameter of shape {tuple(stored.shape)} holds other values than the "
-        f"original of shape {tuple(original.shape)}, not just in another order"
-    )
-
-
-def _run(model: nn.Module, x: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
-    return _output(model(**x) if isinstance(x, dict) else model(x))
-
-
-def assert_parity(
-    ref: nn.Module,
-    plan: Plan,
-    tp: int,
-    x: torch.Tensor | dict[str, torch.Tensor],
-    *,
-    tol: float = TOL,
-) -> None:
-    """Forward output and every parameter's gradient equal the unsharded model's, on each
-    simulated rank, on both execution paths: layers on their local shards (apply_plan's
-    default) and every layer on DTensors (`local_shards=False`; skipped where the plan gave
-    no layer the local path, the two then being the same run). `x` (one input, or keyword
-    inputs) is made before the ranks exist, so every rank gets the same input."""
-    ref = copy.deepcopy(ref)
-    want, params = reference_run(ref, x)
-    local = _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=True)
-    if local:
-        _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=False)
-
-
-def _assert_path_parity(
-    ref: nn.Module,
-    plan: Plan,
-    tp: int,
-    x: torch.Tensor | dict[str, torch.Tensor],
-    want: torch.Tensor,
-    params: dict[str, nn.Parameter],
-    tol: float,
-    *,
-    local_shards: bool,
-) -> bool:
-    """assert_parity on one execution path; whether any layer ran on its local shards."""
-    with simulated_ranks(tp) as mesh:
-        model = copy.deepcopy(ref)
-        model.zero_grad(set_to_none=True)
-        tpplan.apply_plan(model, mesh, plan, local_shards=local_shards)
-        local = any(runs_locally(m) for m in model.modules())
-        run = sharded_run(model, x)
-    path = "local shards" if local_shards else "DTensor path"
-    assert_matches(run, want, params, tol=tol, what=f"tp {tp}, {path}")
-    return local
-
-
-def reference_run(
-    ref: nn.Module, x: torch.Tensor | dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, dict[str, nn.Parameter]]:
-    """The unsharded model's output for `x` and its parameters, their gradients filled by
-    the backward of the loss `sharded_run` uses."""
-    want = _run(ref, x)
-    want.float().pow(2).mean().backward()
-    return want, dict(ref.named_parameters())
-
-
-def sharded_run(model: nn.Module, x: torch.Tensor | dict[str, torch.Tensor]) -> ShardedRun:
-    """Forward and backward of a model sharded under `simulated_ranks` (call it inside):
-    each rank's output, each parameter's whole value, and each rank's whole gradient."""
-    got = _run(model, x)
-    outputs = rank_values(got)
-    got.float().pow(2).mean().backward()
-    stored = {n: rank_values(_whole(p.detach()))[0] for n, p in model.named_parameters()}
-    grads = {
-        n: None if p.grad is None else rank_values(_whole(p.grad))
-        for n, p in model.named_parameters()
-    }
-    return ShardedRun(outputs, stored, grads)
-
-
-@dataclass
-class ShardedRun:
-    """What sharded_run read: per-rank outputs, whole parameters, per-rank gradients."""
-
-    outputs: list[torch.Tensor]
-    stored: dict[str, torch.Tensor]
-    grads: dict[str, list[torch.Tensor] | None]
-
-
-def assert_matches(
-    run: ShardedRun,
-    want: torch.Tensor,
-    params: dict[str, nn.Parameter],
-    *,
-    tol: float = TOL,
-    what: str,
-) -> None:
-    """A sharded run's outputs and gradients equal the unsharded model's (reference_run)."""
-    for rank, value in enumerate(run.outputs):
-        err = (value - want).abs().max().item()
-        assert err <= tol, f"{what}: rank {rank}'s output is off by {err:.3g}"
-    assert set(run.grads) == set(params), "sharding changed the model's parameters"
-    for name, p in params.items():
-        got_grads = run.grads[name]
-        if p.grad is None:
-            assert got_grads is None, f"{what}: {name} got a gradient the unsharded model has not"
-            continue
-        assert got_grads is not None, f"{what}: {name} got no gradient"
-        back = _layout(run.stored[name], p.detach())
-        for rank, value in enumerate(got_grads):
-            err = (back(value) - p.grad).abs().max().item()
-            assert err <= tol, f"{what}: rank {rank}'s gradient of {name} is off by {err:.3g}"
