@@ -175,7 +175,7 @@ def test_check_notes_what_fake_tensors_cannot_run_and_passes(
 
 
 def test_a_callable_model_spec(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "models:tiny_llama", "--tp", "2")
+    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "support.models:tiny_llama", "--tp", "2")
     assert code == 0 and "sound" in out
 
 

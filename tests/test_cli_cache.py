@@ -103,8 +103,8 @@ def test_a_cache_that_cannot_be_written_is_no_error(
 def test_a_model_of_the_users_own_code_is_never_cached(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert answer_key("check", str(LLAMA_PLAN), "models:tiny_llama", [], 2) is None
-    argv = [str(LLAMA_PLAN), "models:tiny_llama", "--tp", "2"]
+    assert answer_key("check", str(LLAMA_PLAN), "support.models:tiny_llama", [], 2) is None
+    argv = [str(LLAMA_PLAN), "support.models:tiny_llama", "--tp", "2"]
     check(capsys, *argv)
     assert check(capsys, *argv)[2] is False
 
