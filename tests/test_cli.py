@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.models import TINY_LLAMA_CONFIG, TINY_LLAMA_FLAGS
+from support.plans import LLAMA_PLAN
 from support.unrunnable import CASES
 
 from tpplan import Plan
@@ -15,23 +17,6 @@ from tpplan.cli import main
 from tpplan.plan import plan_json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_PLAN = ROOT / "tests" / "plans" / "llama.yaml"
-SMALL = [
-    "--set",
-    "num_hidden_layers=2",
-    "--set",
-    "hidden_size=64",
-    "--set",
-    "intermediate_size=96",
-    "--set",
-    "num_attention_heads=8",
-    "--set",
-    "num_key_value_heads=4",
-    "--set",
-    "head_dim=8",
-    "--set",
-    "vocab_size=128",
-]
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -46,12 +31,12 @@ def test_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_check_a_sound_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "llama", "--tp", "4", *SMALL)
+    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "llama", "--tp", "4", *TINY_LLAMA_FLAGS)
     assert code == 0 and "sound at tp 4 (9 rules)" in out
 
 
 def test_check_fails_with_every_problem(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "llama", "--tp", "8", *SMALL)
+    code, out, _ = run(capsys, "check", str(LLAMA_PLAN), "llama", "--tp", "8", *TINY_LLAMA_FLAGS)
     assert code == 1
     assert "problem: rules[2] (match: model.layers.*.self_attn.k_proj)" in out
     assert "4 heads (of head_dim 8) do not split evenly over tp size 8" in out
@@ -67,7 +52,7 @@ def test_check_fails_a_plan_that_cannot_run(
 ) -> None:
     path = tmp_path / f"{case}.yaml"
     path.write_text(CASES[case].edit)
-    code, out, _ = run(capsys, "check", str(path), "llama", "--tp", "2", *SMALL)
+    code, out, _ = run(capsys, "check", str(path), "llama", "--tp", "2", *TINY_LLAMA_FLAGS)
     want = CASES[case]
     assert code == 1 and out.strip().endswith("1 problem(s) at tp 2.")
     assert f"problem: {want.rule}" in out
@@ -79,7 +64,7 @@ def test_check_says_when_a_plan_splits_nothing(
 ) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("tpplan: 7\nrules: []\n")
-    code, out, _ = run(capsys, "check", str(path), "llama", "--tp", "2", *SMALL)
+    code, out, _ = run(capsys, "check", str(path), "llama", "--tp", "2", *TINY_LLAMA_FLAGS)
     assert code == 0
     assert out == (
         f"{path}: sound at tp 2, but it splits nothing (0 rules, none splitting a module): "
@@ -97,7 +82,7 @@ def test_check_refuses_a_plan_written_for_another_model(
     )
     plan = tmp_path / "plan.yaml"
     plan.write_text(text)
-    code, out, _ = run(capsys, "check", str(plan), "llama", "--tp", "2", *SMALL)
+    code, out, _ = run(capsys, "check", str(plan), "llama", "--tp", "2", *TINY_LLAMA_FLAGS)
     assert code == 1 and "problem: model: the plan was written for another model" in out
 
 
@@ -143,7 +128,7 @@ def test_check_at_a_tp_size_shared_heads_neither_split_over_nor_share(
     """tp 3 and 4 kv heads: the shipped plan's attribute fix divides by the ranks sharing
     each head, which do not exist here; the heads' own problem says so (it once ended in
     ZeroDivisionError)."""
-    code, out, err = run(capsys, "check", "llama", "llama", "--tp", "3", *SMALL)
+    code, out, err = run(capsys, "check", "llama", "llama", "--tp", "3", *TINY_LLAMA_FLAGS)
     assert code == 1 and err == ""
     assert (
         "problem: rules[2] (match: model.layers.*.self_attn.k_proj), module "
@@ -292,7 +277,15 @@ def test_diff_against_a_model_compares_module_by_module(
 
 def test_verify_passes_for_a_sound_plan(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(
-        capsys, "verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "2", "--backward", *SMALL
+        capsys,
+        "verify",
+        "llama",
+        "--plan",
+        str(LLAMA_PLAN),
+        "--tp",
+        "2",
+        "--backward",
+        *TINY_LLAMA_FLAGS,
     )
     assert code == 0
     assert "tp 2: the sharded model matches the unsharded one" in out
@@ -314,7 +307,9 @@ def test_verify_fails_for_a_wrong_plan(tmp_path: Path, capsys: pytest.CaptureFix
         )
         .replace("    output: replicate\n    why: output head", "    why: output head")
     )
-    code, out, _ = run(capsys, "verify", "llama", "--plan", str(wrong), "--tp", "2", *SMALL)
+    code, out, _ = run(
+        capsys, "verify", "llama", "--plan", str(wrong), "--tp", "2", *TINY_LLAMA_FLAGS
+    )
     assert code == 1 and "DIFFERS" in out and "<-- over tolerance" in out
 
 
@@ -329,7 +324,7 @@ def test_stats_json(capsys: pytest.CaptureFixture[str]) -> None:
         "2",
         "--backward",
         "--json",
-        *SMALL,
+        *TINY_LLAMA_FLAGS,
     )
     stats = json.loads(out)
     assert code == 0
@@ -343,7 +338,9 @@ def test_stats_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_stats_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "stats", "llama", "--plan", str(LLAMA_PLAN), "--tp", "4", *SMALL)
+    code, out, _ = run(
+        capsys, "stats", "llama", "--plan", str(LLAMA_PLAN), "--tp", "4", *TINY_LLAMA_FLAGS
+    )
     assert code == 0 and "at tp 4" in out and "forward   all_reduce" in out
     # every split layer of a Llama runs on its local shards (none left on DTensors)
     assert (
@@ -370,7 +367,7 @@ def test_infer_prints_a_plan_that_reads_back(capsys: pytest.CaptureFixture[str])
     """The README's first command: a plan for a model built in, no network."""
     from tpplan import Plan
 
-    code, out, _ = run(capsys, "infer", "llama", "--tp", "2", *SMALL)
+    code, out, _ = run(capsys, "infer", "llama", "--tp", "2", *TINY_LLAMA_FLAGS)
     plan = Plan.from_yaml(out)
     styles = {r.match: r.style for r in plan.rules}
     assert code == 0 and plan.model is not None and plan.model.class_ == "LlamaForCausalLM"
@@ -423,7 +420,7 @@ def test_infer_gpt2_on_meta_shards_its_conv1d_layers(capsys: pytest.CaptureFixtu
 def test_infer_loss_parallel_leaves_the_logits_split(capsys: pytest.CaptureFixture[str]) -> None:
     from tpplan import Plan
 
-    code, out, _ = run(capsys, "infer", "llama", "--loss-parallel", *SMALL)
+    code, out, _ = run(capsys, "infer", "llama", "--loss-parallel", *TINY_LLAMA_FLAGS)
     plan = Plan.from_yaml(out)
     head = next(r for r in plan.rules if r.match == "lm_head")
     assert code == 0 and plan.options.loss_parallel
@@ -433,7 +430,7 @@ def test_infer_loss_parallel_leaves_the_logits_split(capsys: pytest.CaptureFixtu
 def test_infer_sequence_parallel(capsys: pytest.CaptureFixture[str]) -> None:
     from tpplan import Plan
 
-    code, out, _ = run(capsys, "infer", "llama", "--sequence-parallel", *SMALL)
+    code, out, _ = run(capsys, "infer", "llama", "--sequence-parallel", *TINY_LLAMA_FLAGS)
     plan = Plan.from_yaml(out)
     styles = {r.match: r.style for r in plan.rules}
     assert code == 0 and plan.options.sequence_parallel
@@ -501,15 +498,17 @@ def test_infer_writes_json_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     from tpplan import load_plan
 
     target = tmp_path / "plan.json"
-    code, out, err = run(capsys, "infer", "llama", "--format", "json", "-o", str(target), *SMALL)
+    code, out, err = run(
+        capsys, "infer", "llama", "--format", "json", "-o", str(target), *TINY_LLAMA_FLAGS
+    )
     assert code == 0 and out == "" and f"wrote {target}" in err
     assert load_plan(target).rules
 
 
 def test_infer_then_check_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "plan.yaml"
-    assert run(capsys, "infer", "llama", "--tp", "4", "-o", str(target), *SMALL)[0] == 0
-    code, out, _ = run(capsys, "check", str(target), "llama", "--tp", "4", *SMALL)
+    assert run(capsys, "infer", "llama", "--tp", "4", "-o", str(target), *TINY_LLAMA_FLAGS)[0] == 0
+    code, out, _ = run(capsys, "check", str(target), "llama", "--tp", "4", *TINY_LLAMA_FLAGS)
     assert code == 0 and "sound at tp 4" in out
 
 
@@ -524,7 +523,16 @@ def _table(out: str) -> dict[tuple[str, str], float]:
 
 @pytest.mark.slow  # two spawned ranks each import torch and transformers: ~30 s on 2 cores
 def test_verify_on_real_gloo_processes(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "2", "--backward", *SMALL]
+    argv = [
+        "verify",
+        "llama",
+        "--plan",
+        str(LLAMA_PLAN),
+        "--tp",
+        "2",
+        "--backward",
+        *TINY_LLAMA_FLAGS,
+    ]
     code, simulated, _ = run(capsys, *argv)
     assert code == 0
     code, out, _ = run(capsys, *argv, "--processes")
@@ -541,7 +549,7 @@ def test_verify_on_processes_refuses_an_unsound_plan_before_starting_them(
 ) -> None:
     """tp 8 does not divide the 4 key/value heads: the same exit 1 and message as without
     --processes (checked before any rank starts, not a "rank 0 of 8 failed")."""
-    argv = ["verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "8", *SMALL]
+    argv = ["verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "8", *TINY_LLAMA_FLAGS]
     want_code, want_out, want_err = run(capsys, *argv)
     code, out, err = run(capsys, *argv, "--processes")
     # the same verdict; the lines before it say where verify would run, which differs
@@ -551,19 +559,6 @@ def test_verify_on_processes_refuses_an_unsound_plan_before_starting_them(
 
 
 # ---- MODEL as a model id in the local Hugging Face cache -------------------------------
-TINY_LLAMA_CONFIG = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 8,
-    "vocab_size": 128,
-}
-
-
 @pytest.fixture
 def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty hub cache of our own, offline; connecting anywhere fails the test."""
@@ -663,7 +658,7 @@ def _one_line_error(code: int, out: str, err: str, message: str) -> None:
 def test_a_tp_size_below_1_is_refused_before_any_model_is_built(
     capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
-    code, out, err = run(capsys, *argv, *SMALL)
+    code, out, err = run(capsys, *argv, *TINY_LLAMA_FLAGS)
     got = argv[argv.index("--tp") + 1]
     _one_line_error(
         code,
@@ -746,7 +741,7 @@ def test_a_plan_file_that_is_not_utf8(
 def test_output_to_a_folder_is_refused_before_inferring(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = run(capsys, "infer", "llama", "-o", str(tmp_path), *SMALL)
+    code, out, err = run(capsys, "infer", "llama", "-o", str(tmp_path), *TINY_LLAMA_FLAGS)
     _one_line_error(
         code,
         out,
@@ -761,7 +756,7 @@ def test_output_into_a_missing_folder_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     target = tmp_path / "plans" / "llama.yaml"
-    code, out, err = run(capsys, "infer", "llama", "-o", str(target), *SMALL)
+    code, out, err = run(capsys, "infer", "llama", "-o", str(target), *TINY_LLAMA_FLAGS)
     _one_line_error(
         code, out, err, f"tpplan: error: -o {target}: the folder {target.parent} does not exist"
     )
@@ -802,7 +797,9 @@ def test_a_path_that_does_not_exist_gets_no_cache_hint(
 def test_experts_expert_on_a_model_without_experts_says_it_had_no_effect(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, out, err = run(capsys, "infer", "llama", "--experts", "expert", "--tp", "2", *SMALL)
+    code, out, err = run(
+        capsys, "infer", "llama", "--experts", "expert", "--tp", "2", *TINY_LLAMA_FLAGS
+    )
     assert code == 0 and Plan.from_yaml(out).rules
     assert (
         "note: --experts expert had no effect: LlamaForCausalLM has no mixture-of-experts "

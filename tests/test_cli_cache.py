@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import LLAMA_PLAN, SMALL, TINY_LLAMA_CONFIG
+from support.models import TINY_LLAMA_CONFIG, TINY_LLAMA_FLAGS
+from support.plans import LLAMA_PLAN
 
 from tpplan.cli import main
 from tpplan.cli.answers import answer_key, cache_dir
@@ -30,7 +31,7 @@ def check(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, boo
 def test_the_same_check_again_is_answered_from_the_cache(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = [str(LLAMA_PLAN), "llama", "--tp", "2", *SMALL]
+    argv = [str(LLAMA_PLAN), "llama", "--tp", "2", *TINY_LLAMA_FLAGS]
     first = check(capsys, *argv)
     second = check(capsys, *argv)
     assert first == (0, first[1], False) and "sound at tp 2" in first[1]
@@ -40,7 +41,7 @@ def test_the_same_check_again_is_answered_from_the_cache(
 def test_a_failed_check_is_answered_from_the_cache_with_its_exit_code(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = [str(LLAMA_PLAN), "llama", "--tp", "8", *SMALL]
+    argv = [str(LLAMA_PLAN), "llama", "--tp", "8", *TINY_LLAMA_FLAGS]
     code, out, _ = check(capsys, *argv)
     assert code == 1 and check(capsys, *argv) == (1, out, True)
 
@@ -51,7 +52,7 @@ def test_a_change_checks_again(
 ) -> None:
     plan = tmp_path / "plan.yaml"
     plan.write_bytes(LLAMA_PLAN.read_bytes())
-    argv = [str(plan), "llama", "--tp", "2", *SMALL]
+    argv = [str(plan), "llama", "--tp", "2", *TINY_LLAMA_FLAGS]
     check(capsys, *argv)
     if change == "plan bytes":
         plan.write_bytes(LLAMA_PLAN.read_bytes() + b"# edited\n")
@@ -79,7 +80,7 @@ def test_a_model_folder_whose_config_changed_checks_again(
 
 
 def test_a_corrupt_cache_file_is_ignored(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [str(LLAMA_PLAN), "llama", "--tp", "2", *SMALL]
+    argv = [str(LLAMA_PLAN), "llama", "--tp", "2", *TINY_LLAMA_FLAGS]
     _, out, _ = check(capsys, *argv)
     files = list((cache_dir() / "answers").iterdir())
     assert files
@@ -95,7 +96,7 @@ def test_a_cache_that_cannot_be_written_is_no_error(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("TPPLAN_CACHE_DIR", str(blocker))  # a file, not a folder
-    argv = [str(LLAMA_PLAN), "llama", "--tp", "2", *SMALL]
+    argv = [str(LLAMA_PLAN), "llama", "--tp", "2", *TINY_LLAMA_FLAGS]
     code, out, _ = check(capsys, *argv)
     assert code == 0 and "sound" in out and check(capsys, *argv)[2] is False
 
@@ -151,7 +152,7 @@ def test_schema_and_usage_errors_do_not_import_torch(argv: list[str]) -> None:
 
 
 def test_a_cached_answer_does_not_import_torch(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["check", str(LLAMA_PLAN), "llama", "--tp", "2", *SMALL]
+    argv = ["check", str(LLAMA_PLAN), "llama", "--tp", "2", *TINY_LLAMA_FLAGS]
     main(argv)
     capsys.readouterr()
     imported, done = _imports_torch(*argv)

@@ -7,19 +7,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_cli import LLAMA_PLAN, SMALL, TINY_LLAMA_CONFIG
+from support.models import TINY_LLAMA_CONFIG, TINY_LLAMA_FLAGS
+from support.plans import LLAMA_PLAN
 
 import tpplan.cli.verify
 from tpplan._runtime.models import build_model
 from tpplan.cli import main
 from tpplan.diagnose.cost import verify_cost
 
-# the small Llama of test_cli.py, as config fields for build_model
+# the tiny Llama of the CLI tests, as config fields for build_model
 SIZES = {k: v for k, v in TINY_LLAMA_CONFIG.items() if k not in ("model_type", "architectures")}
 
 
 def verify(capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str, str]:
-    code = main(["verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "2", *SMALL, *extra])
+    code = main(
+        ["verify", "llama", "--plan", str(LLAMA_PLAN), "--tp", "2", *TINY_LLAMA_FLAGS, *extra]
+    )
     out, err = capsys.readouterr()
     return code, out, err
 

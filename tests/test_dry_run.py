@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.models import tiny_llama
-from support.unrunnable import CASES, LLAMA_PLAN, unrunnable
+from support.plans import LLAMA_PLAN
+from support.unrunnable import CASES, unrunnable
 from torch import nn
 
 from tpplan import Plan, load_plan

@@ -8,6 +8,26 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# tiny_llama()'s sizes as a Hugging Face config.json holds them, and as the command line's
+# `--set` flags over the llama model type (the CLI tests' model)
+TINY_LLAMA_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "vocab_size": 128,
+}
+TINY_LLAMA_FLAGS = [
+    flag
+    for key, value in TINY_LLAMA_CONFIG.items()
+    if key not in ("model_type", "architectures")
+    for flag in ("--set", f"{key}={value}")
+]
+
 
 def tiny_llama(
     *,

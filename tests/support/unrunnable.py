@@ -5,12 +5,10 @@ Shared by test_check, test_dry_run, test_apply and test_cli."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
+from support.plans import LLAMA_PLAN
 from tpplan import Plan
-
-LLAMA_PLAN = Path(__file__).parents[1] / "plans" / "llama.yaml"
 
 
 class Case(NamedTuple):
