@@ -3,7 +3,6 @@ train a step on a 2-D mesh, run compiled, and check parity with the unsharded mo
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -11,16 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.ranks import ENV, torchrun
 
 HERE = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def torchrun(
-    script: Path, *launcher_args: str, script_args: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(script), *script_args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
 
 
 def _ranks(stdout: str, pattern: str) -> list[int]:

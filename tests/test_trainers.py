@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_processes import torchrun
+from support.ranks import torchrun
 
 HERE = Path(__file__).parent
 

@@ -1,5 +1,6 @@
-"""The tests' torchrun helpers. `finish`: how the rank scripts (tests/*_ranks.py,
-gloo_parity.py, ...) end: all ranks meet, tear down, and leave at once.
+"""The tests' torchrun helpers: `torchrun` starts a rank script (tests/*_ranks.py,
+gloo_parity.py, fsdp_tp_step.py) on gloo processes, and `finish` is how a rank script ends:
+all ranks meet, tear down, and leave at once.
 
 With torch 2.13 on gloo a process sometimes aborts after its work is done ("terminate called
 without an active exception") while background threads wind down at interpreter exit; the
@@ -9,11 +10,24 @@ barrier and os._exit keep that noise from failing a run whose results are alread
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["finish"]
+__all__ = ["ENV", "finish", "torchrun"]
+
+# one thread per rank: the ranks share the machine's cores
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(
+    script: Path, *launcher_args: str, script_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`python -m torch.distributed.run LAUNCHER_ARGS SCRIPT SCRIPT_ARGS`, its output kept."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(script), *script_args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
 
 
 def finish(failure: str | None) -> None:
