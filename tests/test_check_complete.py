@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_check_messages import SOUND, _Attention, _meta, _rule, _said, _Tiny, _Untraceable
+from support.check import SOUND, Attention, Tiny, Untraceable, make_rule, on_meta, problems_said
 from torch import nn
 
 from tpplan import Plan, Rule, check_plan
@@ -27,7 +27,7 @@ FAMILY = Plan(
 
 @pytest.fixture(scope="module")
 def tiny() -> nn.Module:
-    return _meta(_Tiny)
+    return on_meta(Tiny)
 
 
 def test_sizes_a_plan_leaves_out_are_read_from_the_model(tiny: nn.Module) -> None:
@@ -52,11 +52,11 @@ def test_a_wrong_head_dim_is_one_problem_per_rule(tiny: nn.Module) -> None:
             r.model_copy(update={"head_dim": 8}) if r.head_size() is not None else r for r in SOUND
         ]
     )
-    said = _said(plan, tiny, tp=4)
+    said = problems_said(plan, tiny, tp=4)
     # the messages test_check_messages pins at tp 2, one per rule, and nothing more at tp 4,
     # where heads of 8 would not divide and the attribute checks would complain too
     assert [kind for kind, _ in said] == ["head_dim", "head_dim"]
-    assert said == _said(plan, tiny, tp=2)
+    assert said == problems_said(plan, tiny, tp=2)
 
 
 def test_a_true_problem_after_a_completed_size_is_still_told(tiny: nn.Module) -> None:
@@ -73,7 +73,7 @@ class _TwoSizes(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a1, self.a2 = _Attention(), _Attention()
+        self.a1, self.a2 = Attention(), Attention()
         self.a2.head_dim = 8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,8 +81,8 @@ class _TwoSizes(nn.Module):
 
 
 def test_one_rule_over_modules_of_two_head_sizes() -> None:
-    plan = Plan(rules=[_rule("a?.[qkv]", "colwise"), _rule("a?.o", "rowwise")])
-    said = _said(plan, _meta(_TwoSizes))
+    plan = Plan(rules=[make_rule("a?.[qkv]", "colwise"), make_rule("a?.o", "rowwise")])
+    said = problems_said(plan, on_meta(_TwoSizes))
     assert said[0] == (
         "head_dim",
         "rules[0] (match: a?.[qkv]), module a1.q, a1.k, a1.v, a2.q, a2.k, a2.v: the rule "
@@ -95,8 +95,10 @@ def test_one_rule_over_modules_of_two_head_sizes() -> None:
 def test_shared_heads_without_a_head_dim_the_model_shows() -> None:
     """replicate_heads needs the size of a head; a model that cannot be traced cannot show
     it, and the check says so rather than sharding by a guess."""
-    plan = Plan(rules=[_rule("up", "colwise", replicate_heads=True), _rule("down", "rowwise")])
-    problems = check_plan(plan, _meta(_Untraceable), tp_size=2)
+    plan = Plan(
+        rules=[make_rule("up", "colwise", replicate_heads=True), make_rule("down", "rowwise")]
+    )
+    problems = check_plan(plan, on_meta(Untraceable), tp_size=2)
     (shared,) = [p for p in problems if p.kind == "head_dim"]
     assert str(shared).startswith(
         "rules[0] (match: up): the rule shares key/value heads among ranks (replicate_heads) "

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support.check import SOUND, Tiny, Untraceable, make_rule, on_meta, problems_said
 from torch import nn
 
 from tpplan import Plan, Rule, check_plan
@@ -16,58 +17,6 @@ from tpplan._runtime.facts import fingerprint, parameter_shapes
 from tpplan.plan import AttributeRule, ModelInfo
 
 pytestmark = pytest.mark.unit
-
-
-class _Attention(nn.Module):
-    """q, k, v and o over 4 heads of 4, viewed with -1 heads (so local shards run)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head_dim = 4
-        self.heads = 4  # read by no forward, so only its value is checked
-        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (
-            m(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (b, heads, t, head_dim)
-            for m in (self.q, self.k, self.v)
-        )
-        y = F.scaled_dot_product_attention(q, k, v)
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))  # (b, t, 16)
-
-
-class _Mlp(nn.Module):
-    """A fused gate|up layer (24 | 24), cut apart by chunk, and the layer it feeds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_up = nn.Linear(16, 48)
-        self.down = nn.Linear(24, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, -1)  # (b, t, 24) each
-        return self.down(F.silu(gate) * up)
-
-
-class _Tiny(nn.Module):
-    """Embedding -> attention -> norm -> MLP -> a head tied to the embedding."""
-
-    def __init__(self, vocab: int = 12) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, 16)
-        self.attn = _Attention()
-        self.norm = nn.LayerNorm(16)
-        self.act = nn.ReLU()
-        self.mlp = _Mlp()
-        self.head = nn.Linear(16, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
-        x = x + self.attn(x)
-        x = x + self.mlp(self.act(self.norm(x)))
-        return self.head(x)
 
 
 class _Experts(nn.Module):
@@ -110,43 +59,9 @@ class _Normed(nn.Module):
         return self.out(self.embed(input_ids))
 
 
-class _Untraceable(nn.Module):
-    """up -> down, with a forward that takes no input tpplan can make up: checked by
-    module structure, not by data flow."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(16, 24)
-        self.down = nn.Linear(24, 16)
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return self.down(F.relu(self.up(x))) * scale  # two inputs: none can be made up
-
-
-def _meta(cls: type[nn.Module], **kwargs: object) -> nn.Module:
-    with torch.device("meta"):
-        return cls(**kwargs)
-
-
 @pytest.fixture(scope="module")
 def tiny() -> nn.Module:
-    return _meta(_Tiny)
-
-
-def _rule(match: str, style: str, **fields: object) -> Rule:
-    return Rule(match=match, style=style, why="a test", **fields)
-
-
-# The sound plan of _Tiny: the embedding split over the vocab, heads of 4, the fused
-# gate|up as 24 | 24, and the tied head gathered right after.
-SOUND = [
-    _rule("embed", "vocab_parallel"),
-    _rule("attn.[qkv]", "colwise", head_dim=4),
-    _rule("attn.o", "rowwise", head_dim=4),
-    _rule("mlp.gate_up", "colwise", parts=[24, 24]),
-    _rule("mlp.down", "rowwise"),
-    _rule("head", "colwise", output="replicate"),
-]
+    return on_meta(Tiny)
 
 
 def _edited(**changes: Any) -> Plan:
@@ -162,20 +77,16 @@ def _edited(**changes: Any) -> Plan:
     return Plan(rules=rules)
 
 
-def _said(plan: Plan, model: nn.Module, tp: int = 2) -> list[tuple[str, str]]:
-    return [(p.kind, str(p)) for p in check_plan(plan, model, tp_size=tp)]
-
-
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_the_sound_plan_has_no_problem(tiny: nn.Module, tp: int) -> None:
-    assert _said(Plan(rules=SOUND), tiny, tp) == []
+    assert problems_said(Plan(rules=SOUND), tiny, tp) == []
 
 
 # ---- each rule on the modules it matches (rules.py, sizes.py)
 
 
 def test_a_pattern_matching_nothing_suggests_the_nearest(tiny: nn.Module) -> None:
-    assert _said(Plan(rules=[_rule("mlp.dwn", "replicate")]), tiny) == [
+    assert problems_said(Plan(rules=[make_rule("mlp.dwn", "replicate")]), tiny) == [
         (
             "no_match",
             "rules[0] (match: mlp.dwn): the pattern matches no module of the model. Did you "
@@ -186,8 +97,8 @@ def test_a_pattern_matching_nothing_suggests_the_nearest(tiny: nn.Module) -> Non
 
 
 def test_a_module_two_rules_match(tiny: nn.Module) -> None:
-    plan = Plan(rules=[_rule("attn.[qk]", "replicate"), _rule("attn.q", "replicate")])
-    assert _said(plan, tiny) == [
+    plan = Plan(rules=[make_rule("attn.[qk]", "replicate"), make_rule("attn.q", "replicate")])
+    assert problems_said(plan, tiny) == [
         (
             "overlap",
             "rules[1] (match: attn.q), module attn.q: the module is also matched by rules[0] "
@@ -197,7 +108,7 @@ def test_a_module_two_rules_match(tiny: nn.Module) -> None:
 
 
 def test_a_style_the_module_cannot_take(tiny: nn.Module) -> None:
-    assert _said(Plan(rules=[_rule("norm", "vocab_parallel")]), tiny) == [
+    assert problems_said(Plan(rules=[make_rule("norm", "vocab_parallel")]), tiny) == [
         (
             "module_type",
             "rules[0] (match: norm), module norm: style 'vocab_parallel' applies to "
@@ -208,7 +119,7 @@ def test_a_style_the_module_cannot_take(tiny: nn.Module) -> None:
 
 
 def test_sequence_parallel_on_an_embedding(tiny: nn.Module) -> None:
-    assert _said(Plan(rules=[_rule("embed", "sequence_parallel")]), tiny) == [
+    assert problems_said(Plan(rules=[make_rule("embed", "sequence_parallel")]), tiny) == [
         (
             "module_type",
             "rules[0] (match: embed), module embed: style 'sequence_parallel' takes a "
@@ -222,7 +133,7 @@ def test_sequence_parallel_on_an_embedding(tiny: nn.Module) -> None:
 
 
 def test_transposed_on_a_module_without_a_2d_weight(tiny: nn.Module) -> None:
-    assert _said(Plan(rules=[_rule("norm", "colwise", transposed=True)]), tiny) == [
+    assert problems_said(Plan(rules=[make_rule("norm", "colwise", transposed=True)]), tiny) == [
         (
             "module_type",
             "rules[0] (match: norm), module norm: transposed: true needs a module with a 2-D "
@@ -233,7 +144,7 @@ def test_transposed_on_a_module_without_a_2d_weight(tiny: nn.Module) -> None:
 
 
 def test_replicate_grad_sum_on_a_module_without_parameters(tiny: nn.Module) -> None:
-    assert _said(Plan(rules=[_rule("act", "replicate_grad_sum")]), tiny) == [
+    assert problems_said(Plan(rules=[make_rule("act", "replicate_grad_sum")]), tiny) == [
         (
             "module_type",
             "rules[0] (match: act), module act: style 'replicate_grad_sum' needs a module with "
@@ -245,7 +156,7 @@ def test_replicate_grad_sum_on_a_module_without_parameters(tiny: nn.Module) -> N
 def test_sizes_tp_does_not_divide_list_the_legal_sizes(tiny: nn.Module) -> None:
     """One problem per rule, its modules listed; the heads check by data flow does not tell
     the same modules again."""
-    assert _said(Plan(rules=SOUND), tiny, tp=8) == [
+    assert problems_said(Plan(rules=SOUND), tiny, tp=8) == [
         (
             "divisibility",
             "rules[0] (match: embed), module embed: num_embeddings (the vocab) = 12 does not "
@@ -275,8 +186,8 @@ def test_sizes_tp_does_not_divide_list_the_legal_sizes(tiny: nn.Module) -> None:
 def test_a_head_dim_the_width_is_no_whole_number_of(tiny: nn.Module) -> None:
     """The wrong head_dim is the one problem: that 16 features are no whole number of heads
     of 5 follows from it, and is not told again."""
-    plan = Plan(rules=[_rule("attn.q", "colwise", head_dim=5, output="replicate")])
-    assert _said(plan, tiny) == [
+    plan = Plan(rules=[make_rule("attn.q", "colwise", head_dim=5, output="replicate")])
+    assert problems_said(plan, tiny) == [
         (
             "head_dim",
             "rules[0] (match: attn.q), module attn.q: the rule states head_dim 5, but the "
@@ -287,7 +198,7 @@ def test_a_head_dim_the_width_is_no_whole_number_of(tiny: nn.Module) -> None:
 
 
 def test_parts_that_do_not_add_up(tiny: nn.Module) -> None:
-    assert _said(_edited(**{"mlp.gate_up": {"parts": [16, 16]}}), tiny) == [
+    assert problems_said(_edited(**{"mlp.gate_up": {"parts": [16, 16]}}), tiny) == [
         (
             "parts",
             "rules[3] (match: mlp.gate_up), module mlp.gate_up: parts [16, 16] add up to 32, "
@@ -299,7 +210,7 @@ def test_parts_that_do_not_add_up(tiny: nn.Module) -> None:
 
 def test_written_naming_no_parameter_as_wide_as_the_rows(tiny: nn.Module) -> None:
     """The rule's own check first; the trace then sees nothing written over the rows."""
-    assert _said(_edited(embed={"written": ["weight"]}), tiny) == [
+    assert problems_said(_edited(embed={"written": ["weight"]}), tiny) == [
         (
             "module_type",
             "rules[0] (match: embed), module embed: written names weight, not a parameter of "
@@ -319,7 +230,7 @@ def test_written_naming_no_parameter_as_wide_as_the_rows(tiny: nn.Module) -> Non
 
 
 def test_a_tied_weight_split_two_ways(tiny: nn.Module) -> None:
-    assert _said(_edited(head=_rule("head", "replicate")), tiny) == [
+    assert problems_said(_edited(head=make_rule("head", "replicate")), tiny) == [
         (
             "tied",
             "rules[0] (match: embed), module embed: it shares a parameter with other modules "
@@ -332,12 +243,12 @@ def test_a_tied_weight_split_two_ways(tiny: nn.Module) -> None:
 
 
 def _experts(**fields: object) -> Rule:
-    return _rule("moe", "experts", **fields)
+    return make_rule("moe", "experts", **fields)
 
 
 def test_a_rule_inside_an_experts_module() -> None:
-    plan = Plan(rules=[_experts(shard={"w": 0}), _rule("moe.gate", "replicate_grad_sum")])
-    assert _said(plan, _meta(_Moe)) == [
+    plan = Plan(rules=[_experts(shard={"w": 0}), make_rule("moe.gate", "replicate_grad_sum")])
+    assert problems_said(plan, on_meta(_Moe)) == [
         (
             "overlap",
             "rules[1] (match: moe.gate), module moe.gate: it is inside moe, matched by rules[0] "
@@ -406,14 +317,16 @@ def test_an_experts_rule_on_its_own_parameters(
 ) -> None:
     kind, message = said
     where = "rules[0] (match: moe), module moe: "
-    assert _said(Plan(rules=[_experts(**fields)]), _meta(_Moe), tp) == [(kind, where + message)]
+    assert problems_said(Plan(rules=[_experts(**fields)]), on_meta(_Moe), tp) == [
+        (kind, where + message)
+    ]
 
 
 # ---- by the traced data flow (flow.py and the checks it runs)
 
 
 def test_a_region_left_open(tiny: nn.Module) -> None:
-    assert _said(_edited(**{"mlp.down": None}), tiny) == [
+    assert problems_said(_edited(**{"mlp.down": None}), tiny) == [
         (
             "unclosed_region",
             "rules[3] (match: mlp.gate_up), module mlp.gate_up: its output is contracted by "
@@ -425,7 +338,7 @@ def test_a_region_left_open(tiny: nn.Module) -> None:
 
 
 def test_a_region_never_opened(tiny: nn.Module) -> None:
-    assert _said(_edited(**{"mlp.gate_up": None}), tiny) == [
+    assert problems_said(_edited(**{"mlp.gate_up": None}), tiny) == [
         (
             "unopened_region",
             "rules[3] (match: mlp.down), module mlp.down: its input comes from mlp.gate_up, "
@@ -436,7 +349,7 @@ def test_a_region_never_opened(tiny: nn.Module) -> None:
 
 
 def test_a_split_that_reaches_the_models_output(tiny: nn.Module) -> None:
-    assert _said(Plan(rules=[_rule("head", "colwise")]), tiny) == [
+    assert problems_said(Plan(rules=[make_rule("head", "colwise")]), tiny) == [
         (
             "unclosed_region",
             "rules[0] (match: head), module head: its output stays sharded (shard(-1)) up to "
@@ -448,7 +361,7 @@ def test_a_split_that_reaches_the_models_output(tiny: nn.Module) -> None:
 
 
 def test_an_embedding_split_by_columns(tiny: nn.Module) -> None:
-    assert _said(Plan(rules=[_rule("embed", "colwise")]), tiny) == [
+    assert problems_said(Plan(rules=[make_rule("embed", "colwise")]), tiny) == [
         (
             "unclosed_region",
             "rules[0] (match: embed), module embed: colwise on an nn.Embedding gives each rank "
@@ -464,12 +377,12 @@ def test_heads_the_tp_size_would_cut(tiny: nn.Module) -> None:
     """No head_dim in the rules: 16 features divide by 8, but the model's 4 heads do not;
     the head_dim left out is the model's (check/complete.py), told on each rule as a
     stated one would be."""
-    plan = Plan(rules=[_rule("attn.[qkv]", "colwise"), _rule("attn.o", "rowwise")])
+    plan = Plan(rules=[make_rule("attn.[qkv]", "colwise"), make_rule("attn.o", "rowwise")])
     told = (
         "4 heads (of head_dim 4) do not split evenly over tp size 8; every rank must hold "
         "whole heads. Fix: use a tp size among 1, 2, 4, or keep this module replicated."
     )
-    assert _said(plan, tiny, tp=8) == [
+    assert problems_said(plan, tiny, tp=8) == [
         ("divisibility", f"rules[0] (match: attn.[qkv]), module attn.q, attn.k, attn.v: {told}"),
         ("divisibility", f"rules[1] (match: attn.o), module attn.o: {told}"),
     ]
@@ -477,7 +390,7 @@ def test_heads_the_tp_size_would_cut(tiny: nn.Module) -> None:
 
 def test_a_head_dim_other_than_the_models(tiny: nn.Module) -> None:
     plan = _edited(**{"attn.[qkv]": {"head_dim": 8}, "attn.o": {"head_dim": 8}})
-    assert _said(plan, tiny) == [
+    assert problems_said(plan, tiny) == [
         (
             "head_dim",
             "rules[1] (match: attn.[qkv]), module attn.q, attn.k, attn.v: the rule states "
@@ -495,7 +408,7 @@ def test_a_head_dim_other_than_the_models(tiny: nn.Module) -> None:
 
 
 def test_fused_parts_other_than_the_models(tiny: nn.Module) -> None:
-    assert _said(_edited(**{"mlp.gate_up": {"parts": [16, 32]}}), tiny) == [
+    assert problems_said(_edited(**{"mlp.gate_up": {"parts": [16, 32]}}), tiny) == [
         (
             "parts",
             "rules[3] (match: mlp.gate_up), module mlp.gate_up: the rule states parts [16, 32], "
@@ -507,8 +420,8 @@ def test_fused_parts_other_than_the_models(tiny: nn.Module) -> None:
 
 
 def test_a_vocab_parallel_embedding_whose_forward_is_not_linear_in_its_rows() -> None:
-    plan = Plan(rules=[_rule("embed", "vocab_parallel")])
-    assert _said(plan, _meta(_Normed)) == [
+    plan = Plan(rules=[make_rule("embed", "vocab_parallel")])
+    assert problems_said(plan, on_meta(_Normed)) == [
         (
             "lookup",
             "rules[0] (match: embed), module embed: its forward applies native_layer_norm to "
@@ -520,8 +433,8 @@ def test_a_vocab_parallel_embedding_whose_forward_is_not_linear_in_its_rows() ->
 
 
 def test_regions_by_module_structure_where_no_trace_can_be_made() -> None:
-    model = _meta(_Untraceable)
-    assert _said(Plan(rules=[_rule("up", "colwise")]), model) == [
+    model = on_meta(Untraceable)
+    assert problems_said(Plan(rules=[make_rule("up", "colwise")]), model) == [
         (
             "unclosed_region",
             "rules[0] (match: up), module up: its output stays sharded (shard(-1)) but no "
@@ -530,7 +443,7 @@ def test_regions_by_module_structure_where_no_trace_can_be_made() -> None:
             "`output: replicate`.",
         )
     ]
-    assert _said(Plan(rules=[_rule("down", "rowwise")]), model) == [
+    assert problems_said(Plan(rules=[make_rule("down", "rowwise")]), model) == [
         (
             "unopened_region",
             "rules[0] (match: down), module down: it expects a sharded input (shard(-1)) but no "
@@ -596,13 +509,13 @@ def test_attribute_fixes(
     tiny: nn.Module, attributes: list[AttributeRule], tp: int, said: tuple[str, str]
 ) -> None:
     """In a plan of attribute fixes alone, so that nothing else is at fault."""
-    assert _said(Plan(attributes=attributes), tiny, tp) == [said]
+    assert problems_said(Plan(attributes=attributes), tiny, tp) == [said]
 
 
 def test_a_plan_for_another_model_says_what_differs(tiny: nn.Module) -> None:
-    other = _meta(_Tiny, vocab=8)
+    other = on_meta(Tiny, vocab=8)
     info = ModelInfo(
-        class_="_Tiny", fingerprint=fingerprint(other), parameters=parameter_shapes(other)
+        class_="Tiny", fingerprint=fingerprint(other), parameters=parameter_shapes(other)
     )
     (problem,) = check_plan(Plan(rules=SOUND, model=info), tiny, tp_size=2)
     assert (problem.kind, problem.rule, problem.module) == ("fingerprint", "model", None)
@@ -623,7 +536,7 @@ def test_a_plan_that_does_not_run(tiny: nn.Module) -> None:
     """A hand-made sequence-parallel boundary in a plan that is not sequence-parallel: the
     MLP's whole input is taken for a shard of the sequence and gathered to twice its length.
     torch's own words after its error's type are torch's to change."""
-    prepare = _rule(
+    prepare = make_rule(
         "mlp",
         "prepare",
         inputs=["shard(1)"],
