@@ -16,9 +16,9 @@ from peft import PeftModel
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
+from support.lora import lora_llama, train_step
 from support.models import tiny_llama, token_batch
 from support.ranks import finish
-from test_peft import lora_llama, train_step
 
 import tpplan
 

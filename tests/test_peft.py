@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
+from support.lora import TARGETS, lora_llama, train_step
 from support.models import tiny_llama, token_batch
 from support.parity import assert_parity
 from support.plans import expand_rules
@@ -28,26 +28,10 @@ from torch.distributed.tensor.debug import CommDebugMode
 import tpplan
 from tpplan._runtime.local import fake_ranks, own_replicas, rank_values, simulated_ranks
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 # fp32 on a 2-layer model: a sharded run sums the same products in another order (~1e-7);
 # a wrong split of an adapter (lora_B set to 0.1-sized values) is off by O(0.1)
 TOL = 1e-5
-
-
-def lora_llama(*, r: int = 8, seed: int = 0) -> PeftModel:
-    """tests/support/models.py's tiny Llama with LoRA on every attention and MLP projection. lora_B
-    is drawn nonzero: peft starts it at zero, which would hide a wrong split of it."""
-    with torch.random.fork_rng():  # peft draws lora_A from the global generator
-        torch.manual_seed(seed)
-        config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS)
-        model = get_peft_model(tiny_llama(), config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
 
 
 def _adapter_rules(model: nn.Module, plan: tpplan.Plan) -> dict[str, tpplan.Rule]:
@@ -105,16 +89,6 @@ def test_a_training_step_matches_the_unsharded_peft_model(tp: int) -> None:
         after = dict(ref.named_parameters())
         for name, p in trained:
             _assert_close(p, after[name], f"{name} after the step")
-
-
-def train_step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    # SGD: a step linear in the gradient (Adam's first step would magnify ulp-level noise)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    logits = model(tokens).logits
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    opt.step()
-    return loss
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
+from support.lora import lora_llama, train_step
 from support.models import tiny_llama, token_batch
-from test_peft import lora_llama, train_step
 from torch import nn
 from transformers import LlamaForCausalLM
 
