@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support.infer_models import qwen3_moe
 from support.models import tiny_llama, token_batch
 from transformers import LlamaForCausalLM
 
@@ -782,8 +783,6 @@ def _stored_chunks(folder: Path) -> dict[str, int]:
 
 
 def _qwen3_moe(device: str = "cpu") -> torch.nn.Module:
-    from test_experts import qwen3_moe
-
     with torch.device(device):
         return qwen3_moe()
 

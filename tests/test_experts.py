@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import transformers
+from support.infer_models import qwen3_moe
 from support.models import token_batch
 from support.parity import assert_parity
 from support.plans import rule_for
@@ -18,19 +19,6 @@ import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
 from tpplan.checkpoint import full_state_dict
 from tpplan.plan import Plan, Rule
-
-
-def qwen3_moe(implementation: str | None = None, *, seed: int = 0) -> nn.Module:
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_experts=4,
-        num_experts_per_tok=2, head_dim=8, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    if implementation is not None:
-        model.config._experts_implementation = implementation
-    return model
 
 
 def gpt_oss() -> nn.Module:

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.infer_models import gpt2, phi3
 from support.models import token_batch
-from test_experts import qwen3_moe
+from support.torch_state import MODELS, adam, adam_step
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -26,7 +25,6 @@ import tpplan
 from tpplan._runtime.local import own_replicas, rank_values, simulated_ranks
 
 HERE = Path(__file__).parent
-MODELS = {"gpt2": gpt2, "phi3": phi3, "qwen3_moe": lambda seed=0: qwen3_moe(seed=seed)}
 # the fused parameter of each model whose layout a reordered shard would corrupt
 FUSED = {
     "gpt2": "transformer.h.0.attn.c_attn.weight",
@@ -72,18 +70,6 @@ def test_get_model_state_dict_full_equals_the_unsharded_state_dict(name: str, tp
                 assert torch.equal(v, want[key]), f"{key} on rank {rank}"
 
 
-def _adam(model: torch.nn.Module) -> torch.optim.Optimizer:
-    # eps near the gradients' size: an ulp of noise in a near-zero gradient moves no update
-    # visibly, while moments in the wrong order move every update by about lr
-    return torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)
-
-
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
-    model(tokens).logits.square().mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_adam_moments_of_a_full_optimizer_state_dict_are_the_unsharded_ones(name: str) -> None:
     """Adam's moments copy each parameter's placements, so a full optimizer state dict taken
@@ -93,14 +79,14 @@ def test_adam_moments_of_a_full_optimizer_state_dict_are_the_unsharded_ones(name
     ref = MODELS[name]()
     model = copy.deepcopy(ref)
     tokens = token_batch(seed=1)  # made outside the simulation: the same on every rank
-    ref_opt = _adam(ref)
-    _step(ref, ref_opt, tokens)
+    ref_opt = adam(ref)
+    adam_step(ref, ref_opt, tokens)
     want = {n: ref_opt.state[p] for n, p in ref.named_parameters()}
     with simulated_ranks(2) as mesh:
         tpplan.apply_plan(model, mesh, tpplan.infer_plan(model, tp_size=2))
         own_replicas(model, 2)  # each simulated rank steps its own replicated parameters
-        opt = _adam(model)
-        _step(model, opt, tokens)
+        opt = adam(model)
+        adam_step(model, opt, tokens)
         full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
         for key, moments in full["state"].items():
             for moment in ("exp_avg", "exp_avg_sq"):

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).parent))
 from support.models import token_batch
 from support.ranks import finish
-from test_torch_state import MODELS, _adam, _step
+from support.torch_state import MODELS, adam, adam_step
 
 import tpplan
 
@@ -39,9 +39,9 @@ TOL = 1e-5  # fp32 sums in another order (~1e-7); a piece out of place is off by
 
 def _reference(name: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = MODELS[name]()
-    opt = _adam(model)
+    opt = adam(model)
     for seed in range(1, steps + 1):
-        _step(model, opt, token_batch(seed=seed))
+        adam_step(model, opt, token_batch(seed=seed))
     return model, opt
 
 
@@ -70,8 +70,8 @@ def _apply(name: str, seed: int, world: int) -> torch.nn.Module:
 def save(name: str, folder: Path, rank: int, world: int) -> list[str]:
     ref, _ = _reference(name, steps=1)
     model = _apply(name, 0, world)
-    opt = _adam(model)
-    _step(model, opt, token_batch(seed=1))
+    opt = adam(model)
+    adam_step(model, opt, token_batch(seed=1))
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder / "dcp")
     dist.barrier()
@@ -90,7 +90,7 @@ def save(name: str, folder: Path, rank: int, world: int) -> list[str]:
 def load(name: str, folder: Path, rank: int, world: int) -> list[str]:
     ref, ref_opt = _reference(name, steps=1)
     model = _apply(name, 1, world)  # other weights: only the load can make them right
-    opt = _adam(model)
+    opt = adam(model)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder / "dcp")
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -103,8 +103,8 @@ def load(name: str, folder: Path, rank: int, world: int) -> list[str]:
     err, where = _worst(_moments(model, opt), _moments(ref, ref_opt))
     if err > TOL:
         failures.append(f"Adam state {where} off by {err:.2e}")
-    _step(ref, ref_opt, token_batch(seed=2))
-    _step(model, opt, token_batch(seed=2))
+    adam_step(ref, ref_opt, token_batch(seed=2))
+    adam_step(model, opt, token_batch(seed=2))
     err, where = _worst(dict(model.named_parameters()), dict(ref.named_parameters()))
     if err > TOL:
         failures.append(f"after one more step {where} off by {err:.2e}")
