@@ -1,6 +1,6 @@
 """Run by torchrun from test_processes.py: real gloo ranks apply a plan and compare the
 forward output and gradients with the unsharded model on every rank. With no argument, the
-tiny Llama and its hand-written plan; with `written`, test_tables' model whose embedding
+tiny Llama and its hand-written plan; with `written`, support/tables.py's model whose embedding
 writes a split parameter over rows, with its inferred plan (each rank finds where its
 shares of the vocab and of the parameter start on its own, without a collective). With
 `refuse`, each rank first has a plan refused that only the dry run finds unrunnable (its
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).parent))
 from support.models import tiny_llama, token_batch
 from support.ranks import finish
+from support.tables import table_ids, writing_table_model
 
 import tpplan
 
@@ -54,9 +55,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     if sys.argv[1:] == ["written"]:
-        from test_tables import _ids, _writing
-
-        ref, model, x = _writing(), _writing(), _ids()  # seeded: the same on every rank
+        ref, model, x = (
+            writing_table_model(),
+            writing_table_model(),
+            table_ids(),
+        )  # seeded: the same on every rank
         plan = tpplan.infer_plan(model, tp_size=world)
         assert any(getattr(r, "written", None) for r in plan.rules), plan.to_yaml()
         tpplan.apply_plan(model, mesh["tp"], plan)

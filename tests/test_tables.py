@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from support.infer_models import Mlp
 from support.parity import assert_parity
 from support.plans import rule_for, styles
-from torch import nn
+from support.tables import Table, TableModel, table_ids, writing_table_model
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
@@ -23,81 +21,35 @@ from tpplan.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from tpplan.errors import TpplanError
 from tpplan.plan import Plan, Rule
 
-SPECIAL = 3  # the token whose rows the table overwrites
-
-
-class _Table(nn.Embedding):
-    """A table that norms the rows it looks up (or, with `norm` false, scales them) and,
-    with `special`, writes a learned row over one token's rows in place. With `own_lookup`
-    it looks up with F.embedding itself rather than through nn.Embedding's forward."""
-
-    def __init__(
-        self, *, special: bool = False, own_lookup: bool = False, norm: bool = True
-    ) -> None:
-        super().__init__(64, 32, padding_idx=0)
-        self.special = nn.Parameter(torch.randn(32)) if special else None
-        self.own_lookup = own_lookup
-        self.norm = norm
-        self.register_buffer("scale", torch.tensor(32**0.5), persistent=False)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(input, self.weight) if self.own_lookup else super().forward(input)
-        if self.norm:
-            rows = F.rms_norm(rows, (rows.shape[-1],))
-        else:
-            rows = rows * self.scale.to(rows.dtype)
-        if self.special is not None:
-            rows[input == SPECIAL] = self.special.to(rows.dtype)
-        return rows
-
-
-class _Model(nn.Module):
-    def __init__(self, **table: bool) -> None:
-        super().__init__()
-        self.embed = _Table(**table)
-        self.mlp = Mlp(32, 48)
-        self.head = nn.Linear(32, 64)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        return self.head(h + self.mlp(h))
-
-
-def _ids() -> torch.Tensor:
-    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
-    ids[0, 1] = SPECIAL
-    ids[1, 2] = 0  # the padding row: looked up, never trained
-    return ids
-
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("special", [False, True], ids=["normed", "normed_and_overwritten"])
 def test_a_table_that_norms_its_rows_sums_them_at_the_lookup(tp: int, special: bool) -> None:
     torch.manual_seed(0)
-    model = _Model(special=special)
+    model = TableModel(special=special)
     plan = tpplan.infer_plan(model, tp_size=tp)
     rule = rule_for(plan, model, "embed")
     assert (rule.style, rule.sum_at) == ("vocab_parallel", "lookup")
     assert "right where nn.Embedding's lookup returns them" in rule.why
     assert styles(plan, model)["mlp.fc1"] == ("colwise", None)  # the rest as before
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
-    assert_parity(model, plan, tp, _ids())
+    assert_parity(model, plan, tp, table_ids())
 
 
 def test_a_table_split_by_rows_keeps_its_name_and_parameters() -> None:
     torch.manual_seed(0)
-    model = _Model(special=True)
+    model = TableModel(special=True)
     plan = tpplan.infer_plan(model, tp_size=2)
     with simulated_ranks(2) as mesh:
         tpplan.apply_plan(model, mesh, plan)
-        assert isinstance(model.embed, _Table) and type(model.embed).__name__ == "_Table"
+        assert isinstance(model.embed, Table) and type(model.embed).__name__ == "Table"
         assert [n for n, _ in model.embed.named_parameters()] == ["weight", "special"]
         assert model.embed.weight.to_local().shape == (32, 32)  # type: ignore[attr-defined]
 
 
 def test_such_a_table_saves_unsplit() -> None:
     torch.manual_seed(0)
-    model = _Model(special=True)
+    model = TableModel(special=True)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     plan = tpplan.infer_plan(model, tp_size=2)
     with simulated_ranks(2) as mesh:
@@ -107,12 +59,12 @@ def test_such_a_table_saves_unsplit() -> None:
 
 
 def test_a_table_that_looks_up_on_its_own_stays_whole() -> None:
-    model = _Model(own_lookup=True)
+    model = TableModel(own_lookup=True)
     plan = tpplan.infer_plan(model, tp_size=2)
     rule = rule_for(plan, model, "embed")
     assert rule.style == "replicate"
     assert "looks its rows up with an embedding of its own" in rule.why
-    assert_parity(model, plan, 2, _ids())
+    assert_parity(model, plan, 2, table_ids())
 
 
 def _forced(plan: Plan, **fields: object) -> Plan:
@@ -126,7 +78,7 @@ def _forced(plan: Plan, **fields: object) -> Plan:
 
 
 def test_check_asks_for_sum_at_lookup_on_a_table_that_norms_its_rows() -> None:
-    model = _Model()
+    model = TableModel()
     plan = tpplan.infer_plan(model, tp_size=2)
     plain = _forced(plan, sum_at=None)
     (problem,) = tpplan.check_plan(plain, model, tp_size=2)
@@ -136,7 +88,7 @@ def test_check_asks_for_sum_at_lookup_on_a_table_that_norms_its_rows() -> None:
 
 
 def test_check_refuses_sum_at_lookup_where_the_lookup_is_its_own() -> None:
-    model = _Model(own_lookup=True)
+    model = TableModel(own_lookup=True)
     plan = _forced(tpplan.infer_plan(model, tp_size=2), sum_at="lookup")
     (problem,) = tpplan.check_plan(plan, model, tp_size=2)
     assert problem.kind == "lookup"
@@ -149,11 +101,11 @@ def test_sequence_parallel_refuses_a_stream_the_model_itself_adds_to_whole() -> 
     starts whole and meets the MLP's reduce-scattered output in the model's own forward
     (`h + self.mlp(h)`), where no region can hold it: infer_plan says so, also when given
     inputs, rather than hand back a plan whose first forward fails."""
-    model = _Model()
+    model = TableModel()
     with pytest.raises(TpplanError) as caught:
-        tpplan.infer_plan(model, tp_size=2, sequence_parallel=True, example_inputs=_ids())
+        tpplan.infer_plan(model, tp_size=2, sequence_parallel=True, example_inputs=table_ids())
     assert str(caught.value) == (
-        "sequence parallel does not fit _Model: its own forward meets the sequence-split "
+        "sequence parallel does not fit TableModel: its own forward meets the sequence-split "
         "stream with whole tensors (add), outside any submodule a region could hold. Infer "
         "without sequence parallel, or write those rules by hand."
     )
@@ -184,36 +136,31 @@ def test_sum_at_needs_schema_version_6() -> None:
 
 
 # ---- a parameter written over rows, then only scaled: split too (`written`) ----------------
-def _writing(**table: bool) -> _Model:
-    torch.manual_seed(0)
-    return _Model(special=True, norm=False, **table)
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_parameter_written_over_rows_is_split_and_written_by_shares(tp: int) -> None:
-    model = _writing()
+    model = writing_table_model()
     plan = tpplan.infer_plan(model, tp_size=tp)
     rule = rule_for(plan, model, "embed")
     assert (rule.style, rule.sum_at, rule.written) == ("vocab_parallel", None, ["special"])
     assert "each rank writes its share padded with zeros" in rule.why
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
-    assert_parity(model, plan, tp, _ids())  # special's gradient included
+    assert_parity(model, plan, tp, table_ids())  # special's gradient included
     with simulated_ranks(tp) as mesh:
         tpplan.apply_plan(model, mesh, plan)
         assert model.embed.special.to_local().shape == (32 // tp,)  # type: ignore[union-attr]
 
 
 def test_a_table_with_written_saves_unsplit_and_loads_at_another_tp(tmp_path: Path) -> None:
-    model = _writing()
+    model = writing_table_model()
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    ids = _ids()  # made before the ranks exist, the same on every rank
+    ids = table_ids()  # made before the ranks exist, the same on every rank
     out = model(ids)
     plan = tpplan.infer_plan(model, tp_size=2)
     with simulated_ranks(2) as mesh:
         sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
         assert all(torch.equal(full_state_dict(sharded)[k], v) for k, v in want.items())
         save_checkpoint(sharded, tmp_path / "ckpt", sharded=False)
-    other = _Model(special=True, norm=False)  # other weights, loaded over at tp 4
+    other = TableModel(special=True, norm=False)  # other weights, loaded over at tp 4
     with simulated_ranks(4) as mesh:
         tpplan.apply_plan(other, mesh, tpplan.infer_plan(other, tp_size=4))
         load_checkpoint(other, tmp_path / "ckpt", rebuild_buffers=False)  # built off meta
@@ -225,20 +172,20 @@ def test_a_written_parameter_used_elsewhere_is_kept_whole() -> None:
     """A parameter the table also uses otherwise cannot be split; the rows are summed before
     the write instead."""
 
-    class Reused(_Table):
+    class Reused(Table):
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             return super().forward(input) + self.special.sum()  # type: ignore[union-attr]
 
-    model = _writing()
+    model = writing_table_model()
     model.embed.__class__ = Reused
     plan = tpplan.infer_plan(model, tp_size=2)
     rule = rule_for(plan, model, "embed")
     assert (rule.style, rule.sum_at, rule.written) == ("vocab_parallel", "lookup", None)
-    assert_parity(model, plan, 2, _ids())
+    assert_parity(model, plan, 2, table_ids())
 
 
 def test_check_asks_for_written_where_a_parameter_is_written_over_rows() -> None:
-    model = _writing()
+    model = writing_table_model()
     plan = _forced(tpplan.infer_plan(model, tp_size=2), written=None)
     (problem,) = tpplan.check_plan(plan, model, tp_size=2)
     assert problem.kind == "lookup" and problem.module == "embed"
@@ -262,7 +209,7 @@ def test_a_wrong_written_is_named(
     table: dict[str, bool], written: list[str], kind: str, said: str, fix: str
 ) -> None:
     torch.manual_seed(0)
-    model = _Model(**table)
+    model = TableModel(**table)
     plan = _forced(tpplan.infer_plan(model, tp_size=2), sum_at=None, written=written)
     (problem,) = [p for p in tpplan.check_plan(plan, model, tp_size=2) if p.kind == kind]
     assert problem.module == "embed"
@@ -271,11 +218,11 @@ def test_a_wrong_written_is_named(
 
 def test_sequence_parallel_scatters_a_table_with_written() -> None:
     """Its one sum becomes a reduce-scatter onto sequence shards, writes and all."""
-    model = _writing()
-    plan = tpplan.infer_plan(model, tp_size=2, sequence_parallel=True, example_inputs=_ids())
+    model = writing_table_model()
+    plan = tpplan.infer_plan(model, tp_size=2, sequence_parallel=True, example_inputs=table_ids())
     rule = rule_for(plan, model, "embed")
     assert (rule.written, rule.output, rule.local_output) == (["special"], "shard(1)", False)
-    assert_parity(model, plan, 2, _ids())
+    assert_parity(model, plan, 2, table_ids())
 
 
 def test_written_needs_schema_version_7() -> None:
