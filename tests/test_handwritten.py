@@ -10,7 +10,7 @@ Three families, each in its own idiom rather than Hugging Face's:
   RMSNorm, rotary embeddings in complex arithmetic, in real arithmetic on interleaved pairs, or
   on halves (rotate_half), grouped-query attention, and views by the stored counts
   `view(bs, seqlen, self.n_heads, self.head_dim)` (head_dim 16, so no count equals it);
-- `Vit` (a ViT encoder): patches embedded by a Conv2d or a Linear, a class token, learned
+- `Vit` (a ViT encoder, in support/models.py, which test_stream and test_infer share): patches embedded by a Conv2d or a Linear, a class token, learned
   positions, LayerNorm, non-causal attention (timm's fused qkv or separate q/k/v) and a
   GELU MLP, classified from the class token.
 
@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_zoo.nanogpt import NanoGpt
+from support.models import Vit, images, seeded
 from support.parity import assert_parity
 from support.plans import expand_rules
 from torch import nn
@@ -55,12 +56,6 @@ def _every_kept_one_says_why(plan: Plan, model: nn.Module) -> None:
             assert name in rules, f"{name} has no rule"
             if rules[name].style == "replicate":
                 assert rules[name].why.strip(), f"{name} is replicated without a reason"
-
-
-def _build(cls: type[nn.Module], seed: int = 0, **kwargs: object) -> nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return cls(**kwargs).eval()
 
 
 # ---- torchtitan-style Llama -----------------------------------------------------------------
@@ -203,90 +198,6 @@ class TitanLlama(nn.Module):
         return self.output(self.norm(h))
 
 
-# ---- ViT ------------------------------------------------------------------------------------
-class _VitAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, fused: bool) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.fused = fused
-        if fused:
-            self.qkv = nn.Linear(dim, dim * 3)
-        else:
-            self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, _ = x.shape
-        if self.fused:  # timm: (B, N, 3, heads, hd) -> (3, B, heads, N, hd)
-            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv.unbind(0)
-        else:
-            q, k, v = (
-                lin(x).reshape(B, N, -1, self.head_dim).transpose(1, 2)
-                for lin in (self.q, self.k, self.v)
-            )
-        x = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(x.transpose(1, 2).reshape(B, N, -1))
-
-
-class _VitBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, fused: bool) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = _VitAttention(dim, num_heads, fused)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class Vit(nn.Module):
-    def __init__(
-        self,
-        image: int = 16,
-        patch: int = 4,
-        dim: int = 32,
-        depth: int = 2,
-        num_heads: int = 4,
-        classes: int = 10,
-        patch_embed: str = "conv",
-        fused: bool = True,
-    ) -> None:
-        super().__init__()
-        self.patch = patch
-        if patch_embed == "conv":
-            self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
-        else:
-            self.patch_embed = nn.Linear(3 * patch * patch, dim)
-        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
-        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
-        self.blocks = nn.Sequential(*[_VitBlock(dim, num_heads, fused) for _ in range(depth)])
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.head = nn.Linear(dim, classes)
-
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.patch_embed, nn.Conv2d):
-            return self.patch_embed(images).flatten(2).transpose(1, 2)
-        b, c, _, _ = images.shape
-        p = self.patch
-        patches = images.unfold(2, p, p).unfold(3, p, p)  # (B, C, H/p, W/p, p, p)
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * p * p)
-        return self.patch_embed(patches)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.embed(images)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        x = self.norm(self.blocks(x))
-        return self.head(x[:, 0])
-
-
-def _images() -> torch.Tensor:
-    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-
-
 # ---- tests ----------------------------------------------------------------------------------
 def _infer_and_check(model: nn.Module, x: torch.Tensor, tp: int) -> Plan:
     """Infer at `tp`, require a reason for every module kept whole, and hold the plan to
@@ -303,7 +214,7 @@ def test_nanogpt(tp: int) -> None:
     The fused c_attn and the tied wte/lm_head are held to parity only. The head size is
     `C // self.n_head` with C read off the block's (whole) input, and the heads are merged
     back by `view(B, T, C)`: a plan that divides n_head must account for both."""
-    model = _build(NanoGpt)
+    model = seeded(NanoGpt)
     plan = _infer_and_check(model, _tokens(), tp)
     sharded = _sharded(plan, model)
     for i in range(2):
@@ -317,7 +228,7 @@ def test_titan_llama(rotary: str, tp: int) -> None:
     """8 query heads and 4 kv heads of 16; SwiGLU width 352; tp 2 and 4 divide them all.
     Views by stored counts need the plan to divide n_heads / n_kv_heads; rotary in complex
     arithmetic pairs the head features as complex numbers (view_as_complex) and back."""
-    model = _build(TitanLlama, rotary=rotary)
+    model = seeded(TitanLlama, rotary=rotary)
     plan = _infer_and_check(model, _tokens(), tp)
     sharded = _sharded(plan, model)
     for i in range(2):
@@ -338,7 +249,7 @@ def test_titan_llama_sequence_parallel(tp: int) -> None:
     """Its attention takes two positional inputs (x, freqs_cis): the rule gathering the
     attention's input over the sequence lists a layout for each (torch refuses a list
     shorter than the inputs), and the plan passes check and holds parity."""
-    model = _build(TitanLlama)
+    model = seeded(TitanLlama)
     x = _tokens()
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x, sequence_parallel=True)
     prepare = next(r for r in plan.rules if r.match == "layers.*.attention")
@@ -362,8 +273,8 @@ VITS = [("conv", True), ("linear", False)]
 def test_vit(patch_embed: str, fused: bool, tp: int) -> None:
     """dim 32, 4 heads of 8, MLP 128: tp 2 and 4 divide them. timm's fused qkv, viewed as
     reshape(B, N, 3, heads, hd) and unbound, splits as 3 pieces of its heads."""
-    model = _build(Vit, patch_embed=patch_embed, fused=fused)
-    plan = _infer_and_check(model, _images(), tp)
+    model = seeded(Vit, patch_embed=patch_embed, fused=fused)
+    plan = _infer_and_check(model, images(), tp)
     sharded = _sharded(plan, model)
     for i in range(2):
         assert sharded[f"blocks.{i}.mlp.0"] == ("colwise", None)

@@ -17,6 +17,7 @@ from support.infer_models import (
     GatedBlock,
     Mlp,
     NormedMlp,
+    PiecesThenHeads,
     SinkAttention,
     SinkBlock,
     WidthFromShard,
@@ -39,7 +40,7 @@ from support.infer_models import (
     t5,
     whisper,
 )
-from support.models import tiny_llama, token_batch
+from support.models import Vit, seeded, tiny_llama, token_batch
 from support.parity import assert_parity
 from support.plans import rule_for, styles
 from torch import nn
@@ -1241,29 +1242,11 @@ def test_a_part_that_did_not_run_takes_the_decisions_of_its_twin_that_did(tp: in
     assert_parity(model, plan, tp, x)
 
 
-class _PiecesThenHeads(nn.Module):
-    """timm's fused attention: one qkv Linear viewed as (B, N, 3, heads, head_dim), the
-    pieces' dim moved first and unbound into q, k, v; heads merged by a stored width."""
-
-    def __init__(self, dim: int = 32, num_heads: int = 4) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim, self.attn_dim = num_heads, dim // num_heads, dim
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v)
-        return x + self.proj(out.transpose(1, 2).reshape(b, n, self.attn_dim))
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fused_pieces_viewed_before_the_heads_split_by_heads(tp: int) -> None:
     """The literal 3 before the heads counts the fused pieces: q|k|v are `parts`, each rank
     its own heads of each, and the head count and merged width are divided."""
-    model = nn.Sequential(_PiecesThenHeads())  # a plan divides submodules' attributes
+    model = nn.Sequential(PiecesThenHeads())  # a plan divides submodules' attributes
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
     qkv = rule_for(plan, model, "0.qkv")
@@ -1277,7 +1260,7 @@ def test_pieces_and_heads_of_one_count_are_not_guessed() -> None:
     """Three heads viewed as (3, 3, head_dim): which 3 counts the pieces cannot be told from
     the sizes, so no attribute is divided; the attention runs as a DTensor region instead,
     whose layouts carry the pieces through the view (proven, and at parity at tp 3)."""
-    model = nn.Sequential(_PiecesThenHeads(dim=24, num_heads=3))
+    model = nn.Sequential(PiecesThenHeads(dim=24, num_heads=3))
     x = torch.randn(2, 6, 24, generator=torch.Generator().manual_seed(0))
     plan = tpplan.infer_plan(model, tp_size=3, example_inputs=x)
     qkv = rule_for(plan, model, "0.qkv")
@@ -1322,9 +1305,7 @@ def test_images_for_a_first_convolution_are_made_up_at_a_size_the_model_takes(si
     """A ViT's forward(images) with position embeddings for one image size: images of the
     patch embedding's channels, at the first side its forward runs on (tried on fake
     tensors), so infer and apply need no inputs."""
-    from test_handwritten import Vit, _build
-
-    model = _build(Vit, image=size, patch_embed="conv", fused=False)
+    model = seeded(Vit, image=size, patch_embed="conv", fused=False)
     made = tpplan._runtime.inputs.example_inputs(model)
     assert list(made) == ["images"] and made["images"].shape == (2, 3, size, size)
     plan = tpplan.infer_plan(model, tp_size=2)

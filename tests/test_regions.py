@@ -29,8 +29,9 @@ from tpplan.compile.strided import split_parts
 from tpplan.errors import PlanFileError
 
 sys.path.insert(0, str(Path(__file__).parent))
+from model_zoo.nanogpt import VOCAB, NanoGpt
+from support.models import seeded, token_batch
 from support.parity import assert_parity
-from test_handwritten import NanoGpt, _build, _tokens
 
 pytestmark = pytest.mark.unit
 
@@ -189,8 +190,8 @@ def test_nanogpt_attention_becomes_a_megatron_region(tp: int) -> None:
     c_attn with `.split(self.n_embd, dim=2)`: no attribute division can make that per-rank.
     As a DTensor region, its attention runs each rank's heads and costs one all-reduce in
     forward, with the unsharded model's numbers."""
-    model = _build(NanoGpt)
-    x = _tokens()
+    model = seeded(NanoGpt)
+    x = token_batch(VOCAB)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
     assert [r.match for r in plan.regions] == ["transformer.h.*.attn"]
     rules = {r.match: r for r in plan.rules}
@@ -206,8 +207,8 @@ def test_nanogpt_attention_becomes_a_megatron_region(tp: int) -> None:
 
 # ---- check -----------------------------------------------------------------------------------
 def test_check_names_a_region_pattern_that_matches_nothing() -> None:
-    model = _build(NanoGpt)
-    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=_tokens())
+    model = seeded(NanoGpt)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=token_batch(VOCAB))
     wrong = plan.model_copy(
         update={"regions": [plan.regions[0].model_copy(update={"match": "transformer.h.*.atn"})]}
     )
@@ -223,8 +224,8 @@ def test_check_passes_an_inferred_region_and_refuses_one_that_gathers() -> None:
     """The inferred region is proven collective-free; the same region over a plan whose
     fused layer is cut contiguously (no `parts`) gathers its heads inside the region, and
     check refuses it, naming the region's module."""
-    model = _build(NanoGpt)
-    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=_tokens())
+    model = seeded(NanoGpt)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=token_batch(VOCAB))
     assert tpplan.check_plan(plan, model, tp_size=2) == []
     rules = [
         r.model_copy(update={"parts": None}) if r.match.endswith("c_attn") else r

@@ -20,8 +20,9 @@ import tpplan
 from tpplan.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
+from support.infer_models import PiecesThenHeads
+from support.models import Vit, images, seeded, token_batch
 from support.parity import assert_parity
-from test_handwritten import Vit, _build, _images
 
 
 def _styles(plan: Plan) -> dict[str, str]:
@@ -33,8 +34,8 @@ def test_a_vit_stream_starts_whole_at_its_first_block(tp: int) -> None:
     """The patch embedding and the class token make the stream whole: block 0's norm runs
     whole and block 0 lifts its whole input where it meets the first reduce-scattered
     output; from block 1 on the norms run on sequence shards."""
-    model = _build(Vit, patch_embed="conv", fused=False)
-    x = _images()
+    model = seeded(Vit, patch_embed="conv", fused=False)
+    x = images()
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x, sequence_parallel=True)
     styles = _styles(plan)
     assert "blocks.0.norm1" not in styles
@@ -47,8 +48,8 @@ def test_a_vit_stream_starts_whole_at_its_first_block(tp: int) -> None:
 def test_a_head_kept_whole_gathers_the_stream_as_it_comes_in() -> None:
     """At tp 4 the head's 10 classes do not divide: kept whole, it gathers its input over
     the sequence (a prepare rule that keeps its reason), so the model's output is whole."""
-    model = _build(Vit, patch_embed="conv", fused=False, classes=10)
-    x = _images()
+    model = seeded(Vit, patch_embed="conv", fused=False, classes=10)
+    x = images()
     plan = tpplan.infer_plan(model, tp_size=4, example_inputs=x, sequence_parallel=True)
     head = next(r for r in plan.rules if r.match == "head")
     assert (head.style, head.inputs, head.desired_inputs, head.local_input) == (
@@ -75,8 +76,8 @@ def test_gpt2_position_embeddings_start_the_stream_whole(tp: int) -> None:
 
 
 def test_a_stream_region_round_trips_through_the_plan_file() -> None:
-    model = _build(Vit, patch_embed="conv", fused=False)
-    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=_images(), sequence_parallel=True)
+    model = seeded(Vit, patch_embed="conv", fused=False)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=images(), sequence_parallel=True)
     again = Plan.from_yaml(plan.to_yaml())
     assert [(r.match, r.stream) for r in again.regions] == [
         (r.match, r.stream) for r in plan.regions
@@ -90,11 +91,10 @@ def test_nanogpt_adds_positions_to_the_lookup_in_its_own_forward(tp: int) -> Non
     no region can hold the sum: the lookup sums its rows whole (no reduce-scatter there), the
     stream starts at the first block, and the plan holds parity. (Its attention is split
     and gathered here: a DTensor region is not yet proven under sequence parallel.)"""
-    from model_zoo.nanogpt import NanoGpt
-    from test_handwritten import _tokens
+    from model_zoo.nanogpt import VOCAB, NanoGpt
 
-    model = _build(NanoGpt)
-    x = _tokens()
+    model = seeded(NanoGpt)
+    x = token_batch(VOCAB)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x, sequence_parallel=True)
     wte = next(r for r in plan.rules if r.match == "transformer.wte")
     assert (wte.style, wte.output) == ("vocab_parallel", None)
@@ -110,11 +110,9 @@ class _Windowed(torch.nn.Module):
 
     def __init__(self, dim: int = 32, window: int = 4) -> None:
         super().__init__()
-        from test_infer import _PiecesThenHeads
-
         self.window = window
         self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.attn = _PiecesThenHeads(dim)
+        self.attn = PiecesThenHeads(dim)
         self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -413,6 +413,24 @@ def qwen3_moe(implementation: str | None = None, *, seed: int = 0) -> nn.Module:
     return model
 
 
+class PiecesThenHeads(nn.Module):
+    """timm's fused attention: one qkv Linear viewed as (B, N, 3, heads, head_dim), the
+    pieces' dim moved first and unbound into q, k, v; heads merged by a stored width."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.attn_dim = num_heads, dim // num_heads, dim
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(out.transpose(1, 2).reshape(b, n, self.attn_dim))
+
+
 class _Gated(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -1,12 +1,29 @@
-"""Tiny models built from configs for the tests: no downloads, milliseconds to build."""
+"""Tiny models for the tests, built from configs or written by hand: no downloads,
+milliseconds to build. `tiny_llama` (and its sizes as a config, TINY_LLAMA_CONFIG) with
+`token_batch`, `HeadNormBlock`, `SeqParallelNet`, `tiny_tokenizer`, and `Vit`, a ViT written
+by hand, with its `images`; `seeded` builds any of them from a seed."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
+
+__all__ = [
+    "TINY_LLAMA_CONFIG",
+    "TINY_LLAMA_FLAGS",
+    "HeadNormBlock",
+    "SeqParallelNet",
+    "Vit",
+    "images",
+    "seeded",
+    "tiny_llama",
+    "tiny_tokenizer",
+    "token_batch",
+]
 
 # tiny_llama()'s sizes as a Hugging Face config.json holds them, and as the command line's
 # `--set` flags over the llama model type (the CLI tests' model)
@@ -115,3 +132,100 @@ def tiny_tokenizer(vocab: int = 128) -> Any:
     return PreTrainedTokenizerFast(
         tokenizer_object=inner, pad_token="t0", eos_token="t1", unk_token="t0"
     )
+
+
+def seeded(cls: type[nn.Module], seed: int = 0, **kwargs: object) -> nn.Module:
+    """`cls(**kwargs)` in eval mode, its weights drawn from `seed` without touching the
+    global RNG."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return cls(**kwargs).eval()
+
+
+# ---- ViT ------------------------------------------------------------------------------------
+class _VitAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, fused: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.fused = fused
+        if fused:
+            self.qkv = nn.Linear(dim, dim * 3)
+        else:
+            self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        if self.fused:  # timm: (B, N, 3, heads, hd) -> (3, B, heads, N, hd)
+            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+        else:
+            q, k, v = (
+                lin(x).reshape(B, N, -1, self.head_dim).transpose(1, 2)
+                for lin in (self.q, self.k, self.v)
+            )
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(B, N, -1))
+
+
+class _VitBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, fused: bool) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = _VitAttention(dim, num_heads, fused)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Vit(nn.Module):
+    """A ViT encoder written by hand: patches embedded by a Conv2d or a Linear
+    (`patch_embed`), a class token, learned positions, LayerNorm, non-causal attention
+    (timm's fused qkv, or separate q/k/v) and a GELU MLP, classified from the class token."""
+
+    def __init__(
+        self,
+        image: int = 16,
+        patch: int = 4,
+        dim: int = 32,
+        depth: int = 2,
+        num_heads: int = 4,
+        classes: int = 10,
+        patch_embed: str = "conv",
+        fused: bool = True,
+    ) -> None:
+        super().__init__()
+        self.patch = patch
+        if patch_embed == "conv":
+            self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        else:
+            self.patch_embed = nn.Linear(3 * patch * patch, dim)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*[_VitBlock(dim, num_heads, fused) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, classes)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.patch_embed, nn.Conv2d):
+            return self.patch_embed(images).flatten(2).transpose(1, 2)
+        b, c, _, _ = images.shape
+        p = self.patch
+        patches = images.unfold(2, p, p).unfold(3, p, p)  # (B, C, H/p, W/p, p, p)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * p * p)
+        return self.patch_embed(patches)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.embed(images)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        x = self.norm(self.blocks(x))
+        return self.head(x[:, 0])
+
+
+def images() -> torch.Tensor:
+    """Two 16x16 RGB images, drawn from a seed: Vit's input."""
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
