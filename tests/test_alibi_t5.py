@@ -49,7 +49,6 @@ class _LearnedMask(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, t, 16))
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("heads", [1, 4])
 def test_a_learned_mask_beside_split_heads_gets_its_whole_gradient(heads: int) -> None:
     """A whole mask every head shares is used as it is on each rank, and its gradient, each
@@ -95,7 +94,6 @@ class _MergedHeads(nn.Module):
         return self.out(y)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 def test_batches_of_merged_heads_take_each_rank_s_rows_of_a_whole_bias(tp: int) -> None:
     """bmm and baddbmm of heads merged into the batch dim (a `_StridedShard`) run on each

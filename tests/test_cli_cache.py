@@ -134,7 +134,6 @@ def _imports_torch(*argv: str) -> tuple[bool, subprocess.CompletedProcess[str]]:
     return done.stderr.rstrip().endswith("True"), done
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     "argv",
     [

@@ -24,8 +24,6 @@ from tpplan._runtime.local import simulated_ranks
 sys.path.insert(0, str(Path(__file__).parent))
 from support.parity import assert_parity
 
-pytestmark = pytest.mark.unit
-
 
 class _ConvMlp(nn.Module):
     """A 3x3 convolution (kept whole), then a residual MLP of 1x1 convolutions, 8 -> 32 -> 8
@@ -48,6 +46,7 @@ def _styles(plan: Plan) -> dict[str, str]:
     return {r.match: r.style for r in plan.rules}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("conv", [nn.Conv1d, nn.Conv2d], ids=["conv1d", "conv2d"])
 def test_a_1x1_convolution_mlp_is_split_colwise_then_rowwise(conv: type[nn.Module]) -> None:
     model = _ConvMlp(conv)
@@ -68,6 +67,7 @@ def test_a_split_1x1_convolution_mlp_matches_the_unsharded_model(tp: int) -> Non
     assert_parity(model, plan, tp, x)
 
 
+@pytest.mark.unit
 def test_a_split_convolutions_weights_are_the_unsharded_ones_with_the_channels_split() -> None:
     """State dicts see each weight whole; each rank holds its out (colwise) or in (rowwise)
     channels, and a rowwise bias whole."""
@@ -96,6 +96,7 @@ def _rule(match: str, style: str, **fields: object) -> Rule:
     return Rule(match=match, style=style, why="a test", **fields)
 
 
+@pytest.mark.unit
 def test_a_convolution_wider_than_1x1_cannot_be_split() -> None:
     assert _said(_rule("stem", "colwise")) == [
         "rules[0] (match: stem), module stem: style 'colwise' splits a convolution only where "
@@ -105,6 +106,7 @@ def test_a_convolution_wider_than_1x1_cannot_be_split() -> None:
     ]
 
 
+@pytest.mark.unit
 def test_a_1x1_convolution_takes_no_parts() -> None:
     assert _said(_rule("fc1", "colwise", parts=[16, 16]), _rule("fc2", "rowwise")) == [
         "rules[0] (match: fc1), module fc1: a 1x1 convolution takes no `parts`: its weight is "
@@ -112,6 +114,7 @@ def test_a_1x1_convolution_takes_no_parts() -> None:
     ]
 
 
+@pytest.mark.unit
 def test_channels_tp_does_not_divide() -> None:
     assert _said(_rule("fc1", "colwise"), _rule("fc2", "rowwise"), tp=3) == [
         "rules[0] (match: fc1), module fc1: out_channels = 32 does not divide by tp size 3. "

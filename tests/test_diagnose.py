@@ -26,7 +26,6 @@ def _split_bytes(model: torch.nn.Module, tp: int) -> int:
     )
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 def test_stats_count_bytes_per_rank_and_megatrons_collectives(tp: int) -> None:
     model = tiny_llama(device="meta")
@@ -48,7 +47,6 @@ def test_stats_count_bytes_per_rank_and_megatrons_collectives(tp: int) -> None:
     assert "backward" not in stats.collectives
 
 
-@pytest.mark.unit
 def test_stats_with_backward_count_its_collectives_too() -> None:
     stats = plan_stats(tiny_llama(device="meta"), load_plan(LLAMA_PLAN), tp_size=2, backward=True)
     assert stats.collectives["backward"]["all_reduce"]["count"] > 0

@@ -21,8 +21,6 @@ import tpplan
 sys.path.insert(0, str(Path(__file__).parent))
 from support.parity import assert_parity
 
-pytestmark = pytest.mark.unit
-
 _EXPERTS, _DIM, _HIDDEN = 4, 16, 32
 
 

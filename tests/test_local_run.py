@@ -26,8 +26,6 @@ from tpplan._runtime.local import fake_ranks, rank_values, simulated_ranks
 from tpplan.compile.local_run import runs_locally
 from tpplan.diagnose.stats import plan_stats
 
-pytestmark = pytest.mark.unit
-
 TOL = 1e-5
 
 
@@ -212,6 +210,7 @@ def test_forwards_extending_a_known_one_run_locally_with_parity(embed: type, tp:
     assert_parity(_Extended(embed(16, 8)), _EXTENDED, tp, ids, tol=TOL)
 
 
+@pytest.mark.unit
 def test_a_forward_reading_its_weights_values_is_not_an_extending_one() -> None:
     got = plan_stats(_Mixed(), _MIXED, tp_size=2).execution
     assert got["up"].startswith("DTensor: its forward (_OwnForward.forward) is not one")
@@ -236,6 +235,7 @@ _MIXED = _plan(
 )
 
 
+@pytest.mark.unit
 def test_stats_name_the_layers_left_on_dtensors_and_why() -> None:
     got = plan_stats(_Mixed(), _MIXED, tp_size=4).execution
     assert got["down"] == "local shards"
@@ -295,6 +295,7 @@ def test_a_rowwise_layer_handed_a_dtensor_takes_the_dtensor_path_for_that_call()
     }
 
 
+@pytest.mark.unit
 def test_compile_drops_the_layout_guards_of_local_layers_only() -> None:
     from types import SimpleNamespace
 

@@ -26,8 +26,6 @@ from tpplan.compile.attention import HeadParallelAttention
 sys.path.insert(0, str(Path(__file__).parent))
 from support.parity import assert_parity
 
-pytestmark = pytest.mark.unit
-
 E, H, N, L, S = 32, 4, 3, 5, 7
 TOL = 2e-5  # fp32 sums in another order, relative to the largest value
 
@@ -175,6 +173,7 @@ def test_a_head_split_attention_matches_the_unsharded_one(case: str, tp: int) ->
     assert worst < TOL, f"{case} at tp {tp}: off by {worst:.3g}"
 
 
+@pytest.mark.unit
 def test_the_fused_projection_is_the_unsharded_one_split_by_heads() -> None:
     """State dicts see q|k|v in its own order; each rank holds its slice of each piece."""
     whole = _module({"kind": "self"})
@@ -186,6 +185,7 @@ def test_the_fused_projection_is_the_unsharded_one_split_by_heads() -> None:
         assert split.out_proj.weight.to_local().shape == (E, E // 2)
 
 
+@pytest.mark.unit
 def test_heads_the_tp_size_does_not_divide_are_named() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.MultiheadAttention(48, 6, batch_first=True))
@@ -197,6 +197,7 @@ def test_heads_the_tp_size_does_not_divide_are_named() -> None:
     ]
 
 
+@pytest.mark.unit
 def test_a_rule_inside_a_head_split_attention_is_named() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.MultiheadAttention(32, 4, batch_first=True))
@@ -219,6 +220,7 @@ class _OwnForward(nn.MultiheadAttention):
         return super().forward(*args, **kwargs)
 
 
+@pytest.mark.unit
 def test_heads_on_an_attention_with_a_forward_of_its_own_is_refused() -> None:
     with torch.device("meta"):
         model = nn.Sequential(_OwnForward(32, 4, batch_first=True))

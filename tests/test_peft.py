@@ -39,7 +39,6 @@ def _adapter_rules(model: nn.Module, plan: tpplan.Plan) -> dict[str, tpplan.Rule
     return {n: rules[n] for n, _ in model.named_modules() if ".lora_" in n and n in rules}
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_inferred_plan_splits_each_adapter_as_its_base_layer(tp: int) -> None:
     model = lora_llama()
@@ -64,7 +63,6 @@ def test_the_inferred_plan_splits_each_adapter_as_its_base_layer(tp: int) -> Non
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_forward_and_backward_match_the_unsharded_peft_model(tp: int) -> None:
     """Logits and every gradient (the adapters'; the base is frozen by peft), on both paths.
@@ -74,7 +72,6 @@ def test_forward_and_backward_match_the_unsharded_peft_model(tp: int) -> None:
     assert_parity(model, tpplan.infer_plan(model, tp_size=tp), tp, token_batch(), tol=TOL)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_training_step_matches_the_unsharded_peft_model(tp: int) -> None:
     ref, tokens = lora_llama(), token_batch()
@@ -105,7 +102,6 @@ def _comms(model: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
 
 
 # CommDebugMode's module hooks warn on outputs that are not tensors (a model output class)
-@pytest.mark.unit
 @pytest.mark.filterwarnings("ignore:For backward hooks to be called:UserWarning")
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 @pytest.mark.parametrize("tp", [2, 4])
@@ -122,7 +118,6 @@ def test_the_adapters_add_no_collective(tp: int) -> None:
     assert counts["lora"]  # the plan does split: something is communicated
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 def test_save_pretrained_of_the_full_state_dict_writes_the_unsplit_adapter(
     tp: int, tmp_path: Path
@@ -152,7 +147,6 @@ def test_save_pretrained_of_the_full_state_dict_writes_the_unsplit_adapter(
         assert torch.allclose(loaded(tokens).logits, ref(tokens).logits, atol=TOL)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("how", ["merge_and_unload", "merge_adapter"])
 def test_merging_the_sharded_adapters_gives_the_merged_unsharded_model(tp: int, how: str) -> None:
@@ -180,7 +174,6 @@ def _merged(model: PeftModel, how: str) -> Any:
     return model
 
 
-@pytest.mark.unit
 def test_sharded_weights_keep_the_unsharded_layout() -> None:
     """Split adapters are DTensors whose full tensor is the original; the whole ones too
     (Replicate), so that peft's merge and torch's state dicts see one kind of tensor."""
@@ -194,7 +187,6 @@ def test_sharded_weights_keep_the_unsharded_layout() -> None:
         assert torch.equal(full[name], value), name
 
 
-@pytest.mark.unit
 def test_a_lora_variant_peft_computes_otherwise_is_traced_op_by_op() -> None:
     """DoRA rescales the base's output by a norm of the merged weight: not the computation
     tpplan knows, so the wrapper is followed op by op, its base kept whole with the reason,
@@ -239,7 +231,6 @@ def test_the_readme_lora_snippet_runs_as_written(tmp_path: Path) -> None:
     assert len(shapes) == 2 * len(TARGETS)
 
 
-@pytest.mark.unit
 def test_check_names_an_adapter_split_unlike_its_base_layer() -> None:
     """A hand edit keeping q_proj's lora_B and o_proj's lora_A whole beside their split bases:
     one problem each (over every layer), naming the adapter and the style it needs."""
@@ -260,7 +251,6 @@ def test_check_names_an_adapter_split_unlike_its_base_layer() -> None:
     assert problems[1].fix.startswith("make it rowwise")
 
 
-@pytest.mark.unit
 def test_fp32_adapters_beside_a_bf16_base_run_as_peft_runs_them() -> None:
     """peft keeps adapters in fp32 beside a bf16 base (autocast_adapter_dtype): each is
     computed in its own dtype, the collectives they share carry the wider one, and the
@@ -280,7 +270,6 @@ def test_fp32_adapters_beside_a_bf16_base_run_as_peft_runs_them() -> None:
     assert_parity(model, tpplan.infer_plan(model, tp_size=2), 2, token_batch(), tol=3e-2)
 
 
-@pytest.mark.unit
 def test_sequence_parallel_with_adapters_is_refused_with_the_fix() -> None:
     with pytest.raises(tpplan.TpplanError) as caught:
         tpplan.infer_plan(lora_llama(), tp_size=2, sequence_parallel=True)
@@ -304,7 +293,6 @@ def _two_adapters() -> PeftModel:
     return model
 
 
-@pytest.mark.unit
 @pytest.mark.filterwarnings("ignore:For backward hooks to be called:UserWarning")
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 def test_two_active_adapters_split_alike_and_share_the_base_collective() -> None:

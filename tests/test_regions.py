@@ -33,8 +33,6 @@ from model_zoo.nanogpt import VOCAB, NanoGpt
 from support.models import seeded, token_batch
 from support.parity import assert_parity
 
-pytestmark = pytest.mark.unit
-
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -45,6 +43,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 # ---- DTensor strategies ----------------------------------------------------------------------
+@pytest.mark.unit
 def test_cpu_sdpa_runs_on_heads_split_alike_with_no_collective() -> None:
     """DTensor has no strategy for SDPA's CPU kernel; the one registered shards q, k, v and
     the output alike on the heads dim, forward and backward, exactly."""
@@ -70,6 +69,7 @@ def test_cpu_sdpa_runs_on_heads_split_alike_with_no_collective() -> None:
         _close(g, t.grad)
 
 
+@pytest.mark.unit
 def test_a_strided_output_splits_into_its_pieces_with_no_collective() -> None:
     """A fused output (q|k|v, each rank its slice of each piece) cut into its pieces gives
     each piece as a plain Shard; the backward's cat gives the strided layout back."""
@@ -133,6 +133,7 @@ def test_a_region_mixes_whole_plain_tensors_forward_and_backward() -> None:
     assert_parity(nn.Sequential(_Rotated()), _rotated_plan(region=True), 2, _randn(2, 5, 8))
 
 
+@pytest.mark.unit
 def test_without_the_region_the_same_plan_fails_loudly() -> None:
     outer = nn.Sequential(_Rotated())
     plan = _rotated_plan(region=False)
@@ -142,6 +143,7 @@ def test_without_the_region_the_same_plan_fails_loudly() -> None:
             model(_randn(2, 5, 8))
 
 
+@pytest.mark.unit
 def test_hold_dtensors_is_idempotent() -> None:
     m = _Rotated()
     hold_dtensors(m)
@@ -150,16 +152,19 @@ def test_hold_dtensors_is_idempotent() -> None:
 
 
 # ---- the plan file ---------------------------------------------------------------------------
+@pytest.mark.unit
 def test_regions_need_schema_8() -> None:
     with pytest.raises(PlanFileError, match="regions need schema version 8"):
         Plan.from_yaml("tpplan: 7\nregions:\n  - match: a\n    why: b\n")
 
 
+@pytest.mark.unit
 def test_a_version_7_file_still_loads() -> None:
     plan = Plan.from_yaml("tpplan: 7\nrules:\n  - match: a\n    style: colwise\n    why: b\n")
     assert plan.tpplan == 7 and plan.regions == []
 
 
+@pytest.mark.unit
 def test_regions_round_trip_with_their_reason_as_a_comment() -> None:
     plan = Plan.model_validate(
         {"tpplan": 8, "regions": [{"match": "h.*.attn", "why": "runs on DTensors"}]}
@@ -289,6 +294,7 @@ def test_a_modulated_attention_with_a_nested_closer_becomes_a_region(tp: int) ->
     assert_parity(model, plan, tp, x)
 
 
+@pytest.mark.unit
 def test_a_kv_cache_started_empty_takes_the_region_s_dtensors() -> None:
     """transformers' DynamicCache starts each layer's keys as `torch.tensor([])` and joins
     the first keys to it with `cat`: in a region those keys are DTensors split by heads, and
@@ -304,6 +310,7 @@ def test_a_kv_cache_started_empty_takes_the_region_s_dtensors() -> None:
 
 
 # ---- pieces joined by cat, and layers kept whole ---------------------------------------------
+@pytest.mark.unit
 def test_a_cat_of_pieces_split_alike_is_each_rank_s_slice_of_every_piece() -> None:
     """Heads (one piece of 8) and MLP features (4 pieces of 8, each rank its slice of
     each) joined along the split dim: rank r's local join is its slice of every piece, a

@@ -69,7 +69,6 @@ def _padded(ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**ids, "attention_mask": mask}
 
 
-@pytest.mark.unit
 def test_infer_shares_the_kv_heads_past_their_count() -> None:
     """2 key/value heads, 8 query heads: k and v take replicate_heads, q and o plain, and the
     count repeat_kv reads is divided by the ranks sharing a head; the plan is the same at
@@ -245,7 +244,6 @@ def test_llama3_70b_at_tp16_shares_kv_heads_with_one_all_reduce_per_block() -> N
     assert stats.kv_cache_bytes_per_token == stats.kv_cache_bytes_per_token_total / 8
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     ("tp", "said"),
     [

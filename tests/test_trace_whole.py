@@ -19,8 +19,6 @@ from tpplan.trace import TraceError
 sys.path.insert(0, str(Path(__file__).parent))
 from support.parity import assert_parity
 
-pytestmark = pytest.mark.unit
-
 _FAKE_FAILS = "The size of tensor a (4) must match the size of tensor b (8)"
 
 
