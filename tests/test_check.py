@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.check import TwoInputs
 from support.infer_models import opt
 from support.models import tiny_llama
 from support.unrunnable import CASES, unrunnable
-from torch import nn
 
 from tpplan import Plan, Problem, Rule, check_plan, infer_plan, load_plan
 from tpplan._runtime.facts import fingerprint, parameter_shapes
@@ -286,38 +286,8 @@ def test_a_head_dim_other_than_the_models_names_both() -> None:
     assert "(its 2048 input features arrive as 32 heads of 64)" in o.message
 
 
-class _Wrapped(nn.Module):
-    """A layer inside a wrapper of its own (`q.linear`), as some vision towers write them."""
-
-    def __init__(self, dim_in: int, dim_out: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(dim_in, dim_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
-
-
-class _WrappedMlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = _Wrapped(8, 16)
-        self.down = _Wrapped(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
-
-
-class _TwoInputs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = _WrappedMlp()
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x) * scale  # two inputs: none can be made up, so no trace
-
-
 def test_the_structural_check_looks_past_wrappers() -> None:
-    model = _TwoInputs()
+    model = TwoInputs()
     plan = Plan.from_yaml(
         "tpplan: 1\nrules:\n"
         "  - {match: mlp.up.linear, style: colwise, why: opens}\n"

@@ -470,11 +470,11 @@ def test_infer_verify_and_stats_of_experts(
 def test_infer_sequence_parallel_refuses_a_model_it_does_not_fit(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """test_tables' model adds the MLP's sequence-split output to a whole tensor in its own
+    """support/tables.py's model adds the MLP's sequence-split output to a whole tensor in its own
     forward, where no region can hold it: said, not emitted."""
-    code, out, err = run(capsys, "infer", "test_tables:_Model", "--sequence-parallel")
+    code, out, err = run(capsys, "infer", "support.tables:TableModel", "--sequence-parallel")
     assert code == 2 and out == ""
-    assert "sequence parallel does not fit _Model" in err
+    assert "sequence parallel does not fit TableModel" in err
     assert "Infer without sequence parallel" in err and "Traceback" not in err
 
 
@@ -819,7 +819,9 @@ def test_infer_traces_on_the_inputs_given(capsys: pytest.CaptureFixture[str]) ->
     the plan records the command that gives it again."""
     from tpplan import Plan
 
-    code, out, _ = run(capsys, "infer", "test_check:_TwoInputs", "--input", "2x4x8", "--input", "1")
+    code, out, _ = run(
+        capsys, "infer", "support.check:TwoInputs", "--input", "2x4x8", "--input", "1"
+    )
     plan = Plan.from_yaml(out)
     assert code == 0 and [(r.match, r.style) for r in plan.rules] == [
         ("mlp.up.linear", "colwise"),
@@ -844,5 +846,5 @@ def test_infer_names_an_input_it_cannot_read(
     capsys: pytest.CaptureFixture[str], specs: list[str], said: str
 ) -> None:
     args = [w for spec in specs for w in ("--input", spec)]
-    code, out, err = run(capsys, "infer", "test_check:_TwoInputs", *args)
+    code, out, err = run(capsys, "infer", "support.check:TwoInputs", *args)
     assert code == 2 and out == "" and said in err and "Traceback" not in err

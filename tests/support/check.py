@@ -1,6 +1,7 @@
 """The hand-written modules check_plan's tests run on (tests/test_check_messages.py,
 tests/test_check_complete.py), built on the meta device: `Tiny` (embedding, attention, MLP,
-a tied head) and its sound plan `SOUND`, `Untraceable`, and `said`, what check_plan says."""
+a tied head) and its sound plan `SOUND`, `Untraceable`, `TwoInputs` (layers inside wrappers,
+and a forward of two inputs), and `problems_said`, what check_plan says."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ __all__ = [
     "Attention",
     "Mlp",
     "Tiny",
+    "TwoInputs",
     "Untraceable",
+    "Wrapped",
+    "WrappedMlp",
     "make_rule",
     "on_meta",
     "problems_said",
@@ -85,6 +89,41 @@ class Untraceable(nn.Module):
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return self.down(F.relu(self.up(x))) * scale  # two inputs: none can be made up
+
+
+class Wrapped(nn.Module):
+    """A layer inside a wrapper of its own (`q.linear`), as some vision towers write them."""
+
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class WrappedMlp(nn.Module):
+    """up -> relu -> down, each Linear inside a Wrapped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = Wrapped(8, 16)
+        self.down = Wrapped(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class TwoInputs(nn.Module):
+    """WrappedMlp scaled by a second input: a forward tpplan cannot make inputs up for
+    (test_check; test_cli gives them with `--input`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = WrappedMlp()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) * scale  # two inputs: none can be made up, so no trace
 
 
 def on_meta(cls: type[nn.Module], **kwargs: object) -> nn.Module:
