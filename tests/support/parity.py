@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
@@ -23,7 +22,6 @@ from tpplan.compile.local_run import runs_locally
 from tpplan.plan import Plan
 
 __all__ = [
-    "PATHS",
     "TOL",
     "ShardedRun",
     "assert_matches",
@@ -36,11 +34,6 @@ __all__ = [
 # in another order, which moves the last bits only (~1e-6); 1e-4 leaves room, and a real
 # mistake (a wrong shard, a missing reduction, heads mixed up) is off by O(0.1).
 TOL = 1e-4
-
-ExecutionPath = Literal["local", "dtensor"]
-# "local": apply_plan's default, each layer the plan allows on its local shards;
-# "dtensor": `local_shards=False`, every layer on DTensors
-PATHS: tuple[ExecutionPath, ...] = ("local", "dtensor")
 
 
 def _output(out: object) -> torch.Tensor:
@@ -95,21 +88,16 @@ def assert_parity(
     x: torch.Tensor | dict[str, torch.Tensor],
     *,
     tol: float = TOL,
-    paths: tuple[ExecutionPath, ...] = PATHS,
 ) -> None:
     """Forward output and every parameter's gradient equal the unsharded model's, on each
-    simulated rank, on each of `paths`: layers on their local shards (apply_plan's default)
-    and every layer on DTensors (`local_shards=False`; skipped after a local run where the
-    plan gave no layer the local path, the two then being the same run). `x` (one input, or
-    keyword inputs) is made before the ranks exist, so every rank gets the same input.
-
-    A test that leaves a path out says why beside its call: the default is both."""
+    simulated rank, on both execution paths: layers on their local shards (apply_plan's
+    default) and every layer on DTensors (`local_shards=False`; skipped where the plan gave
+    no layer the local path, the two then being the same run). `x` (one input, or keyword
+    inputs) is made before the ranks exist, so every rank gets the same input."""
     ref = copy.deepcopy(ref)
     want, params = reference_run(ref, x)
-    local = True
-    if "local" in paths:
-        local = _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=True)
-    if "dtensor" in paths and local:
+    local = _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=True)
+    if local:
         _assert_path_parity(ref, plan, tp, x, want, params, tol, local_shards=False)
 
 
