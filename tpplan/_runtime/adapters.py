@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Adapter", "adapter_style", "lora_layers", "lora_linear_class"]
+__all__ = ["LAYOUT_FIELDS", "Adapter", "lora_layers", "lora_linear_class"]
 
 
 @dataclass(frozen=True)
@@ -39,19 +39,6 @@ class Adapter:
 
 # the fields of a rule that lay out a split layer; a split adapter's must be its base's
 LAYOUT_FIELDS = ("head_dim", "replicate_heads", "parts", "transposed", "input", "output")
-
-
-def adapter_style(base_style: str | None, role: str) -> str:
-    """The style an adapter ("a": lora_A, "b": lora_B) takes beside its base's, so that
-    `base(x) + lora_B(lora_A(x))` adds tensors split alike with no collective of their own:
-    a colwise base's lora_B is colwise (its output is added to the base's split output), a
-    rowwise base's lora_A is rowwise (it contracts the base's split input); the other
-    adapter, and both beside a base kept whole, are whole."""
-    if base_style == "colwise" and role == "b":
-        return "colwise"
-    if base_style == "rowwise" and role == "a":
-        return "rowwise"
-    return "replicate"
 
 
 def lora_linear_class() -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .._runtime.adapters import LAYOUT_FIELDS, adapter_style, lora_layers
+from .._runtime.adapters import LAYOUT_FIELDS, lora_layers
 from ..errors import Problem
 from ..plan.schema import Plan, Rule
 
@@ -24,9 +24,9 @@ def check_adapters(plan: Plan, owner: dict[str, int], model: nn.Module) -> list[
     out: list[Problem] = []
     for adapter in lora_layers(model).values():
         base = _rule(plan, owner, adapter.base)
-        base_style = base[1].style if base else None
         for role, names in (("a", adapter.a), ("b", adapter.b)):
-            want = adapter_style(base_style, role)
+            split = base is not None and base[1].lora_split(role)
+            want = base[1].style if base is not None and split else "replicate"
             for name in names:
                 problem = _mismatch(plan, owner, name, role, want, base)
                 if problem is not None:

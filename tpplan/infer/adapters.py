@@ -15,13 +15,12 @@ Sequence parallel is not fitted to adapters: `refuse_sequence_parallel` says so 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 
-from .._runtime.adapters import adapter_style, lora_layers
+from .._runtime.adapters import lora_layers
 from ..errors import TpplanError
-from .decision import Decision
+from ..plan.styles import ReplicateRule
+from .decision import Decisions, decided, reasoned
 
 __all__ = ["AdapterError", "decide_adapters", "refuse_sequence_parallel"]
 
@@ -49,7 +48,7 @@ _WHY = {
 _WHOLE = "LoRA adapter (r={r}) of a base layer kept whole: kept whole with it"
 
 
-def decide_adapters(model: nn.Module, decisions: dict[str, Decision]) -> None:
+def decide_adapters(model: nn.Module, decisions: Decisions) -> None:
     """Give each adapter of each LoRA wrapper of `model` its base's split (module docstring)."""
     for adapter in lora_layers(model).values():
         base = decisions.get(adapter.base)
@@ -57,10 +56,10 @@ def decide_adapters(model: nn.Module, decisions: dict[str, Decision]) -> None:
         for role, names in (("a", adapter.a), ("b", adapter.b)):
             for name, r in zip(names, adapter.rank, strict=True):
                 why = _WHY.get((kind, role), _WHOLE).format(r=r)
-                if base is not None and adapter_style(kind, role) == kind != "replicate":
-                    decisions[name] = replace(base, why=why)  # split as its base is
+                if base is not None and base.lora_split(role):
+                    decisions[name] = reasoned(base, why)  # split as its base is
                 else:
-                    decisions[name] = Decision(style="replicate", why=why)
+                    decisions[name] = decided(ReplicateRule, why)
 
 
 class AdapterError(TpplanError, ValueError):

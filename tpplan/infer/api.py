@@ -20,7 +20,7 @@ from .adapters import decide_adapters, refuse_sequence_parallel
 from .attention import decide_attention
 from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
 from .context import Context, Decided
-from .decision import Attributes, Decision, Divided
+from .decision import Attributes, Decisions, Divided, placed
 from .dtensor_regions import try_dtensor_regions
 from .embeddings import decide_embeddings, decide_head
 from .experts import decide_experts, keep_inside_experts, keep_unsplit_experts, pool_experts
@@ -119,7 +119,7 @@ class _Asked:
 
 def _infer_decisions(
     model: nn.Module, example_inputs: Any, asked: _Asked
-) -> tuple[dict[str, Decision], Attributes]:
+) -> tuple[Decisions, Attributes]:
     """Trace the model, decide, and decide what the trace could not see: the untraced blocks
     of long stacks, and the parts the forward did not call."""
     trace = trace_model(model, example_inputs=example_inputs)
@@ -139,16 +139,14 @@ def _infer_decisions(
     # a part's outputs go on into the model whole: not left split for a loss or over the sequence
     alone = replace(asked, loss_parallel=False, sequence_parallel=False)
 
-    def infer_part(part: nn.Module, inputs: Any) -> tuple[dict[str, Decision], Attributes]:
+    def infer_part(part: nn.Module, inputs: Any) -> tuple[Decisions, Attributes]:
         return _infer_decisions(part, inputs, alone)
 
     infer_uncalled_parts(model, decisions, attributes, ran, shared, used, infer_part)
     return decisions, attributes
 
 
-def _decide(
-    model: nn.Module, trace: Trace, asked: _Asked
-) -> tuple[dict[str, Decision], Attributes]:
+def _decide(model: nn.Module, trace: Trace, asked: _Asked) -> tuple[Decisions, Attributes]:
     """The decisions of one trace, step by step; each step may read what earlier ones
     decided."""
     ctx = Context.of(
@@ -176,14 +174,15 @@ def _decide(
     return out.decisions, out.attributes
 
 
-def _rules(model: nn.Module, decisions: dict[str, Decision]) -> list[Rule]:
+def _rules(model: nn.Module, decisions: Decisions) -> list[Rule]:
     """One rule per group of modules with equal decisions, as compact patterns, in module order."""
     names = [n for n, _ in model.named_modules() if n]
-    groups: dict[Decision, list[str]] = {}
+    groups: dict[str, tuple[Rule, list[str]]] = {}
     for n in names:
         if n in decisions:
-            groups.setdefault(decisions[n], []).append(n)
-    return [d.rule(p) for d, members in groups.items() for p in collapse(members, names)]
+            rule = decisions[n]
+            groups.setdefault(rule.model_dump_json(), (rule, []))[1].append(n)
+    return [placed(r, p) for r, members in groups.values() for p in collapse(members, names)]
 
 
 def _attribute_rules(model: nn.Module, attributes: Attributes) -> list[AttributeRule]:

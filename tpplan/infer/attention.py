@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..plan.styles import HeadsRule, ReplicateRule
 from .context import Context, Decided
-from .decision import Decision
+from .decision import decided
 
 __all__ = ["decide_attention"]
 
@@ -28,12 +29,12 @@ def decide_attention(ctx: Context, out: Decided) -> None:
         if why is not None:
             # its out_proj is never called (the forward uses its weight): kept with it, not
             # traced on its own as a part the forward did not call
-            out.decisions[f"{name}.out_proj"] = Decision("replicate", f"kept whole: {why}")
+            out.decisions[f"{name}.out_proj"] = decided(ReplicateRule, f"kept whole: {why}")
             continue
         head_dim = m.embed_dim // heads
         qkv = "q|k|v in in_proj_weight" if m._qkv_same_embed_dim else "q, k and v weights"
-        out.decisions[name] = Decision(
-            "heads",
+        out.decisions[name] = decided(
+            HeadsRule,
             f"nn.MultiheadAttention with torch's own forward: its {heads} heads of {head_dim} "
             f"split over the ranks ({qkv}, each rank its slice of each; out_proj contracts "
             "them, one all-reduce)",

@@ -11,8 +11,9 @@ from typing import Any
 
 from torch import nn
 
+from ..plan.rule import Rule
 from ..trace import Trace, block_structure
-from .decision import Attributes, Decision
+from .decision import Attributes, Decisions
 from .names import own_params, shared_params
 
 __all__ = ["Context", "Decided"]
@@ -74,7 +75,7 @@ class Context:
 class Decided:
     """What the steps decided so far, and the notes they leave for later steps."""
 
-    decisions: dict[str, Decision] = field(default_factory=dict)
+    decisions: Decisions = field(default_factory=dict)
     """Full module name -> its decision."""
     attributes: Attributes = field(default_factory=dict)
     """Module -> the integer attributes a plan divides, and why."""
@@ -83,7 +84,7 @@ class Decided:
     (or splits the layer's weight anyway, its output gathered)."""
     kept_experts: dict[str, str] = field(default_factory=dict)
     """Module holding 3-D expert weights -> why it stays whole."""
-    routers: dict[str, Decision | None] = field(default_factory=dict)
+    routers: dict[str, Rule | None] = field(default_factory=dict)
     """Router kept whole -> its weight split with its output gathered, where it may be: what
     sequence parallel gives it instead (a whole router would meet the sequence-split stream
     as a plain weight)."""

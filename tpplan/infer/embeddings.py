@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..plan.styles import ColwiseRule, VocabParallelRule
 from .context import Context, Decided
-from .decision import Decision
+from .decision import decided
 
 __all__ = ["decide_embeddings", "decide_head", "not_linear_lookup"]
 
@@ -43,11 +44,11 @@ def decide_embeddings(ctx: Context, out: Decided) -> dict[int, str]:
             out.kept[name] = kept
             continue
         vocabs.setdefault(n, name)
-        out.decisions[name] = Decision(
-            "vocab_parallel",
+        out.decisions[name] = decided(
+            VocabParallelRule,
             _vocab_parallel_why(n, module.embedding_dim, not_linear, written or ()),
             sum_at="lookup" if not_linear else None,
-            written=written or (),
+            written=list(written) if written else None,
         )
     return vocabs
 
@@ -123,19 +124,19 @@ def decide_head(ctx: Context, out: Decided, vocabs: dict[int, str]) -> None:
             continue
         out.kept.pop(name, None)
         if ctx.loss_parallel:
-            out.decisions[name] = Decision(
-                "colwise",
+            out.decisions[name] = decided(
+                ColwiseRule,
                 f"its output ({features} features, the vocab of the token lookup) is the model "
                 "output; split over the vocab and left split (a DTensor) for the loss, "
                 "computed under loss_parallel()",
                 local_output=False,
-                transposed=transposed,
+                transposed=transposed or None,
             )
             continue
-        out.decisions[name] = Decision(
-            "colwise",
+        out.decisions[name] = decided(
+            ColwiseRule,
             f"its output ({features} features, the vocab of the token lookup) is the "
             "model output; split over the vocab and gathered, so callers see full rows",
             output="replicate",
-            transposed=transposed,
+            transposed=transposed or None,
         )

@@ -10,12 +10,13 @@ region; each rank's experts leave a partial sum that one all-reduce at its outpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch import nn
 
+from ..plan.styles import ExpertsRule, ReplicateRule
 from .context import Context, Decided
-from .decision import Decision, Divided
+from .decision import Divided, decided, reasoned
 from .names import PLAIN_OPS, join
 from .regions import split_unit
 
@@ -175,11 +176,11 @@ def _split_by_experts(
         )
     else:
         (value,) = {own[r.short(m)].shape[0] for m in r.members}
-    by_experts = tuple(
+    by_experts = dict(
         sorted((p, 0) for p, w in own.items() if w.dim() >= 2 and w.shape[0] == value)
     )
-    out.decisions[r.owner] = Decision(
-        "experts",
+    out.decisions[r.owner] = decided(
+        ExpertsRule,
         f"{join(sorted(r.short(o) for o in r.openers))} and {join(sorted(r.short(c) for c in r.closers))} "
         f"hold {value} experts, used by per-expert matmuls{path}; "
         + (
@@ -193,7 +194,7 @@ def _split_by_experts(
         )
         + "; one all-reduce sums the ranks' outputs",
         mode="expert",
-        shard=by_experts,
+        shard=by_experts or None,
     )
 
 
@@ -232,17 +233,17 @@ def _split_per_expert(
             "all-reduce counts it once"
         )
     not_expert = f" (not expert parallel: {refused})" if refused else ""
-    out.decisions[r.owner] = Decision(
-        "experts",
+    out.decisions[r.owner] = decided(
+        ExpertsRule,
         f"per-expert matmuls on the unsplit tokens (the router's choice): {what}; they flow"
         f"{path} to {join(sorted(r.short(c) for c in r.closers))}, which contracts them, so every "
         "expert is split like a dense MLP and the experts' output is a partial sum, one "
         f"all-reduce{added}{not_expert}",
         mode="tensor",
-        shard=tuple(sorted(shard.items())),
-        fused=tuple(sorted(fused.items())),
-        after_sum=tuple(after),
-        added_whole=tuple(added_whole),
+        shard=dict(sorted(shard.items())) or None,
+        fused={k: list(v) for k, v in sorted(fused.items())} or None,
+        after_sum=after or None,
+        added_whole=added_whole or None,
     )
 
 
@@ -285,14 +286,15 @@ def pool_experts(ctx: Context, out: Decided) -> None:
         if kept:
             why = out.kept_experts[kept[0]]
             for o in split + unseen:
-                if out.decisions.pop(o, Decision("replicate", "")).mode == "expert":
+                gone = out.decisions.pop(o, None)
+                if isinstance(gone, ExpertsRule) and gone.mode == "expert":
                     out.attributes.pop(o, None)  # its number of experts, divided
                 out.kept_experts[o] = f"{why} (seen in {kept[0]}, of the same structure)"
         elif split and unseen:
             first = out.decisions[split[0]]
-            pooled = replace(
+            pooled = reasoned(
                 first,
-                why=f"{first.why}; the {len(group)} modules of this structure share it, "
+                f"{first.why}; the {len(group)} modules of this structure share it, "
                 f"{len(unseen)} of which ran no expert with weights on the traced tokens "
                 "(the routing decides)",
             )
@@ -304,12 +306,12 @@ def pool_experts(ctx: Context, out: Decided) -> None:
 
 def keep_unsplit_experts(ctx: Context, out: Decided) -> None:
     """Modules holding expert weights that no region split: replicated, with the reason."""
-    split = [d for d, dec in out.decisions.items() if dec.style == "experts"]
+    split = [d for d, dec in out.decisions.items() if isinstance(dec, ExpertsRule)]
     for owner in sorted(set(ctx.trace.experts.exits) | set(out.kept_experts)):
         if owner in out.decisions or any(owner.startswith(f"{d}.") for d in split):
             continue  # (a child holding the weights of experts split at their parent)
-        out.decisions[owner] = Decision(
-            "replicate",
+        out.decisions[owner] = decided(
+            ReplicateRule,
             out.kept_experts.get(
                 owner,
                 "kept whole: no per-expert matmul of its weights was seen to open and close a split",
@@ -320,12 +322,12 @@ def keep_unsplit_experts(ctx: Context, out: Decided) -> None:
 def keep_inside_experts(out: Decided) -> None:
     """Modules inside one split as experts stay whole: its forward runs on each rank's
     local tensors with every parameter but the expert weights whole (JetMoE's router)."""
-    split = [n for n, d in out.decisions.items() if d.style == "experts"]
+    split = [n for n, d in out.decisions.items() if isinstance(d, ExpertsRule)]
     for name, d in list(out.decisions.items()):
         owner = next((o for o in split if name.startswith(f"{o}.")), None)
-        if owner is not None and d.style != "replicate":
-            out.decisions[name] = Decision(
-                "replicate",
+        if owner is not None and not isinstance(d, ReplicateRule):
+            out.decisions[name] = decided(
+                ReplicateRule,
                 f"kept whole: inside {owner}, split as experts, whose forward runs on "
                 "each rank's local tensors with its other parameters whole",
             )

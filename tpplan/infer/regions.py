@@ -10,9 +10,10 @@ import math
 
 from torch import nn
 
+from ..plan.styles import ColwiseRule, ReplicateGradSumRule, RowwiseRule, SplitParamsRule
 from ..trace import Trace
 from .context import Context, Decided
-from .decision import Decision, Divided
+from .decision import Divided, decided
 from .names import PLAIN_OPS, join, join_names, own_params, relative
 from .shared_heads import Sharing, kv_sharing
 
@@ -231,13 +232,14 @@ def _open(
         kv = sharing.kv.get(o) if sharing is not None else None
         if sharing is not None:
             need = _shared_need(sharing, kv)
-        out.decisions[o] = Decision(
-            "colwise",
+        parts = t.regions.parts.get(o)
+        out.decisions[o] = decided(
+            ColwiseRule,
             f"{what} {path}{with_partners}, which {verb} {it} on its input dim (rowwise){need}",
             head_dim=head_dim,
-            parts=t.regions.parts.get(o),
-            transposed=o in t.layers.linears and t.layers.linears[o][2],
-            replicate_heads=kv is not None,
+            parts=list(parts) if parts is not None else None,
+            transposed=(o in t.layers.linears and t.layers.linears[o][2]) or None,
+            replicate_heads=kv is not None or None,
         )
 
 
@@ -299,12 +301,12 @@ def _close(
         s = ctx.trace.regions.closers[c]
         head_dim = s.inner if s.inner > 1 else None
         what = f"{s.n} heads of {s.inner}" if head_dim else f"{s.n} features"
-        out.decisions[c] = Decision(
-            "rowwise",
+        out.decisions[c] = decided(
+            RowwiseRule,
             f"contracts the features split by {by} ({what}) on its input dim; its output is a "
             "partial sum, one all-reduce",
             head_dim=head_dim,
-            transposed=ctx.trace.layers.linears[c][2],
+            transposed=ctx.trace.layers.linears[c][2] or None,
         )
 
 
@@ -341,18 +343,16 @@ def _style_param_holders(
                 if tables
                 else ("entry", "a per-head sink")
             )
-            out.decisions[h] = Decision(
-                "split_params",
+            out.decisions[h] = decided(
+                SplitParamsRule,
                 f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one {entry} per "
                 f"head (per element of the dim split by {by}) and meets them element by "
                 f"element ({kind}); split alike, each rank holds its own heads' {entry}s",
-                shard=tuple(
-                    (p.rpartition(".")[2], ctx.trace.params.vector_dims.get(p, 0)) for p in own
-                ),
+                shard={p.rpartition(".")[2]: ctx.trace.params.vector_dims.get(p, 0) for p in own},
             )
             continue
-        out.decisions[h] = Decision(
-            "replicate_grad_sum",
+        out.decisions[h] = decided(
+            ReplicateGradSumRule,
             f"its parameters act on the split features of {by} inside the region; each "
             "rank's gradient is a partial sum, summed over the tp axis",
         )

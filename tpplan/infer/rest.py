@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..plan.rule import Rule
+from ..plan.styles import ColwiseRule, HeadsRule, ReplicateRule
 from .context import Context, Decided
-from .decision import NOT_CALLED, Decision
+from .decision import NOT_CALLED, decided
 
 __all__ = ["decide_rest"]
 
@@ -23,7 +25,7 @@ def decide_rest(ctx: Context, out: Decided) -> None:
         if not (linear or isinstance(module, nn.Embedding)) or name in out.decisions:
             continue
         parent = out.decisions.get(name.rpartition(".")[0])
-        if parent is not None and parent.style == "heads":
+        if isinstance(parent, HeadsRule):
             continue  # out_proj of an nn.MultiheadAttention split by heads: that style's own
         if name in ctx.tied and name not in t.layers.called:
             continue  # holds a tied weight it never uses: no rule; apply re-ties it
@@ -49,12 +51,12 @@ def decide_rest(ctx: Context, out: Decided) -> None:
                 f"routing): each rank scores all {features} of its outputs itself rather than "
                 "gather them every call"
             )
-            out.decisions[name] = Decision("replicate", why)
+            out.decisions[name] = decided(ReplicateRule, why)
             continue
-        out.decisions[name] = (linear and _gathered(ctx, name, why)) or Decision("replicate", why)
+        out.decisions[name] = (linear and _gathered(ctx, name, why)) or decided(ReplicateRule, why)
 
 
-def _gathered(ctx: Context, name: str, why: str) -> Decision | None:
+def _gathered(ctx: Context, name: str, why: str) -> Rule | None:
     """A layer whose output cannot stay split may still split its weight: colwise with
     the output gathered is exact whatever the model does next (the gathered output is the
     unsplit one), for one all-gather per call of its output features, and only when
@@ -72,11 +74,11 @@ def _gathered(ctx: Context, name: str, why: str) -> Decision | None:
     ):
         return None
     reason = why.removeprefix("kept whole: ")
-    return Decision(
-        "colwise",
+    return decided(
+        ColwiseRule,
         f"its output cannot stay split ({reason}); so its {features} output features are split "
         "and gathered right after (one all-gather per call), which splits its weight and "
         "leaves what follows unchanged",
         output="replicate",
-        transposed=transposed,
+        transposed=transposed or None,
     )

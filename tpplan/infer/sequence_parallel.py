@@ -10,14 +10,21 @@ fails at infer time.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from ..plan.schema import Plan
+from ..plan.styles import (
+    ColwiseRule,
+    PrepareRule,
+    ReplicateRule,
+    RowwiseRule,
+    SequenceParallelRule,
+    VocabParallelRule,
+)
 from .context import Context, Decided
-from .decision import Decision
+from .decision import decided, reasoned
 from .embeddings import not_linear_lookup
 from .names import join, own_params, relative
 
@@ -38,9 +45,9 @@ def _routers_on_the_stream(out: Decided) -> None:
     style takes the stream as DTensor computes it."""
     for name, gathered in out.routers.items():
         if gathered is not None:
-            out.decisions[name] = replace(
+            out.decisions[name] = reasoned(
                 gathered,
-                why=gathered.why + "; sequence parallel: a router kept whole would meet the "
+                gathered.why + "; sequence parallel: a router kept whole would meet the "
                 "sequence-split stream with a plain weight",
             )
 
@@ -51,21 +58,21 @@ def _scatter_outputs(ctx: Context, out: Decided) -> None:
     t = ctx.trace
     scatter = "; sequence parallel: reduce-scattered onto sequence shards, left a DTensor"
     for name, d in list(out.decisions.items()):
-        if d.sum_at is not None:
+        if isinstance(d, VocabParallelRule) and d.sum_at is not None:
             # its rows are summed inside its forward, whole: nothing there to scatter
             why = not_linear_lookup(t.lookups.not_linear[name])
-            out.decisions[name] = Decision(
-                "replicate", f"{why} (where sequence parallel reduce-scatters them)"
+            out.decisions[name] = decided(
+                ReplicateRule, f"{why} (where sequence parallel reduce-scatters them)"
             )
-        elif d.style == "vocab_parallel" or (d.style == "rowwise" and d.output is None):
-            out.decisions[name] = replace(
-                d, output="shard(1)", local_output=False, why=d.why + scatter
+        elif isinstance(d, VocabParallelRule) or (isinstance(d, RowwiseRule) and d.output is None):
+            out.decisions[name] = reasoned(
+                d, d.why + scatter, output="shard(1)", local_output=False
             )
-        elif d.style == "colwise" and d.output == "replicate" and name in t.regions.at_output:
-            out.decisions[name] = replace(
+        elif isinstance(d, ColwiseRule) and d.output == "replicate" and name in t.regions.at_output:
+            out.decisions[name] = reasoned(
                 d,
+                d.why + "; sequence parallel: its input is gathered over the sequence first",
                 input="shard(1)",
-                why=d.why + "; sequence parallel: its input is gathered over the sequence first",
             )
 
 
@@ -87,18 +94,39 @@ def _gather_region_inputs(ctx: Context, out: Decided) -> None:
             and parent not in openers
             and parent not in out.decisions
         ):
-            out.decisions[parent] = Decision(
-                "prepare",
+            out.decisions[parent] = _gathering(
                 gather.format(
                     join(sorted(relative([*openers, parent]).get(o, o) for o in openers))
                 ),
-                prepared=entry[0],
-                positional=t.layers.positional.get(parent, 1),
+                entry[0],
+                t.layers.positional.get(parent, 1),
             )
             continue
         for o in openers:  # each opener gathers its own input
             d = out.decisions[o]
-            out.decisions[o] = replace(d, input="shard(1)", why=d.why + "; " + gather.format("it"))
+            out.decisions[o] = reasoned(d, d.why + "; " + gather.format("it"), input="shard(1)")
+
+
+def _gathering(why: str, where: int | str, positional: int) -> PrepareRule:
+    """A prepare rule that all-gathers the module's input at `where` (a positional index
+    or a keyword) over the sequence, the module taking `positional` positional inputs (one
+    layout each; the others pass as they are)."""
+    if isinstance(where, str):
+        return decided(
+            PrepareRule,
+            why,
+            input_kwargs={where: "shard(1)"},
+            desired_input_kwargs={where: "replicate"},
+            local_input=True,
+        )
+    rest: list[str | None] = [None] * (positional - where - 1)
+    return decided(
+        PrepareRule,
+        why,
+        inputs=[None] * where + ["shard(1)", *rest],
+        desired_inputs=[None] * where + ["replicate", *rest],
+        local_input=True,
+    )
 
 
 def _stream_params_on_shards(ctx: Context, out: Decided) -> None:
@@ -114,8 +142,8 @@ def _stream_params_on_shards(ctx: Context, out: Decided) -> None:
             continue
         own = own_params(module, name)
         if own and name in t.layers.entries and any(p in t.params.outside for p in own):
-            out.decisions[name] = Decision(
-                "sequence_parallel",
+            out.decisions[name] = decided(
+                SequenceParallelRule,
                 "its parameters act on the stream between split regions, which sequence "
                 "parallel keeps split over the sequence; they are replicated and it runs on "
                 "each rank's shard of the sequence",

@@ -6,12 +6,12 @@ Start at `untie_unalike`, called once the regions, tables and head are decided.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 
 from .._runtime.facts import tied_groups, weight_split
+from ..plan.styles import ReplicateRule
 from .context import Context, Decided
+from .decision import reasoned
 from .names import join
 
 __all__ = ["untie_unalike"]
@@ -29,12 +29,7 @@ def untie_unalike(ctx: Context, out: Decided) -> None:
         for group in groups:
             users = _users(ctx, group)
             splits = {
-                (m, p): weight_split(
-                    out.decisions[m].rule(m) if m in out.decisions else None,
-                    ctx.modules[m],
-                    p,
-                )
-                for m, p in users
+                (m, p): weight_split(out.decisions.get(m), ctx.modules[m], p) for m, p in users
             }
             if len(set(splits.values())) < 2:
                 continue
@@ -50,10 +45,10 @@ def untie_unalike(ctx: Context, out: Decided) -> None:
     for group in groups:
         for m, p in group:
             d = out.decisions.get(m)
-            if p == "weight" and d is not None and d.style != "replicate":
+            if p == "weight" and d is not None and not isinstance(d, ReplicateRule):
                 others = join(sorted({n for n, _ in group if n != m}))
                 why = f"{d.why}; its weight is tied with {others}, split the same way"
-                out.decisions[m] = replace(d, why=why)
+                out.decisions[m] = reasoned(d, why)
 
 
 def _users(ctx: Context, group: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -21,14 +20,14 @@ from torch import nn
 from .._runtime.inputs import part_inputs
 from ..errors import TpplanError
 from ..trace import Trace, block_structure, idle_roots
-from .decision import NOT_CALLED, Attributes, Decision
+from .decision import NOT_CALLED, Attributes, Decisions, reasoned
 from .names import inside, tied_outside
 from .regions import find_regions
 
 __all__ = ["InferPart", "copy_from_alike", "infer_uncalled_parts"]
 
 # infer_plan's decisions for a part of the model, traced on the given inputs as a model
-InferPart = Callable[[nn.Module, Any], tuple[dict[str, Decision], Attributes]]
+InferPart = Callable[[nn.Module, Any], tuple[Decisions, Attributes]]
 
 
 def _closed_inside(trace: Trace, regions: list[list[str]], root: str) -> bool:
@@ -41,7 +40,7 @@ def _closed_inside(trace: Trace, regions: list[list[str]], root: str) -> bool:
 
 def copy_from_alike(
     model: nn.Module,
-    decisions: dict[str, Decision],
+    decisions: Decisions,
     attributes: Attributes,
     trace: Trace,
     ran: set[str],
@@ -74,13 +73,13 @@ def copy_from_alike(
         for n, d in list(decisions.items()):
             target = name + n[len(source) :]
             if inside(n, source) and decisions.get(target, d).why in (d.why, NOT_CALLED):
-                decisions[target] = replace(d, why=f"{d.why}; {why}")
+                decisions[target] = reasoned(d, f"{d.why}; {why}")
         for n, a in list(attributes.items()):
             if inside(n, source):
                 attributes.setdefault(name + n[len(source) :], a)
 
 
-def _uncalled_roots(decisions: dict[str, Decision], ran: set[str]) -> list[str]:
+def _uncalled_roots(decisions: Decisions, ran: set[str]) -> list[str]:
     """The largest submodules that did not run in the traced forward and hold no layer that
     did (a multimodal model's vision tower, given text only): the model's own forward says
     nothing of them."""
@@ -90,7 +89,7 @@ def _uncalled_roots(decisions: dict[str, Decision], ran: set[str]) -> list[str]:
 
 def infer_uncalled_parts(
     model: nn.Module,
-    decisions: dict[str, Decision],
+    decisions: Decisions,
     attributes: Attributes,
     ran: set[str],
     shared: dict[str, list[str]],
@@ -134,7 +133,7 @@ def infer_uncalled_parts(
             if decisions.get(full(name), d).why == NOT_CALLED:
                 # what the part's own forward did not call says so already
                 nested = d.why.startswith(NOT_CALLED)
-                decisions[full(name)] = d if nested else replace(d, why=f"{d.why}; {own}")
+                decisions[full(name)] = d if nested else reasoned(d, f"{d.why}; {own}")
         attributes.update({full(n): a for n, a in attrs.items()})
         return None
 
@@ -142,4 +141,4 @@ def infer_uncalled_parts(
         why = attempt(root)
         for name in under(root):
             if why is not None and decisions[name].why == NOT_CALLED:
-                decisions[name] = replace(decisions[name], why=f"{NOT_CALLED}; {why}")
+                decisions[name] = reasoned(decisions[name], f"{NOT_CALLED}; {why}")

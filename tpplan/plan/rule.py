@@ -205,6 +205,13 @@ class Rule(Strict):
         """It takes its input split on the features it contracts: a split closes here."""
         return False
 
+    def lora_split(self, role: str) -> bool:
+        """Whether a LoRA adapter of a base layer this rule styles is split as its base is:
+        `role` "a" for lora_A (in -> r), "b" for lora_B (r -> out). The wrapper adds
+        `lora_B(lora_A(x))` to the base's output, so the pair must add tensors split alike
+        with no collective of its own; every other adapter stays whole."""
+        return False
+
     # the sizes a rule states, whatever its style calls them (None or empty: none stated)
     def head_size(self) -> int | None:
         """The head size it states (`head_dim`)."""

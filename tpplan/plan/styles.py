@@ -125,6 +125,9 @@ class ColwiseRule(_Layouts):
     def opens_split(self) -> bool:
         return parse_layout(self.output_layout() or "")[0] == "shard"
 
+    def lora_split(self, role: str) -> bool:
+        return role == "b"  # lora_B's output is added to this layer's split output
+
     def needs_head_dim(self) -> bool:
         return bool(self.replicate_heads) and self.head_dim is None
 
@@ -201,6 +204,9 @@ class RowwiseRule(_Layouts):
 
     def closes_split(self) -> bool:
         return parse_layout(self.input_layout() or "")[0] == "shard"
+
+    def lora_split(self, role: str) -> bool:
+        return role == "a"  # lora_A contracts the same split input, a partial sum
 
     def model_sizes(self, *, in_region: bool, stated: bool) -> list[tuple[str, str | None]]:
         return _head_dim_size(self, in_region=in_region, stated=stated)
