@@ -160,7 +160,8 @@ def _value(v: Any) -> Any:
 def _with(rule: Rule, found: dict[str, Any]) -> Any:
     """`rule` with the sizes found (a `fused.PARAM` key is one expert parameter's pieces),
     validated again as a rule of its style."""
-    data = rule.model_dump(by_alias=True, exclude_unset=True)
+    # (its style too where the rule was built by its class, which sets the style itself)
+    data = {"style": rule.style, **rule.model_dump(by_alias=True, exclude_unset=True)}
     for key, value in found.items():
         if key.startswith("fused."):
             data.setdefault("fused", {})[key.removeprefix("fused.")] = list(value)

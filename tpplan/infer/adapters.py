@@ -20,7 +20,8 @@ from torch import nn
 from .._runtime.adapters import lora_layers
 from ..errors import TpplanError
 from ..plan.styles import ReplicateRule
-from .decision import Decisions, decided, reasoned
+from .context import Context, Decided, Found
+from .decision import decided, reasoned
 
 __all__ = ["AdapterError", "decide_adapters", "refuse_sequence_parallel"]
 
@@ -48,18 +49,21 @@ _WHY = {
 _WHOLE = "LoRA adapter (r={r}) of a base layer kept whole: kept whole with it"
 
 
-def decide_adapters(model: nn.Module, decisions: Decisions) -> None:
-    """Give each adapter of each LoRA wrapper of `model` its base's split (module docstring)."""
-    for adapter in lora_layers(model).values():
-        base = decisions.get(adapter.base)
+def decide_adapters(ctx: Context, so_far: Decided) -> Found:
+    """Give each adapter of each LoRA wrapper of the model its base's split (module
+    docstring)."""
+    found = Found()
+    for adapter in lora_layers(ctx.model).values():
+        base = so_far.decisions.get(adapter.base)
         kind = base.style if base is not None else "replicate"
         for role, names in (("a", adapter.a), ("b", adapter.b)):
             for name, r in zip(names, adapter.rank, strict=True):
                 why = _WHY.get((kind, role), _WHOLE).format(r=r)
                 if base is not None and base.lora_split(role):
-                    decisions[name] = reasoned(base, why)  # split as its base is
+                    found.rules[name] = reasoned(base, why)  # split as its base is
                 else:
-                    decisions[name] = decided(ReplicateRule, why)
+                    found.rules[name] = decided(ReplicateRule, why)
+    return found
 
 
 class AdapterError(TpplanError, ValueError):

@@ -7,6 +7,7 @@ patterns and to name partners in `why`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..trace import Trace, trace_model
 from .adapters import decide_adapters, refuse_sequence_parallel
 from .attention import decide_attention
 from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
-from .context import Context, Decided
+from .context import Context, Decided, Found
 from .decision import Attributes, Decisions, Divided, placed
 from .dtensor_regions import try_dtensor_regions
 from .embeddings import decide_embeddings, decide_head
@@ -33,6 +34,9 @@ from .ties import untie_unalike
 from .uncalled import copy_from_alike, infer_uncalled_parts
 
 __all__ = ["infer_plan"]
+
+# one step of `_decide`: what it found, given what the steps before it decided
+Step = Callable[[Context, Decided], Found]
 
 _ANY_TP = 8  # see infer_plan: the tp sizes a plan inferred without one should serve
 
@@ -134,7 +138,7 @@ def _infer_decisions(
             decisions, attributes = _decide(model, trace, asked)
     ran = ran_modules(trace)
     shared = shared_params(model)
-    copy_from_alike(model, decisions, attributes, trace, ran, shared)
+    decisions, attributes = copy_from_alike(model, decisions, attributes, trace, ran, shared)
     used = trace.params.outside | set(trace.params.in_region)
     # a part's outputs go on into the model whole: not left split for a loss or over the sequence
     alone = replace(asked, loss_parallel=False, sequence_parallel=False)
@@ -142,35 +146,39 @@ def _infer_decisions(
     def infer_part(part: nn.Module, inputs: Any) -> tuple[Decisions, Attributes]:
         return _infer_decisions(part, inputs, alone)
 
-    infer_uncalled_parts(model, decisions, attributes, ran, shared, used, infer_part)
-    return decisions, attributes
+    return infer_uncalled_parts(model, decisions, attributes, ran, shared, used, infer_part)
 
 
 def _decide(model: nn.Module, trace: Trace, asked: _Asked) -> tuple[Decisions, Attributes]:
-    """The decisions of one trace, step by step; each step may read what earlier ones
-    decided."""
+    """The decisions of one trace, step by step: each step reads what the steps before it
+    decided and hands back what it found, which `Decided.merge` lays over it (a later
+    step's word on a module replaces an earlier one's: the order below is the precedence)."""
     ctx = Context.of(
         model, trace, tp=asked.tp, gather_tp=asked.gather_tp, loss_parallel=asked.loss_parallel
     )
     out = Decided()
     for members in find_regions(trace):
         if any(m in trace.experts.roles for m in members):
-            decide_experts(ctx, out, members, asked.experts)
+            out = out.merge(decide_experts(ctx, members, asked.experts))
         else:
-            decide_region(ctx, out, members)
-    pool_experts(ctx, out)  # modules of one structure decide alike
-    decide_attention(ctx, out)  # before the rest: its out_proj is its own, never called
-    keep_unsplit_experts(ctx, out)
-    # the head is split over the vocab of a table split over it
-    decide_head(ctx, out, decide_embeddings(ctx, out))
-    # after every split of a weight, since tied holders must split it alike; before the
-    # rest, which decides what this keeps whole
-    untie_unalike(ctx, out)
-    decide_rest(ctx, out)
-    keep_inside_experts(out)  # overrides what the steps above decided inside experts
+            out = out.merge(decide_region(ctx, out, members))
+    steps: list[Step] = [
+        pool_experts,  # modules of one structure decide alike
+        decide_attention,  # before the rest: its out_proj is its own, never called
+        keep_unsplit_experts,
+        decide_embeddings,
+        decide_head,  # split over the vocab of a table split over it
+        # after every split of a weight, since tied holders must split it alike; before the
+        # rest, which decides what this keeps whole
+        untie_unalike,
+        decide_rest,
+        keep_inside_experts,  # overrides what the steps above decided inside experts
+    ]
     if asked.sequence_parallel:
-        apply_sequence_parallel(ctx, out)  # rewrites the decisions: it needs all of them
-    decide_adapters(model, out.decisions)  # last: each adapter follows its base's final rule
+        steps.append(apply_sequence_parallel)  # rewrites the rules: it needs all of them
+    steps.append(decide_adapters)  # last: each adapter follows its base's final rule
+    for step in steps:
+        out = out.merge(step(ctx, out))
     return out.decisions, out.attributes
 
 

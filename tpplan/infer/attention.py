@@ -13,15 +13,16 @@ from __future__ import annotations
 from torch import nn
 
 from ..plan.styles import HeadsRule, ReplicateRule
-from .context import Context, Decided
+from .context import Context, Decided, Found
 from .decision import decided
 
 __all__ = ["decide_attention"]
 
 
-def decide_attention(ctx: Context, out: Decided) -> None:
+def decide_attention(ctx: Context, so_far: Decided) -> Found:
     """A `heads` decision for each nn.MultiheadAttention the forward called that can be split
     by heads; the others keep what the later steps decide (whole), with the reason in `kept`."""
+    found = Found()
     for name, heads in ctx.trace.layers.attention.items():
         m = ctx.modules[name]
         assert isinstance(m, nn.MultiheadAttention)  # the tracer hooks no other
@@ -29,17 +30,18 @@ def decide_attention(ctx: Context, out: Decided) -> None:
         if why is not None:
             # its out_proj is never called (the forward uses its weight): kept with it, not
             # traced on its own as a part the forward did not call
-            out.decisions[f"{name}.out_proj"] = decided(ReplicateRule, f"kept whole: {why}")
+            found.rules[f"{name}.out_proj"] = decided(ReplicateRule, f"kept whole: {why}")
             continue
         head_dim = m.embed_dim // heads
         qkv = "q|k|v in in_proj_weight" if m._qkv_same_embed_dim else "q, k and v weights"
-        out.decisions[name] = decided(
+        found.rules[name] = decided(
             HeadsRule,
             f"nn.MultiheadAttention with torch's own forward: its {heads} heads of {head_dim} "
             f"split over the ranks ({qkv}, each rank its slice of each; out_proj contracts "
             "them, one all-reduce)",
             head_dim=head_dim,
         )
+    return found
 
 
 def _kept(ctx: Context, name: str, m: nn.MultiheadAttention) -> str | None:

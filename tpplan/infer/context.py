@@ -1,7 +1,8 @@
 """What the steps of infer_plan share: `Context`, what they read (the model, its trace, the
-tp sizes), and `Decided`, what they write (decisions, and notes for later steps).
+tp sizes); `Decided`, what the steps before decided; and `Found`, what a step hands back.
 
-Start at api.py's `_decide`, which makes both and calls the steps in order.
+Start at api.py's `_decide`, which makes the context, calls the steps in order and merges
+what each found into what was decided (`Decided.merge`, where the precedence is).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..trace import Trace, block_structure
 from .decision import Attributes, Decisions
 from .names import own_params, shared_params
 
-__all__ = ["Context", "Decided"]
+__all__ = ["Context", "Decided", "Found"]
 
 
 @dataclass
@@ -72,16 +73,24 @@ class Context:
 
 
 @dataclass
-class Decided:
-    """What the steps decided so far, and the notes they leave for later steps."""
+class Found:
+    """What one step decided, handed back to the driver (api.py's `_decide`), which merges it
+    into what the steps before it decided (`Decided.merge`). A step fills one of these and
+    reads the earlier steps' `Decided`; it changes neither."""
 
-    decisions: Decisions = field(default_factory=dict)
-    """Full module name -> its decision."""
+    rules: Decisions = field(default_factory=dict)
+    """Full module name -> the rule this step decided for it."""
+    withdrawn: set[str] = field(default_factory=set)
+    """Modules whose rule, decided by an earlier step, no longer stands."""
     attributes: Attributes = field(default_factory=dict)
-    """Module -> the integer attributes a plan divides, and why."""
+    """Module -> the integer attributes a plan divides, and why (all of that module's)."""
+    attributes_withdrawn: set[str] = field(default_factory=set)
+    """Modules whose divided attributes no longer stand."""
     kept: dict[str, str] = field(default_factory=dict)
-    """Linear or Embedding -> why it stays whole; `decide_rest` turns it into a decision
-    (or splits the layer's weight anyway, its output gathered)."""
+    """Linear or Embedding -> why it stays whole; `decide_rest` turns it into a rule (or
+    splits the layer's weight anyway, its output gathered)."""
+    unkept: set[str] = field(default_factory=set)
+    """Layers an earlier step kept whole that this one split after all."""
     kept_experts: dict[str, str] = field(default_factory=dict)
     """Module holding 3-D expert weights -> why it stays whole."""
     routers: dict[str, Rule | None] = field(default_factory=dict)
@@ -90,3 +99,41 @@ class Decided:
     as a plain weight)."""
     split_regions: list[tuple[list[str], list[str]]] = field(default_factory=list)
     """(openers, closers) of each region split; sequence parallel gathers their inputs."""
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What the steps decided so far: each step reads it and hands back a `Found`, which
+    `merge` adds to it. The one precedence: a later step's word on a module replaces an
+    earlier step's (the steps run in the order api.py's `_decide` lists them, each deciding
+    only what it has the evidence for)."""
+
+    decisions: Decisions = field(default_factory=dict)
+    """Full module name -> its rule."""
+    attributes: Attributes = field(default_factory=dict)
+    """Module -> the integer attributes a plan divides, and why."""
+    kept: dict[str, str] = field(default_factory=dict)
+    """Linear or Embedding -> why it stays whole (`Found.kept`)."""
+    kept_experts: dict[str, str] = field(default_factory=dict)
+    """Module holding 3-D expert weights -> why it stays whole."""
+    routers: dict[str, Rule | None] = field(default_factory=dict)
+    """Router kept whole -> what sequence parallel gives it (`Found.routers`)."""
+    split_regions: tuple[tuple[list[str], list[str]], ...] = ()
+    """(openers, closers) of each region split, in the order they were decided."""
+
+    def merge(self, found: Found) -> Decided:
+        """What was decided, with `found` (one step's word) over it."""
+
+        def over(before: dict[str, Any], new: dict[str, Any], gone: set[str]) -> dict[str, Any]:
+            out = {k: v for k, v in before.items() if k not in gone}
+            out.update(new)
+            return out
+
+        return Decided(
+            decisions=over(self.decisions, found.rules, found.withdrawn),
+            attributes=over(self.attributes, found.attributes, found.attributes_withdrawn),
+            kept=over(self.kept, found.kept, found.unkept),
+            kept_experts=over(self.kept_experts, found.kept_experts, set()),
+            routers=over(self.routers, found.routers, set()),
+            split_regions=(*self.split_regions, *found.split_regions),
+        )

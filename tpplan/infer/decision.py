@@ -37,10 +37,11 @@ Decisions = dict[str, Rule]
 
 
 def decided(style: type[_R], why: str, **fields: Any) -> _R:
-    """One module's rule of the class `style`; a field given None is left out (not set),
-    so the plan states only what was decided and needs no newer schema than that."""
+    """One module's rule of the class `style`, its style named as a plan file names it; a
+    field given None is left out (not set), so the plan states only what was decided and
+    needs no newer schema than that."""
     given = {k: v for k, v in fields.items() if v is not None}
-    return style(match=UNPLACED, why=why, **given)
+    return style(match=UNPLACED, style=style.model_fields["style"].default, why=why, **given)
 
 
 def reasoned(rule: _R, why: str, **fields: Any) -> _R:

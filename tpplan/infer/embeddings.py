@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..plan.styles import ColwiseRule, VocabParallelRule
-from .context import Context, Decided
+from .context import Context, Decided, Found
 from .decision import decided
 
 __all__ = ["decide_embeddings", "decide_head", "not_linear_lookup"]
@@ -26,13 +26,13 @@ def not_linear_lookup(op: str) -> str:
     )
 
 
-def decide_embeddings(ctx: Context, out: Decided) -> dict[int, str]:
-    """vocab_parallel for token lookups; returns {vocab size: embedding} for the head."""
-    vocabs: dict[int, str] = {}
+def decide_embeddings(ctx: Context, so_far: Decided) -> Found:
+    """vocab_parallel for token lookups."""
+    found = Found()
     for name, module in ctx.modules.items():
         if not isinstance(module, nn.Embedding) or name not in ctx.trace.layers.called:
             continue
-        if name in out.decisions:
+        if name in so_far.decisions:
             continue  # split by its columns inside a region
         n = module.num_embeddings
         not_linear = ctx.trace.lookups.not_linear.get(name)
@@ -41,16 +41,15 @@ def decide_embeddings(ctx: Context, out: Decided) -> dict[int, str]:
             not_linear = "index_put_"  # rows overwritten with a parameter that cannot be split
         kept = _kept_why(ctx, name, module, not_linear)
         if kept is not None:
-            out.kept[name] = kept
+            found.kept[name] = kept
             continue
-        vocabs.setdefault(n, name)
-        out.decisions[name] = decided(
+        found.rules[name] = decided(
             VocabParallelRule,
             _vocab_parallel_why(n, module.embedding_dim, not_linear, written or ()),
             sum_at="lookup" if not_linear else None,
             written=list(written) if written else None,
         )
-    return vocabs
+    return found
 
 
 def _kept_why(ctx: Context, name: str, module: nn.Embedding, not_linear: str | None) -> str | None:
@@ -112,9 +111,16 @@ def _written(ctx: Context, name: str, module: nn.Embedding) -> tuple[str, ...] |
     return written
 
 
-def decide_head(ctx: Context, out: Decided, vocabs: dict[int, str]) -> None:
-    """A lone opener whose split output is the model output over the vocab: gathered colwise."""
+def decide_head(ctx: Context, so_far: Decided) -> Found:
+    """A lone opener whose split output is the model output over the vocab of a token
+    lookup split over it: colwise, gathered (or left split for a parallel loss)."""
     t = ctx.trace
+    found = Found()
+    vocabs = {
+        m.num_embeddings
+        for n, r in so_far.decisions.items()
+        if isinstance(r, VocabParallelRule) and isinstance(m := ctx.modules[n], nn.Embedding)
+    }
     for name in t.regions.at_output:
         linked = any(name in group for group in t.regions.links)
         if name not in t.layers.linears or linked or name in t.regions.misfits:
@@ -122,9 +128,9 @@ def decide_head(ctx: Context, out: Decided, vocabs: dict[int, str]) -> None:
         _, features, transposed = t.layers.linears[name]
         if features not in vocabs or ctx.used_outside(name):
             continue
-        out.kept.pop(name, None)
+        found.unkept.add(name)
         if ctx.loss_parallel:
-            out.decisions[name] = decided(
+            found.rules[name] = decided(
                 ColwiseRule,
                 f"its output ({features} features, the vocab of the token lookup) is the model "
                 "output; split over the vocab and left split (a DTensor) for the loss, "
@@ -133,10 +139,11 @@ def decide_head(ctx: Context, out: Decided, vocabs: dict[int, str]) -> None:
                 transposed=transposed or None,
             )
             continue
-        out.decisions[name] = decided(
+        found.rules[name] = decided(
             ColwiseRule,
             f"its output ({features} features, the vocab of the token lookup) is the "
             "model output; split over the vocab and gathered, so callers see full rows",
             output="replicate",
             transposed=transposed or None,
         )
+    return found

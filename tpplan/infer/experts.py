@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..plan.styles import ExpertsRule, ReplicateRule
-from .context import Context, Decided
+from .context import Context, Decided, Found
 from .decision import Divided, decided, reasoned
 from .names import PLAIN_OPS, join
 from .regions import split_unit
@@ -59,7 +59,7 @@ def _expert_region(ctx: Context, members: list[str]) -> _ExpertRegion:
     )
 
 
-def decide_experts(ctx: Context, out: Decided, members: list[str], mode: str) -> None:
+def decide_experts(ctx: Context, members: list[str], mode: str) -> Found:
     """A module's 3-D expert weights that open and close one region: split per expert
     like a dense MLP (mode tensor), or by experts (mode expert) where that is proven."""
     t = ctx.trace
@@ -70,9 +70,10 @@ def decide_experts(ctx: Context, out: Decided, members: list[str], mode: str) ->
         {c.removeprefix(o + ".") for c, o in t.experts.added_whole.items() if o in alike}
     )
     reasons = _reasons(ctx, r, alike, added_whole)
+    found = Found()
     if reasons:
-        out.kept_experts[r.owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
-        return
+        found.kept_experts[r.owner] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
+        return found
     module = ctx.modules[r.owner]
     own = dict(module.named_parameters(recurse=r.owner not in r.holders))
     n_experts = {own[r.short(m)].shape[0] for m in members}
@@ -82,9 +83,10 @@ def decide_experts(ctx: Context, out: Decided, members: list[str], mode: str) ->
         _expert_parallel_refusal(ctx, r.owner, n_experts, added_whole) if mode == "expert" else ""
     )
     if mode == "expert" and not refused:
-        _split_by_experts(ctx, out, r, own, path)
+        _split_by_experts(ctx, found, r, own, path)
     else:
-        _split_per_expert(ctx, out, r, added_whole, path, refused)
+        _split_per_expert(ctx, found, r, added_whole, path, refused)
+    return found
 
 
 def _reasons(ctx: Context, r: _ExpertRegion, alike: list[str], added_whole: list[str]) -> list[str]:
@@ -159,7 +161,7 @@ def _expert_parallel_refusal(
 
 
 def _split_by_experts(
-    ctx: Context, out: Decided, r: _ExpertRegion, own: dict[str, nn.Parameter], path: str
+    ctx: Context, found: Found, r: _ExpertRegion, own: dict[str, nn.Parameter], path: str
 ) -> None:
     """Mode expert: each rank keeps num_experts/tp whole experts; the attribute holding the
     number of experts is divided."""
@@ -167,7 +169,7 @@ def _split_by_experts(
     by_counts = r.owner in ctx.trace.experts.by_counts
     if counts:
         ((attr_module, attr, value),) = counts
-        out.attributes[attr_module] = (
+        found.attributes[attr_module] = (
             Divided(
                 (attr,),
                 f"its forward reads {attr} = {value} (its number of experts); each rank "
@@ -179,7 +181,7 @@ def _split_by_experts(
     by_experts = dict(
         sorted((p, 0) for p, w in own.items() if w.dim() >= 2 and w.shape[0] == value)
     )
-    out.decisions[r.owner] = decided(
+    found.rules[r.owner] = decided(
         ExpertsRule,
         f"{join(sorted(r.short(o) for o in r.openers))} and {join(sorted(r.short(c) for c in r.closers))} "
         f"hold {value} experts, used by per-expert matmuls{path}; "
@@ -200,7 +202,7 @@ def _split_by_experts(
 
 def _split_per_expert(
     ctx: Context,
-    out: Decided,
+    found: Found,
     r: _ExpertRegion,
     added_whole: list[str],
     path: str,
@@ -233,7 +235,7 @@ def _split_per_expert(
             "all-reduce counts it once"
         )
     not_expert = f" (not expert parallel: {refused})" if refused else ""
-    out.decisions[r.owner] = decided(
+    found.rules[r.owner] = decided(
         ExpertsRule,
         f"per-expert matmuls on the unsplit tokens (the router's choice): {what}; they flow"
         f"{path} to {join(sorted(r.short(c) for c in r.closers))}, which contracts them, so every "
@@ -267,7 +269,7 @@ def _per_expert_splits(
     return shard, fused
 
 
-def pool_experts(ctx: Context, out: Decided) -> None:
+def pool_experts(ctx: Context, so_far: Decided) -> Found:
     """A forward traced on the model's own weights runs only the code its routing
     reaches (an eager loop over the experts hit): one experts module may have sent no
     token to its experts with weights, another none to its identity experts. Modules of
@@ -276,22 +278,25 @@ def pool_experts(ctx: Context, out: Decided) -> None:
     whose experts with weights never ran takes the decision of one whose did.
     (`decide_experts` pools the outputs added whole and their other uses the same way.)"""
     t = ctx.trace
+    found = Found()
     for group in {id(g): g for g in ctx.alike_experts.values()}.values():
+        kept_why = {o: so_far.kept_experts[o] for o in group if o in so_far.kept_experts}
         for o in group:
-            if o not in out.decisions and o not in out.kept_experts and o in t.experts.sum_breaks:
-                out.kept_experts[o] = f"kept whole: {t.experts.sum_breaks[o]}"
-        kept = [o for o in group if o in out.kept_experts]
-        split = [o for o in group if o in out.decisions and o not in out.kept_experts]
-        unseen = [o for o in group if o not in out.decisions and o not in out.kept_experts]
+            if o not in so_far.decisions and o not in kept_why and o in t.experts.sum_breaks:
+                kept_why[o] = found.kept_experts[o] = f"kept whole: {t.experts.sum_breaks[o]}"
+        kept = [o for o in group if o in kept_why]
+        split = [o for o in group if o in so_far.decisions and o not in kept_why]
+        unseen = [o for o in group if o not in so_far.decisions and o not in kept_why]
         if kept:
-            why = out.kept_experts[kept[0]]
+            why = kept_why[kept[0]]
             for o in split + unseen:
-                gone = out.decisions.pop(o, None)
+                gone = so_far.decisions.get(o)
+                found.withdrawn.add(o)
                 if isinstance(gone, ExpertsRule) and gone.mode == "expert":
-                    out.attributes.pop(o, None)  # its number of experts, divided
-                out.kept_experts[o] = f"{why} (seen in {kept[0]}, of the same structure)"
+                    found.attributes_withdrawn.add(o)  # its number of experts, divided
+                found.kept_experts[o] = f"{why} (seen in {kept[0]}, of the same structure)"
         elif split and unseen:
-            first = out.decisions[split[0]]
+            first = so_far.decisions[split[0]]
             pooled = reasoned(
                 first,
                 f"{first.why}; the {len(group)} modules of this structure share it, "
@@ -299,35 +304,40 @@ def pool_experts(ctx: Context, out: Decided) -> None:
                 "(the routing decides)",
             )
             for o in split + unseen:
-                out.decisions[o] = pooled
-                if split[0] in out.attributes:
-                    out.attributes[o] = out.attributes[split[0]]
+                found.rules[o] = pooled
+                if split[0] in so_far.attributes:
+                    found.attributes[o] = so_far.attributes[split[0]]
+    return found
 
 
-def keep_unsplit_experts(ctx: Context, out: Decided) -> None:
+def keep_unsplit_experts(ctx: Context, so_far: Decided) -> Found:
     """Modules holding expert weights that no region split: replicated, with the reason."""
-    split = [d for d, dec in out.decisions.items() if isinstance(dec, ExpertsRule)]
-    for owner in sorted(set(ctx.trace.experts.exits) | set(out.kept_experts)):
-        if owner in out.decisions or any(owner.startswith(f"{d}.") for d in split):
+    found = Found()
+    split = [d for d, dec in so_far.decisions.items() if isinstance(dec, ExpertsRule)]
+    for owner in sorted(set(ctx.trace.experts.exits) | set(so_far.kept_experts)):
+        if owner in so_far.decisions or any(owner.startswith(f"{d}.") for d in split):
             continue  # (a child holding the weights of experts split at their parent)
-        out.decisions[owner] = decided(
+        found.rules[owner] = decided(
             ReplicateRule,
-            out.kept_experts.get(
+            so_far.kept_experts.get(
                 owner,
                 "kept whole: no per-expert matmul of its weights was seen to open and close a split",
             ),
         )
+    return found
 
 
-def keep_inside_experts(out: Decided) -> None:
+def keep_inside_experts(ctx: Context, so_far: Decided) -> Found:
     """Modules inside one split as experts stay whole: its forward runs on each rank's
     local tensors with every parameter but the expert weights whole (JetMoE's router)."""
-    split = [n for n, d in out.decisions.items() if isinstance(d, ExpertsRule)]
-    for name, d in list(out.decisions.items()):
+    found = Found()
+    split = [n for n, d in so_far.decisions.items() if isinstance(d, ExpertsRule)]
+    for name, d in so_far.decisions.items():
         owner = next((o for o in split if name.startswith(f"{o}.")), None)
         if owner is not None and not isinstance(d, ReplicateRule):
-            out.decisions[name] = decided(
+            found.rules[name] = decided(
                 ReplicateRule,
                 f"kept whole: inside {owner}, split as experts, whose forward runs on "
                 "each rank's local tensors with its other parameters whole",
             )
+    return found

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..plan.styles import ColwiseRule, ReplicateGradSumRule, RowwiseRule, SplitParamsRule
 from ..trace import Trace
-from .context import Context, Decided
+from .context import Context, Decided, Found
 from .decision import Divided, decided
 from .names import PLAIN_OPS, join, join_names, own_params, relative
 from .shared_heads import Sharing, kv_sharing
@@ -51,7 +51,7 @@ def split_unit(trace: Trace, openers: list[str]) -> int:
     return math.gcd(*(trace.regions.units.get(o, trace.regions.openers[o]) for o in openers))
 
 
-def decide_region(ctx: Context, out: Decided, members: list[str]) -> None:
+def decide_region(ctx: Context, so_far: Decided, members: list[str]) -> Found:
     """A region of Linears is split when every split ended at a closer that contracts it,
     nothing broke it, no weight in it is shared, and tp divides its smallest head count:
     openers colwise, closers rowwise, the head counts its views read divided, and modules
@@ -84,18 +84,24 @@ def decide_region(ctx: Context, out: Decided, members: list[str]) -> None:
         # key/value counts are divided by the heads' shards, not the tp size
         counts = {c for c in counts if c[:2] not in shared.divided()}
     reasons += _count_reasons(ctx, counts)
+    found = Found()
     if reasons:
         for m in members:
-            out.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
-        return
-    out.split_regions.append((openers, closers))
-    _open(ctx, out, openers, closers, short, units, shared)
-    _close(ctx, out, openers, closers, short)
-    _divide_counts(out, counts, openers, short)
+            found.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
+        return found
+    found.split_regions.append((openers, closers))
+    _open(ctx, found, openers, closers, short, units, shared)
+    _close(ctx, found, openers, closers, short)
+    # (a module's attributes may hold what earlier regions divided)
+    found.attributes = {m: so_far.attributes.get(m, ()) for m, _, _ in counts}
+    if shared is not None:
+        found.attributes.update({m: so_far.attributes.get(m, ()) for m in shared.attributes})
+    _divide_counts(found, counts, openers, short)
     if shared is not None:
         for module, entries in shared.attributes.items():
-            out.attributes[module] = (*out.attributes.get(module, ()), *entries)
-    _style_param_holders(ctx, out, holders, openers, short)
+            found.attributes[module] = (*found.attributes[module], *entries)
+    _style_param_holders(ctx, found, holders, openers, short)
+    return found
 
 
 def _blocks(ctx: Context, openers: list[str], units: int) -> str:
@@ -202,7 +208,7 @@ def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[
 
 def _open(
     ctx: Context,
-    out: Decided,
+    found: Found,
     openers: list[str],
     closers: list[str],
     short: dict[str, str],
@@ -233,7 +239,7 @@ def _open(
         if sharing is not None:
             need = _shared_need(sharing, kv)
         parts = t.regions.parts.get(o)
-        out.decisions[o] = decided(
+        found.rules[o] = decided(
             ColwiseRule,
             f"{what} {path}{with_partners}, which {verb} {it} on its input dim (rowwise){need}",
             head_dim=head_dim,
@@ -293,7 +299,7 @@ def _output_features(ctx: Context, o: str, inners: set[int]) -> tuple[str, str, 
 
 
 def _close(
-    ctx: Context, out: Decided, openers: list[str], closers: list[str], short: dict[str, str]
+    ctx: Context, found: Found, openers: list[str], closers: list[str], short: dict[str, str]
 ) -> None:
     """Closers rowwise: their outputs are partial sums, one all-reduce."""
     by = join_names([short[o] for o in openers])
@@ -301,7 +307,7 @@ def _close(
         s = ctx.trace.regions.closers[c]
         head_dim = s.inner if s.inner > 1 else None
         what = f"{s.n} heads of {s.inner}" if head_dim else f"{s.n} features"
-        out.decisions[c] = decided(
+        found.rules[c] = decided(
             RowwiseRule,
             f"contracts the features split by {by} ({what}) on its input dim; its output is a "
             "partial sum, one all-reduce",
@@ -311,11 +317,11 @@ def _close(
 
 
 def _divide_counts(
-    out: Decided, counts: set[tuple[str, str, int]], openers: list[str], short: dict[str, str]
+    found: Found, counts: set[tuple[str, str, int]], openers: list[str], short: dict[str, str]
 ) -> None:
     """The head counts (and fused cut sizes) the region's views read are divided by tp."""
     for module, attr, _ in sorted(counts):
-        entries = out.attributes.get(module, ())
+        entries = found.attributes[module]
         by_tp = [d for d in entries if d.by is None]
         attrs = tuple(sorted({*(by_tp[0].attrs if by_tp else ()), attr}))
         divided = Divided(
@@ -324,11 +330,11 @@ def _divide_counts(
             f"{join(sorted(short[o] for o in openers))} (with -1 or the rest for other "
             "dims); each rank must use its own share, so it is divided by the tp size",
         )
-        out.attributes[module] = (divided, *(d for d in entries if d.by is not None))
+        found.attributes[module] = (divided, *(d for d in entries if d.by is not None))
 
 
 def _style_param_holders(
-    ctx: Context, out: Decided, holders: list[str], openers: list[str], short: dict[str, str]
+    ctx: Context, found: Found, holders: list[str], openers: list[str], short: dict[str, str]
 ) -> None:
     """Modules whose parameters meet the split tensors: split one entry per head (a per-head
     sink), or replicated with their gradient summed over the tp axis (a per-head norm)."""
@@ -343,7 +349,7 @@ def _style_param_holders(
                 if tables
                 else ("entry", "a per-head sink")
             )
-            out.decisions[h] = decided(
+            found.rules[h] = decided(
                 SplitParamsRule,
                 f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one {entry} per "
                 f"head (per element of the dim split by {by}) and meets them element by "
@@ -351,7 +357,7 @@ def _style_param_holders(
                 shard={p.rpartition(".")[2]: ctx.trace.params.vector_dims.get(p, 0) for p in own},
             )
             continue
-        out.decisions[h] = decided(
+        found.rules[h] = decided(
             ReplicateGradSumRule,
             f"its parameters act on the split features of {by} inside the region; each "
             "rank's gradient is a partial sum, summed over the tp axis",

@@ -10,21 +10,22 @@ from torch import nn
 
 from ..plan.rule import Rule
 from ..plan.styles import ColwiseRule, HeadsRule, ReplicateRule
-from .context import Context, Decided
+from .context import Context, Decided, Found
 from .decision import NOT_CALLED, decided
 
 __all__ = ["decide_rest"]
 
 
-def decide_rest(ctx: Context, out: Decided) -> None:
+def decide_rest(ctx: Context, so_far: Decided) -> Found:
     """Every Linear and Embedding without a decision gets one, with the reason it stays
     whole (`Decided.kept`), or is split anyway with its output gathered."""
     t = ctx.trace
+    found = Found()
     for name, module in ctx.modules.items():
         linear = name in t.layers.linears
-        if not (linear or isinstance(module, nn.Embedding)) or name in out.decisions:
+        if not (linear or isinstance(module, nn.Embedding)) or name in so_far.decisions:
             continue
-        parent = out.decisions.get(name.rpartition(".")[0])
+        parent = so_far.decisions.get(name.rpartition(".")[0])
         if isinstance(parent, HeadsRule):
             continue  # out_proj of an nn.MultiheadAttention split by heads: that style's own
         if name in ctx.tied and name not in t.layers.called:
@@ -35,7 +36,7 @@ def decide_rest(ctx: Context, out: Decided) -> None:
         elif name not in t.layers.called:
             why = NOT_CALLED
         else:
-            why = out.kept.get(
+            why = so_far.kept.get(
                 name, "kept whole: its output is not split anywhere the tracer could follow"
             )
         router = t.experts.routers.get(name)
@@ -44,16 +45,17 @@ def decide_rest(ctx: Context, out: Decided) -> None:
             # before they run, where a split would save in*out/tp weights of a layer with a
             # few outputs for one all-gather per call (torchtitan's plan keeps it whole too)
             _, features, _ = t.layers.linears.get(name, (0, 0, False))
-            out.routers[name] = _gathered(ctx, name, why) if linear else None
+            found.routers[name] = _gathered(ctx, name, why) if linear else None
             why = (
                 f"kept whole: a router ({why.removeprefix('kept whole: ')}; then its output "
                 "reaches an integer input of the module holding the expert weights, its "
                 f"routing): each rank scores all {features} of its outputs itself rather than "
                 "gather them every call"
             )
-            out.decisions[name] = decided(ReplicateRule, why)
+            found.rules[name] = decided(ReplicateRule, why)
             continue
-        out.decisions[name] = (linear and _gathered(ctx, name, why)) or decided(ReplicateRule, why)
+        found.rules[name] = (linear and _gathered(ctx, name, why)) or decided(ReplicateRule, why)
+    return found
 
 
 def _gathered(ctx: Context, name: str, why: str) -> Rule | None:

@@ -23,60 +23,68 @@ from ..plan.styles import (
     SequenceParallelRule,
     VocabParallelRule,
 )
-from .context import Context, Decided
-from .decision import decided, reasoned
+from .context import Context, Decided, Found
+from .decision import Decisions, decided, reasoned
 from .embeddings import not_linear_lookup
 from .names import join, own_params, relative
 
 __all__ = ["apply_sequence_parallel", "try_sequence_parallel"]
 
 
-def apply_sequence_parallel(ctx: Context, out: Decided) -> None:
-    """Keep the stream between split regions split over the sequence (dim 1)."""
-    _routers_on_the_stream(out)
-    _scatter_outputs(ctx, out)
-    _gather_region_inputs(ctx, out)
-    _stream_params_on_shards(ctx, out)
+def apply_sequence_parallel(ctx: Context, so_far: Decided) -> Found:
+    """Keep the stream between split regions split over the sequence (dim 1): four
+    rewrites, each of the rules as the ones before it left them."""
+    found = Found()
+    for rewrite in (
+        _routers_on_the_stream,
+        _scatter_outputs,
+        _gather_region_inputs,
+        _stream_params_on_shards,
+    ):
+        found.rules.update(rewrite(ctx, so_far.merge(found)))
+    return found
 
 
-def _routers_on_the_stream(out: Decided) -> None:
+def _routers_on_the_stream(ctx: Context, out: Decided) -> Decisions:
     """A router kept whole takes its module's input, which sequence parallel makes a
     DTensor: a plain weight cannot meet it. Split with its output gathered, its colwise
     style takes the stream as DTensor computes it."""
+    rules: Decisions = {}
     for name, gathered in out.routers.items():
         if gathered is not None:
-            out.decisions[name] = reasoned(
+            rules[name] = reasoned(
                 gathered,
                 gathered.why + "; sequence parallel: a router kept whole would meet the "
                 "sequence-split stream with a plain weight",
             )
+    return rules
 
 
-def _scatter_outputs(ctx: Context, out: Decided) -> None:
+def _scatter_outputs(ctx: Context, out: Decided) -> Decisions:
     """Partial sums (rowwise outputs, vocab-parallel lookups) are reduce-scattered onto
     sequence shards; a gathered head gathers its input over the sequence first."""
     t = ctx.trace
     scatter = "; sequence parallel: reduce-scattered onto sequence shards, left a DTensor"
-    for name, d in list(out.decisions.items()):
+    rules: Decisions = {}
+    for name, d in out.decisions.items():
         if isinstance(d, VocabParallelRule) and d.sum_at is not None:
             # its rows are summed inside its forward, whole: nothing there to scatter
             why = not_linear_lookup(t.lookups.not_linear[name])
-            out.decisions[name] = decided(
+            rules[name] = decided(
                 ReplicateRule, f"{why} (where sequence parallel reduce-scatters them)"
             )
         elif isinstance(d, VocabParallelRule) or (isinstance(d, RowwiseRule) and d.output is None):
-            out.decisions[name] = reasoned(
-                d, d.why + scatter, output="shard(1)", local_output=False
-            )
+            rules[name] = reasoned(d, d.why + scatter, output="shard(1)", local_output=False)
         elif isinstance(d, ColwiseRule) and d.output == "replicate" and name in t.regions.at_output:
-            out.decisions[name] = reasoned(
+            rules[name] = reasoned(
                 d,
                 d.why + "; sequence parallel: its input is gathered over the sequence first",
                 input="shard(1)",
             )
+    return rules
 
 
-def _gather_region_inputs(ctx: Context, out: Decided) -> None:
+def _gather_region_inputs(ctx: Context, out: Decided) -> Decisions:
     """Each split region all-gathers its input over the sequence: once, at the module that
     holds its openers when they all take that module's input (prepare), else each opener
     its own."""
@@ -84,6 +92,7 @@ def _gather_region_inputs(ctx: Context, out: Decided) -> None:
     gather = (
         "sequence parallel: all-gathers its input over the sequence, since {} need whole sequences"
     )
+    rules: Decisions = {}
     for openers, _ in out.split_regions:
         parent = _common_parent(openers)
         entry = t.layers.entries.get(parent)
@@ -93,8 +102,9 @@ def _gather_region_inputs(ctx: Context, out: Decided) -> None:
             and parent
             and parent not in openers
             and parent not in out.decisions
+            and parent not in rules
         ):
-            out.decisions[parent] = _gathering(
+            rules[parent] = _gathering(
                 gather.format(
                     join(sorted(relative([*openers, parent]).get(o, o) for o in openers))
                 ),
@@ -103,8 +113,9 @@ def _gather_region_inputs(ctx: Context, out: Decided) -> None:
             )
             continue
         for o in openers:  # each opener gathers its own input
-            d = out.decisions[o]
-            out.decisions[o] = reasoned(d, d.why + "; " + gather.format("it"), input="shard(1)")
+            d = rules.get(o, out.decisions[o])
+            rules[o] = reasoned(d, d.why + "; " + gather.format("it"), input="shard(1)")
+    return rules
 
 
 def _gathering(why: str, where: int | str, positional: int) -> PrepareRule:
@@ -129,12 +140,13 @@ def _gathering(why: str, where: int | str, positional: int) -> PrepareRule:
     )
 
 
-def _stream_params_on_shards(ctx: Context, out: Decided) -> None:
+def _stream_params_on_shards(ctx: Context, out: Decided) -> Decisions:
     """Modules whose parameters act on the stream (norms) run on sequence shards. Not one
     whose submodules hold parameters too (an attention kept whole with a bias table of its
     own): torch's SequenceParallel replicates only a module's own parameters, and the
     module runs as its rules and the stream make it."""
     t = ctx.trace
+    rules: Decisions = {}
     for name, module in ctx.modules.items():
         if name in out.decisions or name in t.layers.linears or isinstance(module, nn.Embedding):
             continue
@@ -142,12 +154,13 @@ def _stream_params_on_shards(ctx: Context, out: Decided) -> None:
             continue
         own = own_params(module, name)
         if own and name in t.layers.entries and any(p in t.params.outside for p in own):
-            out.decisions[name] = decided(
+            rules[name] = decided(
                 SequenceParallelRule,
                 "its parameters act on the stream between split regions, which sequence "
                 "parallel keeps split over the sequence; they are replicated and it runs on "
                 "each rank's shard of the sequence",
             )
+    return rules
 
 
 def _common_parent(names: list[str]) -> str:

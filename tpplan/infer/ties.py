@@ -10,45 +10,47 @@ from torch import nn
 
 from .._runtime.facts import tied_groups, weight_split
 from ..plan.styles import ReplicateRule
-from .context import Context, Decided
+from .context import Context, Decided, Found
 from .decision import reasoned
 from .names import join
 
 __all__ = ["untie_unalike"]
 
 
-def untie_unalike(ctx: Context, out: Decided) -> None:
+def untie_unalike(ctx: Context, so_far: Decided) -> Found:
     """A parameter held by several modules (tied input and output embeddings) stays one
     tensor only when every module that computes with it splits it alike (the vocab rows,
     for a token lookup and a head); otherwise they all stay whole. Holders that only
     keep a reference (BERT's prediction head holds its decoder's bias) do not count."""
     groups = tied_groups(ctx.model)
+    found = Found()
+    rules = dict(so_far.decisions)  # as this step leaves them
     changed = True
     while changed:
         changed = False
         for group in groups:
             users = _users(ctx, group)
-            splits = {
-                (m, p): weight_split(out.decisions.get(m), ctx.modules[m], p) for m, p in users
-            }
+            splits = {(m, p): weight_split(rules.get(m), ctx.modules[m], p) for m, p in users}
             if len(set(splits.values())) < 2:
                 continue
             changed = True
             names = sorted({m for m, _ in group})
             for m, _ in users:
-                if out.decisions.pop(m, None) is not None:
+                if rules.pop(m, None) is not None:
+                    found.withdrawn.add(m)
                     others = join([n for n in names if n != m])
-                    out.kept[m] = (
+                    found.kept[m] = (
                         f"kept whole: its weight is shared with {others} (tied), which "
                         "cannot split it the same way"
                     )
     for group in groups:
         for m, p in group:
-            d = out.decisions.get(m)
+            d = rules.get(m)
             if p == "weight" and d is not None and not isinstance(d, ReplicateRule):
                 others = join(sorted({n for n, _ in group if n != m}))
                 why = f"{d.why}; its weight is tied with {others}, split the same way"
-                out.decisions[m] = reasoned(d, why)
+                rules[m] = found.rules[m] = reasoned(d, why)
+    return found
 
 
 def _users(ctx: Context, group: list[tuple[str, str]]) -> list[tuple[str, str]]:

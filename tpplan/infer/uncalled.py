@@ -45,13 +45,15 @@ def copy_from_alike(
     trace: Trace,
     ran: set[str],
     shared: dict[str, list[str]],
-) -> None:
+) -> tuple[Decisions, Attributes]:
     """A part that did not run, called by a module that did, beside an alike part that ran:
     the same module types and parameter shapes (ERNIE 4.5 VL's vision experts beside its
     text experts, given text only). Same code on the same shapes, so the decisions of the
     one that ran hold for it, provided every region in that one opens and closes inside it
     (its outputs are then whole, whoever uses them) and none of the part's parameters was
-    used directly or is shared with the rest."""
+    used directly or is shared with the rest. Returns the decisions and attributes with the
+    copies."""
+    decisions, attributes = dict(decisions), dict(attributes)
     modules = dict(model.named_modules())
     used = trace.params.outside | set(trace.params.in_region)
     regions = find_regions(trace)
@@ -77,6 +79,7 @@ def copy_from_alike(
         for n, a in list(attributes.items()):
             if inside(n, source):
                 attributes.setdefault(name + n[len(source) :], a)
+    return decisions, attributes
 
 
 def _uncalled_roots(decisions: Decisions, ran: set[str]) -> list[str]:
@@ -95,7 +98,7 @@ def infer_uncalled_parts(
     shared: dict[str, list[str]],
     used: set[str],
     infer: InferPart,
-) -> None:
+) -> tuple[Decisions, Attributes]:
     """Each part of the model its forward did not call is traced on its own, from inputs
     made for its own forward signature and config (a vision tower's pixel values), and
     split by what that trace shows. Its outputs are then its own model outputs: whatever
@@ -103,7 +106,8 @@ def infer_uncalled_parts(
     that cannot run alone is tried child by child (an image embedding that needs image
     sizes may hold a tower that needs pixels only). A part that shares a parameter with
     the rest, whose parameters the forward uses directly, or that nothing in it can run
-    alone, stays whole with the reason."""
+    alone, stays whole with the reason. Returns the decisions and attributes with theirs."""
+    decisions, attributes = dict(decisions), dict(attributes)
 
     def under(root: str) -> list[str]:
         return [n for n in decisions if inside(n, root)]
@@ -142,3 +146,4 @@ def infer_uncalled_parts(
         for name in under(root):
             if why is not None and decisions[name].why == NOT_CALLED:
                 decisions[name] = reasoned(decisions[name], f"{NOT_CALLED}; {why}")
+    return decisions, attributes
