@@ -28,7 +28,8 @@ from .._runtime.torch_compat import (
 )
 from .._runtime.tree import tensor_leaves
 from ..errors import Problem
-from ..plan.schema import Plan
+from ..plan.schema import Plan, Rule
+from ..plan.styles import ColwiseRule, SequenceParallelRule
 from ..trace import run_op
 from .shared import rules_by_module
 
@@ -223,7 +224,7 @@ def failure_problem(plan: Plan, model: nn.Module, failure: Failure, tp: int) -> 
             "no rule matches that module or the modules around it; run `tpplan verify` to "
             "see which module's output differs first, and correct the rules near it.",
         )
-    module, how, (rule, style) = blamed
+    module, how, (label, rule) = blamed
     link = {
         "in": "",
         "feeds": f", which takes the output of {module}",
@@ -234,7 +235,7 @@ def failure_problem(plan: Plan, model: nn.Module, failure: Failure, tp: int) -> 
         where += f" in {at}"
     else:
         where += f" in {at}{link}"
-    return Problem("dry_run", rule, module, f"{where}: {said}", _fix(style, modules.get(module)))
+    return Problem("dry_run", label, module, f"{where}: {said}", _fix(rule, modules.get(module)))
 
 
 def _named(modules: dict[str, nn.Module], at: str) -> str:
@@ -246,12 +247,13 @@ def _named(modules: dict[str, nn.Module], at: str) -> str:
 
 def _blame(
     plan: Plan, names: list[str], failure: Failure
-) -> tuple[str, str, tuple[str, str]] | None:
-    """(module, how it relates to where torch raised, (rule label, style)) of the likeliest
-    suspect that a rule or an attribute fix treats; None when none does."""
+) -> tuple[str, str, tuple[str, Rule | None]] | None:
+    """(module, how it relates to where torch raised, (rule label, the rule, or None for an
+    attribute fix)) of the likeliest suspect that a rule or an attribute fix treats; None
+    when none does."""
     styled, divided = rules_by_module(plan, names)
 
-    def rule_of(module: str, how: str) -> tuple[str, str] | None:
+    def rule_of(module: str, how: str) -> tuple[str, Rule | None] | None:
         # a divided attribute changes its module's own forward: where torch raised inside
         # that forward, it is the likelier culprit than the module's style
         if how == "in" and module in divided:
@@ -272,15 +274,17 @@ def _first_line(error: BaseException) -> str:
     return said + ("" if said.endswith((".", "!", "?")) else ".")
 
 
-def _fix(style: str, module: nn.Module | None) -> str:
-    if style == "divide":
+def _fix(rule: Rule | None, module: nn.Module | None) -> str:
+    """The fix a dry-run failure blamed on `rule` (None: an attribute rule's division)
+    suggests."""
+    if rule is None:
         return (
             "divide only the head counts the model's views read to cut the split features "
             "(`tpplan infer` lists them under attributes); a size each rank keeps whole, "
             "such as head_dim, stays as it is."
         )
-    if isinstance(module, nn.Embedding) and style in ("colwise", "sequence_parallel"):
-        return f"{style} on an Embedding: use vocab_parallel or replicate."
+    if isinstance(module, nn.Embedding) and isinstance(rule, (ColwiseRule, SequenceParallelRule)):
+        return f"{rule.style} on an Embedding: use vocab_parallel or replicate."
     return (
         "give the rule a style or layouts (input, output) that what follows can take, or "
         "keep the module whole (style: replicate); `tpplan verify` compares every module "

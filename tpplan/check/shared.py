@@ -59,15 +59,15 @@ def traced_name(trace: Trace, name: str) -> str:
 
 def rules_by_module(
     plan: Plan, names: list[str]
-) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, str]]]:
-    """({module: (rule label, style)}, {module: (attribute rule label, "divide")}): the
-    first rule and the first attribute fix that match each module."""
-    styled: dict[str, tuple[str, str]] = {}
+) -> tuple[dict[str, tuple[str, Rule | None]], dict[str, tuple[str, Rule | None]]]:
+    """({module: (rule label, rule)}, {module: (attribute rule label, None)}): the first
+    rule and the first attribute fix that match each module."""
+    styled: dict[str, tuple[str, Rule | None]] = {}
     for i, rule in enumerate(plan.rules):
         for name in match_names(rule.match, names):
-            styled.setdefault(name, (rule_label(i, rule), rule.style))
-    divided: dict[str, tuple[str, str]] = {}
+            styled.setdefault(name, (rule_label(i, rule), rule))
+    divided: dict[str, tuple[str, Rule | None]] = {}
     for i, attrs in enumerate(plan.attributes):
         for name in match_names(attrs.match, names):
-            divided.setdefault(name, (attribute_label(i, attrs), "divide"))
+            divided.setdefault(name, (attribute_label(i, attrs), None))
     return styled, divided
