@@ -15,8 +15,9 @@ from support.unrunnable import CASES, unrunnable
 from torch import nn
 
 from tpplan import Plan, load_plan
+from tpplan._runtime.fake import meta_copy
 from tpplan._runtime.local import fake_ranks
-from tpplan.check.run import meta_copy, run_plan
+from tpplan.check.run import run_plan
 from tpplan.errors import DryRunSkipped
 
 

@@ -19,7 +19,6 @@ Problem: no plan could pass it, so it is no rule's fault.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import warnings
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._runtime.fake import meta_copy
 from .._runtime.inputs import example_inputs
 from .._runtime.local import outside_simulation, solo_fake_mesh
 from .._runtime.torch_compat import (
@@ -58,48 +58,6 @@ __all__ = [
     "region_inputs",
     "run_plan",
 ]
-
-
-def meta_copy(
-    model: nn.Module,
-    *,
-    fake: FakeTensorMode | None = None,
-    trainable: bool = False,
-    keep: dict[int, int] | None = None,
-) -> nn.Module:
-    """The model with every parameter and buffer on the meta device, no storage copied (a
-    plain deepcopy would copy every weight first). Tied parameters stay tied. With `fake`,
-    they are that mode's fake tensors of meta tensors; with `trainable`, every
-    floating-point parameter requires grad, so a backward reaches it; `keep` ({id of a
-    ModuleList: n}) copies only the first n blocks of those stacks."""
-    keep = keep or {}
-    stacks = [m for m in model.modules() if id(m) in keep]
-    # the tensors of blocks left out are never copied: making them would cost the most
-    skipped = {
-        id(t)
-        for m in stacks
-        for block in list(m.children())[keep[id(m)] :]
-        for t in [*block.parameters(), *block.buffers()]
-    }
-
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        # a plain tensor whatever `t` is (a LocalTensor of simulated ranks, say)
-        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        return fake.from_tensor(meta) if fake is not None else meta
-
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        if id(p) not in skipped:
-            grad = p.requires_grad or (trainable and p.is_floating_point())
-            memo[id(p)] = nn.Parameter(empty(p), requires_grad=grad)
-    for b in model.buffers():
-        if id(b) not in skipped:
-            memo[id(b)] = empty(b)
-    for m in stacks:
-        memo[id(m)] = nn.ModuleList(
-            [copy.deepcopy(b, memo) for b in list(m.children())[: keep[id(m)]]]
-        )
-    return copy.deepcopy(model, memo)
 
 
 class _CannotRun(Exception):

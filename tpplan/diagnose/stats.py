@@ -20,12 +20,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from .._runtime.fake import meta_copy
 from .._runtime.inputs import example_inputs
 from .._runtime.local import fake_ranks
 from .._runtime.torch_compat import TorchDispatchMode
 from .._runtime.tree import first_tensor, local_bytes
 from ..apply.api import apply_plan
-from ..check.run import meta_copy
 from ..compile.local_run import runs_locally
 from ..compile.params import ReplicateGradSum, SplitParams
 from ..compile.rules import plan_to_torch

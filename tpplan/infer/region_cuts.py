@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .._runtime.fake import meta_copy
 from .._runtime.torch_compat import FakeTensorMode, tree_flatten
 from ..check.blame import MetaKernels
-from ..check.run import meta_copy
 from ..trace import quiet_fake_tensor_log
 
 __all__ = ["Cut", "call_fake", "cuts"]

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .._runtime.fake import meta_copy
 from .._runtime.torch_compat import DisableTorchFunction, FakeTensorMode, tree_flatten
-from ..check.run import meta_copy
 from ..errors import TpplanError
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan, RegionRule, Rule
