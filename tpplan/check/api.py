@@ -88,9 +88,8 @@ def complete_plan(plan: Plan, model: nn.Module, *, tp_size: int) -> tuple[Plan, 
     # after the rules' own checks: the heads check by flow names no module whose sizes
     # already failed, so that one mistake is told once
     undivided = {p.module for p in problems if p.kind == "divisibility" and p.module}
-    hints: dict[str, str] = {}
-    problems += check_flow(plan, matches.by_rule, model, tp_size, undivided, hints, traced)
-    problems += sized
+    flow, hints = check_flow(plan, matches.by_rule, model, tp_size, undivided, traced)
+    problems += flow + sized
     problems = [
         replace(p, fix=p.fix.removesuffix(".") + hints[p.module] + ".")
         if p.kind == "divisibility" and p.module in hints

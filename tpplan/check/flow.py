@@ -36,16 +36,16 @@ def check_flow(
     model: nn.Module,
     tp: int,
     undivided: set[str],
-    hints: dict[str, str] | None = None,
     traced: Callable[[], Trace] | None = None,
-) -> list[Problem]:
+) -> tuple[list[Problem], dict[str, str]]:
     """A column-parallel output must reach row-parallel layers only (and the reverse), and
     split into whole heads as the model itself views them; the heads and fused pieces a
     rule states must be the model's; a vocab-parallel embedding must sum where its rows are.
 
     `by_rule` is each rule's matched modules; `undivided`, the modules whose split sizes a
-    divisibility problem already names (the heads check does not name them again; `hints`
-    gets what to add to their fix where sharing key/value heads would serve). The
+    divisibility problem already names (the heads check does not name them again). Returns
+    the problems, and for modules of `undivided` where sharing key/value heads would serve,
+    the words to add to that problem's fix. The
     model is traced (tpplan/trace/) to see where each layer's output goes; a model that
     cannot be traced (its inputs cannot be guessed) gets the structural check instead.
     Idle parts are traced on their own, as infer_plan splits them. `traced` gives the
@@ -58,16 +58,16 @@ def check_flow(
     divided = [(i, n) for i, n in targets.divided if _divisor(plan, model, i, n, tp) != 1]
     targets = targets._replace(divided=divided)
     if not any(targets):
-        return []
+        return [], {}
     try:
         trace = traced() if traced is not None else trace_model(model)
     except TpplanError:
-        return check_by_structure(plan, targets.openers, targets.closers, model)
-    out = _check_trace(plan, targets, trace, tp, undivided, hints)
+        return check_by_structure(plan, targets.openers, targets.closers, model), {}
+    out, hints = _check_trace(plan, targets, trace, tp, undivided)
     named = (name for pairs in targets for _, name in pairs)
     for root in idle_roots(named, trace.layers.ran, lambda n: traced_name(trace, n)):
         out += _check_part(plan, targets, model, root, tp, undivided)
-    return out
+    return out, hints
 
 
 class _Targets(NamedTuple):
@@ -113,16 +113,18 @@ def _check_trace(
     trace: Trace,
     tp: int,
     undivided: set[str],
-    hints: dict[str, str] | None = None,
-) -> list[Problem]:
-    """Every check of one trace, in the order their problems are reported."""
-    return (
+) -> tuple[list[Problem], dict[str, str]]:
+    """Every check of one trace, in the order their problems are reported, and the heads
+    check's words for the fixes of modules in `undivided` (`check_heads`)."""
+    heads, hints = check_heads(plan, targets.openers, trace, tp, undivided)
+    problems = (
         check_split_regions(plan, targets.openers, targets.closers, trace)
-        + check_heads(plan, targets.openers, trace, tp, undivided, hints)
+        + heads
         + check_widths(plan, targets.widths, trace)
         + check_lookups(plan, targets.vocab_parallel, trace)
         + check_divided(plan, targets.openers, targets.divided, trace)
     )
+    return problems, hints
 
 
 def _check_part(
@@ -146,7 +148,7 @@ def _check_part(
             if any(n == below or n.startswith(below + ".") for pairs in targets for _, n in pairs):
                 out += _check_part(plan, targets, model, below, tp, undivided)
         return out
-    return _check_trace(plan, targets, trace, tp, undivided)
+    return _check_trace(plan, targets, trace, tp, undivided)[0]
 
 
 def _placed(part: nn.Module, root: str) -> nn.Module:

@@ -147,20 +147,21 @@ def check_heads(
     trace: Trace,
     tp: int,
     undivided: set[str],
-    hints: dict[str, str] | None = None,
-) -> list[Problem]:
+) -> tuple[list[Problem], dict[str, str]]:
     """Each split output must give every rank whole heads as the model's own views cut them
     (the trace's units), whatever head_dim the plan states: a plan whose head_dim is too
     small (or missing) would pass the rule's own check and cut heads in half mid-forward.
     A module in `undivided` has had its divisibility problem told already; where sharing
-    its key/value heads would serve, `hints` gets the words to add to that problem's fix."""
+    its key/value heads would serve, the words to add to that problem's fix are returned
+    beside the problems, by module."""
     out: list[Problem] = []
+    hints: dict[str, str] = {}
     shared = {traced_name(trace, n) for i, n in openers if plan.rules[i].shares_heads()}
     for i, name in openers:
         t = traced_name(trace, name)
         units = shared_units(trace, t, tp, shared)
         hint = sharing_hint(trace, t, tp, shared)
-        if name in undivided and hint and hints is not None:
+        if name in undivided and hint:
             hints[name] = hint
         if name in undivided or t not in trace.regions.openers or units is None or units % tp == 0:
             continue
@@ -180,4 +181,4 @@ def check_heads(
                 f"use a tp size among {legal_sizes(units)}, or keep this module replicated{hint}.",
             )
         )
-    return out
+    return out, hints
