@@ -11,4 +11,5 @@ imports these, never another test module's privates.
   fake_limits.py: plans and models a dry run must refuse or cannot run.
 - ranks.py: torchrun and how a rank script ends; torch_state.py: what test_torch_state
   shares with its ranks; shipped.py, generate.py: the shipped plans and the generate matrix.
+- tiers.py: which test files can hold a unit test (what `pytest -m unit` collects).
 """
