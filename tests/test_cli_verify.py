@@ -60,7 +60,6 @@ def test_verify_of_a_large_model_suggests_shrinking_it(
     assert err.index("warning:") < err.index("verify: building llama with random weights")
 
 
-@pytest.mark.unit
 def test_verify_cost_counts_parameters_copies_and_activations() -> None:
     model = build_model("llama", SIZES)  # meta: nothing allocated
     forward = verify_cost(model, backward=False)

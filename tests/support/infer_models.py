@@ -1,25 +1,13 @@
 """Tiny models for the tracer's tests: Hugging Face families from small configs, and
-hand-written blocks whose module names can be changed without changing the computation."""
+hand-written blocks whose module names can be changed without changing the computation.
+Each builder imports its transformers classes itself: the unit tier imports this file but
+builds none of them, and importing transformers was 2 s of its start in each process."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    OPTConfig,
-    OPTForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 VOCAB = 128
 _SMALL = dict(
@@ -40,27 +28,37 @@ def _build(cls: type[nn.Module], config: object, seed: int) -> nn.Module:
 
 def llama_mha(seed: int = 0) -> nn.Module:
     """8 query heads and 8 key/value heads of head_dim 8."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     return _build(LlamaForCausalLM, LlamaConfig(**_SMALL, num_key_value_heads=8), seed)
 
 
 def llama_gqa(seed: int = 0) -> nn.Module:
     """8 query heads sharing 4 key/value heads (grouped-query attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     return _build(LlamaForCausalLM, LlamaConfig(**_SMALL, num_key_value_heads=4), seed)
 
 
 def qwen2(seed: int = 0) -> nn.Module:
     """Biases on q/k/v projections."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     return _build(Qwen2ForCausalLM, Qwen2Config(**_SMALL, num_key_value_heads=4), seed)
 
 
 def qwen3(seed: int = 0) -> nn.Module:
     """Per-head RMSNorm on queries and keys (q_norm, k_norm) inside the attention region."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     return _build(Qwen3ForCausalLM, Qwen3Config(**_SMALL, num_key_value_heads=4, head_dim=8), seed)
 
 
 def opt(seed: int = 0) -> nn.Module:
     """Views by a stored head count, `view(bsz, -1, self.num_heads, self.head_dim)`: 4 heads
     of 16 so the count is not also the head size; fc1 -> relu -> fc2 MLP; tied embeddings."""
+    from transformers import OPTConfig, OPTForCausalLM
+
     cfg = OPTConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -79,6 +77,8 @@ def opt(seed: int = 0) -> nn.Module:
 def gpt2(seed: int = 0, *, tied: bool = True) -> nn.Module:
     """Conv1D layers (weights stored (in, out)); one c_attn producing q|k|v, cut apart by
     `split(self.split_size)`; tied input embedding and head."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     cfg = GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=64,
         bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied,
@@ -89,6 +89,8 @@ def gpt2(seed: int = 0, *, tied: bool = True) -> nn.Module:
 def phi3(seed: int = 0) -> nn.Module:
     """One gate_up_proj cut by `chunk(2)`; one qkv_proj cut by slices at positions computed
     from the config in forward (GQA: 8 query heads, 4 key/value heads)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
     cfg = Phi3Config(
         **_SMALL, num_key_value_heads=4, pad_token_id=0, bos_token_id=0, eos_token_id=0
     )

@@ -5,12 +5,14 @@ by hand, with its `images`; `seeded` builds any of them from a seed."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 __all__ = [
     "TINY_LLAMA_CONFIG",
@@ -59,6 +61,10 @@ def tiny_llama(
 ) -> LlamaForCausalLM:
     """head_dim 8 whatever the width, so the plans under tests/plans fit every variant;
     `tied`: the head is the token embedding."""
+    # transformers is imported here, not above: the unit tier builds no Llama, and the
+    # import was 2 s of the tier's start in each process
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
