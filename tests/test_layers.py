@@ -5,6 +5,7 @@ itself round a cycle, lazy imports (inside functions) included. Read from the so
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def _stage(module: str) -> int:
     return STAGES.index(part)
 
 
+@cache  # the package does not change during a run: three tests read one graph, parsed once
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
