@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from .comments import load_yaml
+
 __all__ = [
     "plans_folder",
     "shipped_for_class",
@@ -57,7 +59,7 @@ def shipped_for_class(class_name: str) -> list[str]:
     found = []
     for name, path in shipped_plans().items():
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(path.read_text())
         except (OSError, yaml.YAMLError):
             continue
         model = data.get("model") if isinstance(data, dict) else None
