@@ -42,6 +42,7 @@ __all__ = [
     "BLOCKS",
     "EINOPS",
     "SAMPLE",
+    "VOCAB",
     "Outcome",
     "Spec",
     "build",
