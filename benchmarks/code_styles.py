@@ -4,7 +4,9 @@ each held to parity and judged split the Megatron way or not.
 Run: `python benchmarks/code_styles.py` (60 cases at tp 2 and 4, about 10 s a case and tp
 size on 2 busy cores: 20 minutes; `--n 20 --tp 2` for fewer, `--seed 1` for other cases,
 `--depart 0.7` for cases further from the common forms, `--only qkv=split,kv=gqa` to fix
-choices, `--render` to re-print benchmarks/results/code_styles.json without running).
+choices, `--single` for the common form and each other value of a choice on its own (29
+cases, results in code_styles_single.json), `--render` to re-print
+benchmarks/results/code_styles.json without running).
 
 The cases are tests/support/code_styles.py's: a `Spec` of independent choices (projection
 kind, how a fused q|k|v is cut, head reshapes, where sizes come from, ...), each choice left
@@ -85,6 +87,11 @@ def draw(n: int, seed: int, depart: float, only: dict[str, str]) -> list[Spec]:
             seen.add(spec)
             out.append(spec)
     return out
+
+
+def single() -> list[Spec]:
+    """The common form, then every other value of every choice on its own."""
+    return [Spec()] + [Spec(**{a: v}) for a, values in AXES.items() for v in values[1:]]
 
 
 def run(specs: list[Spec], tps: list[int]) -> list[dict[str, Any]]:
@@ -202,10 +209,35 @@ def headline(rows: list[dict[str, Any]]) -> str:
     )  # fmt: skip
 
 
+def single_table(rows: list[dict[str, Any]]) -> str:
+    """One line per case of `single`: its blocks at each tp size, and why one missed."""
+    tps = sorted({r["tp"] for r in rows})
+    lines = []
+    for spec in single():
+        runs = [r for r in rows if _spec(r) == spec]
+        marks = []
+        for tp in tps:
+            r = next(r for r in runs if r["tp"] == tp)
+            marks += (
+                [r["parity"]] * 2
+                if _failed(r)
+                else ["yes" if ok else "no" for b, ok in sorted(r["megatron"].items())]
+            )
+        exists = "yes" if runs[0]["exists"] else "no"
+        causes = [_reason(c) for r in runs if not _failed(r) for c in _causes(r)]
+        why = Spec(**runs[0]["spec"]).label()
+        lines.append([why, exists, *marks, causes[0] if causes else ""])
+    heads = [f"{kind}, tp {tp}" for tp in tps for kind in ("attention", "MLP")]
+    return _common.markdown(["case", "Megatron exists", *heads, "first reason of a miss"], lines)
+
+
 def render(data: dict[str, Any]) -> None:
     rows, meta = data["rows"], data["meta"]
     print(f"{meta['command']}\n{meta['date']}; {meta['provenance']}\n")
     print(headline(rows) + "\n")
+    if meta.get("single"):
+        print(single_table(rows))
+        return
     print(axis_table(rows) + "\n")
     print(
         "Runs with a Megatron split, by structure (issue 35's letters; a case may hold several):\n"
@@ -228,17 +260,23 @@ def main() -> None:
         help="how often a choice leaves its common form (default 0.4; 1: never the common form)",
     )
     parser.add_argument("--only", default="", help="fixed choices, e.g. qkv=split,kv=gqa")
+    parser.add_argument(
+        "--single",
+        action="store_true",
+        help="instead of drawn cases, the common form and each other value on its own",
+    )
     parser.add_argument("--render", action="store_true", help="re-print the saved results")
     args = parser.parse_args()
+    name = NAME + ("_single" if args.single else "")
     if args.render:
-        render(_common.load(NAME))
+        render(_common.load(name))
         return
     only = dict(kv.partition("=")[::2] for kv in args.only.split(",") if kv)
     for axis, value in only.items():
         if value not in AXES.get(axis, ()):
             choices = ", ".join(f"{a}={'|'.join(v)}" for a, v in AXES.items())
             parser.error(f"--only {axis}={value} is not a choice; choices: {choices}")
-    specs = draw(args.n, args.seed, args.depart, only)
+    specs = single() if args.single else draw(args.n, args.seed, args.depart, only)
     rows = run(specs, args.tp)
     meta = {
         "command": "python benchmarks/code_styles.py " + " ".join(sys.argv[1:]),
@@ -249,9 +287,10 @@ def main() -> None:
         "seed": args.seed,
         "depart": args.depart,
         "only": only,
+        "single": args.single,
     }
     data = {"meta": meta, "rows": rows}
-    path = _common.save(NAME, data)
+    path = _common.save(name, data)
     render(data)
     print(f"\nsaved {path.relative_to(HERE.parent)}")
 
