@@ -77,12 +77,12 @@ def draw(n: int, seed: int, depart: float, only: dict[str, str]) -> list[Spec]:
     """`n` distinct specs drawn from `seed`: each choice leaves its common form (the
     default, the first value) with probability `depart`, for one of the others drawn
     uniformly; the choices of `only` are fixed."""
-    rng, out, seen = random.Random(seed), [], set()
+    rng, out, seen = random.Random(seed), list[Spec](), set[Spec]()
     for _ in range(50 * n):
         if len(out) == n:
             break
         picks = {a: v[0] if rng.random() >= depart else rng.choice(v[1:]) for a, v in AXES.items()}
-        spec = Spec(**{**picks, **only})
+        spec = Spec.of({**picks, **only})
         if spec not in seen:
             seen.add(spec)
             out.append(spec)
@@ -91,7 +91,7 @@ def draw(n: int, seed: int, depart: float, only: dict[str, str]) -> list[Spec]:
 
 def single() -> list[Spec]:
     """The common form, then every other value of every choice on its own."""
-    return [Spec()] + [Spec(**{a: v}) for a, values in AXES.items() for v in values[1:]]
+    return [Spec()] + [Spec.of({a: v}) for a, values in AXES.items() for v in values[1:]]
 
 
 def run(specs: list[Spec], tps: list[int]) -> list[dict[str, Any]]:
@@ -112,7 +112,7 @@ def run(specs: list[Spec], tps: list[int]) -> list[dict[str, Any]]:
 
 # ---- the report -------------------------------------------------------------------------------
 def _spec(r: dict[str, Any]) -> Spec:
-    return Spec(**r["spec"])
+    return Spec.of(r["spec"])
 
 
 def _failed(r: dict[str, Any]) -> bool:
@@ -225,7 +225,7 @@ def single_table(rows: list[dict[str, Any]]) -> str:
             )
         exists = "yes" if runs[0]["exists"] else "no"
         causes = [_reason(c) for r in runs if not _failed(r) for c in _causes(r)]
-        why = Spec(**runs[0]["spec"]).label()
+        why = _spec(runs[0]).label()
         lines.append([why, exists, *marks, causes[0] if causes else ""])
     heads = [f"{kind}, tp {tp}" for tp in tps for kind in ("attention", "MLP")]
     return _common.markdown(["case", "Megatron exists", *heads, "first reason of a miss"], lines)
@@ -272,10 +272,10 @@ def main() -> None:
         render(_common.load(name))
         return
     only = dict(kv.partition("=")[::2] for kv in args.only.split(",") if kv)
-    for axis, value in only.items():
-        if value not in AXES.get(axis, ()):
-            choices = ", ".join(f"{a}={'|'.join(v)}" for a, v in AXES.items())
-            parser.error(f"--only {axis}={value} is not a choice; choices: {choices}")
+    try:
+        Spec.of(only)
+    except ValueError as e:
+        parser.error(f"--only {e}")
     specs = single() if args.single else draw(args.n, args.seed, args.depart, only)
     rows = run(specs, args.tp)
     meta = {

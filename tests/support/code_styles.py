@@ -20,6 +20,7 @@ import importlib.util
 import linecache
 import time
 import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
@@ -118,6 +119,16 @@ class Spec:
     def head_dim(self) -> int:
         return (WIDTH if self.inner == "model" else 2 * WIDTH) // self.n_head
 
+    @classmethod
+    def of(cls, choices: Mapping[str, str]) -> Spec:
+        """The spec of {choice: value}, the rest at the common form, from text (JSON, a
+        command line); a choice or value not in `AXES` is refused, naming the choices."""
+        for axis, value in choices.items():
+            if value not in AXES.get(axis, ()):
+                known = ", ".join(f"{a}={'|'.join(v)}" for a, v in AXES.items())
+                raise ValueError(f"{axis}={value} is not a choice; the choices: {known}")
+        return cls(**choices)  # type: ignore[arg-type]
+
     def label(self) -> str:
         """The choices that differ from the defaults, "default" for none."""
         base = Spec()
@@ -170,12 +181,12 @@ class _Say:
             self.merged = str(s.n_head * s.head_dim)
             self.groups = str(s.n_head // s.n_kv)
             self.bh = f"b * {s.n_head}"
-        q, kv = s.n_head * s.head_dim, s.n_kv * s.head_dim
+        q_w, kv_w = s.n_head * s.head_dim, s.n_kv * s.head_dim
         self.q, self.kv = {
             "attr": ("self.q_size", "self.kv_size" if self.unequal else "self.q_size"),
             "config": ("cfg.n_head * cfg.head_dim", "cfg.n_kv * cfg.head_dim"),
             "shape": ("q_size", "kv_size"),
-            "literal": (str(q), str(kv)),
+            "literal": (str(q_w), str(kv_w)),
         }[s.sizes]
 
     def heads(self, z: str, h: str, parts: int = 0) -> str:
@@ -503,15 +514,16 @@ def build(spec: Spec, seed: int = 0) -> nn.Module:
     exec(compile(text, filename, "exec"), scope)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = scope["Model"]()  # type: ignore[operator]
+        model: nn.Module = scope["Model"]()  # type: ignore[operator]
         with torch.no_grad():
             # norm weights away from ones, so that no gradient is trivially the same on
             # every rank; the embedding scaled so the stream stays O(1)
             for m in model.modules():
                 if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and m.weight is not None:
                     m.weight.uniform_(0.5, 1.5)
-            model.embed.weight.mul_(0.5)
-    return model.eval()  # type: ignore[no-any-return]
+                elif isinstance(m, nn.Embedding):
+                    m.weight.mul_(0.5)
+    return model.eval()
 
 
 def inputs(seed: int = 0) -> torch.Tensor:
