@@ -3,7 +3,8 @@ imports these, never another test module's privates.
 
 - models.py: tiny models (tiny_llama and its config, Vit, ...) and their inputs;
   infer_models.py: tiny Hugging Face families and hand-written blocks for the tracer;
-  blocks.py: transformer variants built from a `Spec` (property tests); tables.py,
+  blocks.py: transformer variants built from a `Spec` (property tests); code_styles.py:
+  attention and MLP blocks written many ways, as source text (issue 35's generator); tables.py,
   lora.py: an embedding table that does more than look up, a LoRA Llama.
 - parity.py: `assert_parity`, the one check against the unsharded model, on both
   execution paths; plans.py: which rule a module gets, and tests/plans/llama.yaml.
