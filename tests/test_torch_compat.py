@@ -25,8 +25,6 @@ from torch.overrides import TorchFunctionMode
 
 from tpplan._runtime import torch_compat as tc
 
-pytestmark = pytest.mark.unit
-
 PACKAGE = Path(__file__).resolve().parents[1] / "tpplan"
 COMPAT = PACKAGE / "_runtime" / "torch_compat.py"
 
@@ -85,6 +83,7 @@ def private_torch_names(path: Path) -> list[str]:
     return sorted(set(found))
 
 
+@pytest.mark.unit
 def test_the_search_finds_each_kind_of_private_name(tmp_path: Path) -> None:
     """The search itself, on one line of each kind it must catch and of each it lets by."""
     caught = [
@@ -111,6 +110,7 @@ def test_the_search_finds_each_kind_of_private_name(tmp_path: Path) -> None:
         assert bool(private_torch_names(path)) == (code in caught), code
 
 
+@pytest.mark.unit
 def test_only_torch_compat_reaches_private_torch_names() -> None:
     modules = sorted(PACKAGE.rglob("*.py"))
     assert len(modules) > 20 and COMPAT in modules
@@ -128,7 +128,8 @@ def test_only_torch_compat_reaches_private_torch_names() -> None:
 
 def test_importing_torch_compat_leaves_the_heavy_parts_unloaded() -> None:
     """As cheap as `import torch`: DTensor, the simulated ranks, dynamo, inductor and
-    torch.testing load on first use, so _runtime/ and trace/ stay as light as before."""
+    torch.testing load on first use, so _runtime/ and trace/ stay as light as before. The
+    one test here outside the unit tier: it imports torch afresh in a new interpreter (3 s)."""
     heavy = [
         "torch.distributed.tensor",
         "torch.distributed._local_tensor",
@@ -166,10 +167,12 @@ def _parameters(f: Callable[..., object]) -> list[str]:
     return list(inspect.signature(f).parameters)
 
 
+@pytest.mark.unit
 def test_every_name_has_a_check() -> None:
     assert sorted(CHECKS) == sorted(tc.__all__)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(tc.__all__))
 def test_name_holds(name: str) -> None:
     """The name resolves (a lazy one imports), and holds what tpplan relies on."""
