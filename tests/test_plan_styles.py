@@ -1,7 +1,7 @@
 """The plan's vocabularies as plain functions: styles, layouts and schema versions.
 
 tests/test_plan_messages.py checks the same messages through a whole plan file; here each
-check runs on the plain values a rule gives, as tpplan/plan/styles.py, layouts.py and
+check runs on the plain values a rule gives, as tpplan/plan/styles/, layouts.py and
 versions.py define them. No torch here.
 """
 
@@ -15,7 +15,6 @@ import pytest
 from tpplan.plan import SCHEMA_VERSION, STYLES, Plan, Rule, parse_layout
 from tpplan.plan.layouts import check_layout, check_layouts
 from tpplan.plan.rule import STYLE_CLASSES
-from tpplan.plan.styles import _Layouts
 from tpplan.plan.versions import READABLE_VERSIONS, check_fields_fit_version, version_problem
 
 pytestmark = pytest.mark.unit
@@ -183,7 +182,7 @@ def test_which_dim_of_a_weight_a_style_splits(
     style: str, fields: dict[str, Any], kind: Any, dim: int | None
 ) -> None:
     rule = _rule(style, **fields)
-    assert isinstance(rule, _Layouts) and rule.weight_dim(kind) == dim
+    assert rule.weight_dim(kind) == dim
 
 
 # ---- versions -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """How a step of infer_plan states one module's rule: `decided(StyleRule, why, ...)`, an
-instance of the style's own class (plan/styles.py) whose pattern api.py writes later.
+instance of the style's own class (plan/styles/) whose pattern api.py writes later.
 
 Every step gives rules by full module name (`Decisions`); api.py groups equal ones and
 writes each group's compact pattern in place of `UNPLACED`. `Attributes` holds the module

@@ -1,5 +1,5 @@
 """Stage 3, the plan file. Imports no torch: reading, printing and validating a plan file is
-instant. Start at schema.py (`Plan`), then styles.py (one class per style, on rule.py's
+instant. Start at schema.py (`Plan`), then styles/ (one class per style, on rule.py's
 `Rule`); then, by concern:
 
 - load.py: `load_plan`, from a file or a shipped plan's name; shipped.py finds those;

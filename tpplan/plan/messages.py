@@ -3,7 +3,7 @@
 Start at `explain`. pydantic reports every problem of a plan at once, each at a location
 (`('rules', 0, 'style')`); each becomes one line that names the place as a reader writes it
 (`rules[0].style`) and, when the YAML text is at hand, the line it is on. The checks' own
-messages (tpplan/plan/styles.py, versions.py, layouts.py) already say what was given, what
+messages (tpplan/plan/styles/, versions.py, layouts.py) already say what was given, what
 is allowed and the fix; they pass through as they are. No torch here.
 """
 

@@ -1,7 +1,7 @@
-"""`Rule`, the base of the ten style classes (styles.py), and how a rule finds its class.
+"""`Rule`, the base of the ten style classes (styles/), and how a rule finds its class.
 
 Start at `Rule`. A rule maps a module-name pattern to a style; every style is a class of its
-own (styles.py) that holds only the fields that style takes, its checks, the schema version
+own (styles/) that holds only the fields that style takes, its checks, the schema version
 each of its fields came in, and the pure facts about it. `Rule(style=..., ...)` and
 `Rule.parse(data)` give an instance of the style's class; a plan's `rules` are read the same
 way (`AnyRule`, a union tagged by `style`). No torch here.
@@ -49,7 +49,7 @@ WeightKind = Literal["linear", "conv", "embedding"]
 """What holds a weight a style splits: an nn.Linear (or a layer with a Linear's weight, as
 GPT-2's Conv1D with `transposed`), a convolution, an nn.Embedding."""
 
-# style name -> its class, in the order the styles are listed (filled as styles.py defines them)
+# style name -> its class, in the order the styles are listed (filled as styles/ defines them)
 STYLE_CLASSES: dict[str, type[Rule]] = {}
 
 _EVERY_RULE = ("match", "style", "why")  # the fields every rule has, whatever its style

@@ -2,7 +2,7 @@
 
 Start at `Plan`. A plan is an ordered list of rules, each mapping a module-name pattern to
 a parallel style, with the layouts it uses and a `why`; each rule is an instance of its
-style's class (styles.py, on rule.py's `Rule`), read by its `style`. Every field's docstring
+style's class (styles/, on rule.py's `Rule`), read by its `style`. Every field's docstring
 becomes its description in the JSON Schema (plans/schema.json, `tpplan schema`: one entry
 per style). The checks across a rule's fields are its class's; layouts.py and versions.py
 check the rest, messages.py words pydantic's errors and comments.py writes and reads the YAML

@@ -24,7 +24,7 @@ SCHEMA_VERSION = 12
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 # What each version added outside the rules (a rule's own are on its style's class,
-# styles.py: `since`, `field_since`, `style_field_since`, `omissions`): a file naming any of
+# styles/: `since`, `field_since`, `style_field_since`, `omissions`): a file naming any of
 # these needs at least that version.
 _ADDED_MODEL_FIELDS = {4: ("command",)}
 _ADDED_TOP_LEVEL = {8: ("regions",)}
