@@ -20,7 +20,7 @@ from tpplan.checkpoint.safetensors_io import (
     StreamingWriter,
     index_folder,
     open_files,
-    read_region_into,
+    read_slices_into,
     safetensors_files,
 )
 
@@ -51,7 +51,7 @@ def test_a_region_is_read_exactly(
     out = torch.full(full[region].shape, SENTINEL)
     with open_files([tmp_path / "x.safetensors"]) as fds:
         entry = index_folder(fds)["t"]
-        read_region_into(fds[entry.file], entry, region, out)
+        read_slices_into(fds[entry.file], entry, region, out)
     assert torch.equal(out, full[region].float())
 
 
@@ -62,7 +62,7 @@ def test_a_region_reads_into_a_strided_view(tmp_path: Path) -> None:
     holder = torch.full((4, 8), SENTINEL)
     with open_files([tmp_path / "x.safetensors"]) as fds:
         entry = index_folder(fds)["t"]
-        read_region_into(fds[entry.file], entry, (slice(0, 4), slice(2, 5)), holder[:, 1:4])
+        read_slices_into(fds[entry.file], entry, (slice(0, 4), slice(2, 5)), holder[:, 1:4])
     assert torch.equal(holder[:, 1:4], full[:, 2:5])
     assert (holder[:, [0, 4, 5, 6, 7]] == SENTINEL).all()
 
@@ -182,7 +182,7 @@ def test_every_dtype_safetensors_stores_is_written_and_read(tmp_path: Path) -> N
         for name, t in tensors.items():
             assert f.get_tensor(name).view(torch.uint8).equal(t.view(torch.uint8)), name
             out = torch.empty_like(t)
-            read_region_into(fds[index[name].file], index[name], (slice(0, 4),), out)
+            read_slices_into(fds[index[name].file], index[name], (slice(0, 4),), out)
             assert out.view(torch.uint8).equal(t.view(torch.uint8)), name
 
 

@@ -1,5 +1,5 @@
 """Stage 4, checking a plan against a model and a tp size: every problem at once, first the
-static ones (rules, sizes, regions by data flow), then a dry run of the sharded forward and
+static ones (rules, sizes, spans by data flow), then a dry run of the sharded forward and
 backward on fake ranks. Start at api.py (`check_plan`), which calls the others in order.
 
 The modules:
@@ -8,11 +8,11 @@ The modules:
 - complete.py: those sizes, read from a trace;
 - rules.py: each rule on the modules it matches, and checks across rules (experts, tied).
 - sizes.py: the dims each style splits, and sizes tp must divide.
-- flow.py: the checks by traced data flow, driven: regions.py (regions and heads),
+- flow.py: the checks by traced data flow, driven: spans.py (spans and heads),
   widths.py (head_dim, fused parts), lookups.py (vocab-parallel embeddings), and
   attributes.check_divided; structure.py where the model cannot be traced.
 - attributes.py: the plan's attribute fixes. fingerprint.py: the plan's model.
-- shared.py: how problems name rules, legal tp sizes, region roles.
+- shared.py: how problems name rules, legal tp sizes, span roles.
 - run.py: the dry run on fake ranks; blame.py: which rule a failure of it is told on.
 """
 

@@ -104,12 +104,12 @@ def check_divided(
     read counts it did not see); the dry run speaks for the rest.
 
     `divided` pairs index plan.attributes, not plan.rules."""
-    if any(traced_name(trace, n) in trace.regions.broken for _, n in openers):
+    if any(traced_name(trace, n) in trace.spans.broken for _, n in openers):
         return []
     counts = [*trace.reads.counts.values(), *trace.experts.counts.values()]
     legal = {(m, a) for found in counts for m, a, _ in found}
     # the counts that repeat shared key/value heads to their query heads (by: replicas)
-    legal |= {read[:2] for _, read in trace.regions.repeats.values() if read is not None}
+    legal |= {read[:2] for _, read in trace.spans.repeats.values() if read is not None}
     out: list[Problem] = []
     for i, name in divided:
         rule, t = plan.attributes[i], traced_name(trace, name)

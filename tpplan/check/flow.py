@@ -1,5 +1,5 @@
 """The checks by data flow, driven: trace the model once (tpplan/trace/), run every check of
-a trace on it (regions.py, widths.py, lookups.py, attributes.check_divided), then trace on
+a trace on it (spans.py, widths.py, lookups.py, attributes.check_divided), then trace on
 their own the parts the model's forward never calls (idle parts, such as the vision tower
 of a model traced on text alone), as infer_plan does. A model that cannot be traced gets
 the structural check (structure.py). Start at `check_flow`.
@@ -19,8 +19,8 @@ from ..plan.schema import Plan
 from ..plan.styles import VocabParallelRule
 from .attributes import check_divided
 from .lookups import check_lookups
-from .regions import check_heads, check_split_regions
 from .shared import Match, traced_name
+from .spans import check_heads, check_spans
 from .structure import check_by_structure
 from .widths import check_widths
 
@@ -118,7 +118,7 @@ def _check_trace(
     check's words for the fixes of modules in `undivided` (`check_heads`)."""
     heads, hints = check_heads(plan, targets.openers, trace, tp, undivided)
     problems = (
-        check_split_regions(plan, targets.openers, targets.closers, trace)
+        check_spans(plan, targets.openers, targets.closers, trace)
         + heads
         + check_widths(plan, targets.widths, trace)
         + check_lookups(plan, targets.vocab_parallel, trace)

@@ -1,9 +1,9 @@
-"""Regions checked by the traced data flow: a column-parallel output must reach row-parallel
+"""Spans checked by the traced data flow: a column-parallel output must reach row-parallel
 layers only (and a row-parallel input come from column-parallel ones), and split into whole
-heads as the model's own views cut them. Start at `check_split_regions`; flow.py calls it and
+heads as the model's own views cut them. Start at `check_spans`; flow.py calls it and
 `check_heads` on each trace.
 
-The words are the tracer's (tpplan/trace/record.py): opener, closer, region, whole.
+The words are the tracer's (tpplan/trace/record.py): opener, closer, span, whole.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from .shared import Match, legal_sizes, rule_label, traced_name
 if TYPE_CHECKING:
     from ..trace import Trace
 
-__all__ = ["check_heads", "check_split_regions"]
+__all__ = ["check_heads", "check_spans"]
 
 
-def check_split_regions(
+def check_spans(
     plan: Plan, openers: list[Match], closers: list[Match], trace: Trace
 ) -> list[Problem]:
-    """Every opener's problems, then every closer's: a region the plan opens and does not
+    """Every opener's problems, then every closer's: a span the plan opens and does not
     close (or closes and does not open), as the trace links them."""
     return _check_openers(plan, openers, closers, trace) + _check_closers(
         plan, openers, closers, trace
@@ -32,8 +32,8 @@ def check_split_regions(
 
 
 def _partners(trace: Trace, t: str, role: dict[str, Any]) -> set[str]:
-    """The layers of `role` (the trace's openers or closers) in a region with `t`."""
-    return {m for g in trace.regions.links if t in g for m in g if m in role and m != t}
+    """The layers of `role` (the trace's openers or closers) in a span with `t`."""
+    return {m for g in trace.spans.links if t in g for m in g if m in role and m != t}
 
 
 def _check_openers(
@@ -43,11 +43,11 @@ def _check_openers(
     out: list[Problem] = []
     for i, name in openers:
         rule, t = plan.rules[i], traced_name(trace, name)
-        if t in trace.lookups.token_ids and t not in trace.regions.openers:
+        if t in trace.lookups.token_ids and t not in trace.spans.openers:
             out.append(_split_rows(i, rule, name))
-        if t not in trace.regions.openers:
+        if t not in trace.spans.openers:
             continue  # not a Linear called on a whole input; the type check speaks for it
-        missing = sorted(wildcard(c) for c in _partners(trace, t, trace.regions.closers) - close_t)
+        missing = sorted(wildcard(c) for c in _partners(trace, t, trace.spans.closers) - close_t)
         if missing:
             out.append(
                 Problem(
@@ -60,8 +60,8 @@ def _check_openers(
                 )
             )
         elif (
-            t in trace.regions.at_output
-            and not _partners(trace, t, trace.regions.closers)
+            t in trace.spans.at_output
+            and not _partners(trace, t, trace.spans.closers)
             and not plan.options.loss_parallel
         ):
             out.append(
@@ -84,11 +84,11 @@ def _check_closers(
     out: list[Problem] = []
     for i, name in closers:
         rule, t = plan.rules[i], traced_name(trace, name)
-        if t not in trace.regions.closers:
+        if t not in trace.spans.closers:
             # The trace saw no split arrive (or its split went through a reshape by stored
             # head counts, which the plan's attributes fix): nothing to pair it with.
             continue
-        missing = sorted(wildcard(o) for o in _partners(trace, t, trace.regions.openers) - open_t)
+        missing = sorted(wildcard(o) for o in _partners(trace, t, trace.spans.openers) - open_t)
         if missing:
             out.append(
                 Problem(
@@ -122,17 +122,17 @@ def shared_units(trace: Trace, t: str, tp: int, shared: set[str]) -> int | None:
     attention, each side's own heads), except for a key/value opener in `shared`
     (replicate_heads) at a tp that is a multiple of its heads: each rank's query heads then
     meet one of them, which tp/K ranks share, and it needs nothing more."""
-    regions = trace.regions
-    if t in shared and t in regions.kv_heads and tp % regions.kv_heads[t] == 0:
+    spans = trace.spans
+    if t in shared and t in spans.kv_heads and tp % spans.kv_heads[t] == 0:
         return tp
-    return regions.units.get(t)
+    return spans.units.get(t)
 
 
 def sharing_hint(trace: Trace, t: str, tp: int, shared: set[str]) -> str:
     """The end of a divisibility fix for traced opener `t`: where its heads are key/value
     heads that query heads share and tp is a multiple of them, replicate_heads would serve."""
-    kv = trace.regions.kv_heads.get(t)
-    if kv is None or t in shared or tp % kv or t in trace.regions.unshared:
+    kv = trace.spans.kv_heads.get(t)
+    if kv is None or t in shared or tp % kv or t in trace.spans.unshared:
         return ""
     return (
         f"; or, as its {kv} heads are key/value heads the query heads share, add "
@@ -163,9 +163,9 @@ def check_heads(
         hint = sharing_hint(trace, t, tp, shared)
         if name in undivided and hint:
             hints[name] = hint
-        if name in undivided or t not in trace.regions.openers or units is None or units % tp == 0:
+        if name in undivided or t not in trace.spans.openers or units is None or units % tp == 0:
             continue
-        features, heads = trace.regions.openers[t], trace.regions.heads.get(t)
+        features, heads = trace.spans.openers[t], trace.spans.heads.get(t)
         size = features // heads if heads and features % heads == 0 else None
         what = f"{heads} heads of {size}" if size else f"{features} features"
         if heads != units:

@@ -101,26 +101,26 @@ def model_pieces(trace: Trace, t: str, param: str | None = None) -> tuple[int, .
     """The fused pieces the model cuts the output features of the module traced as `t`
     into (of its expert parameter `param`, per expert), as infer writes a rule's parts and
     fused; None where the forward cuts none."""
-    return trace.regions.parts.get(t if param is None else f"{t}.{param}")
+    return trace.spans.parts.get(t if param is None else f"{t}.{param}")
 
 
 def model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | None:
     """(head size, how the model's views show it) of a traced opener or closer, read as
     infer reads it when it writes a rule's head_dim; None where the flow shows no heads."""
     if closer:
-        s = trace.regions.closers.get(t)
+        s = trace.spans.closers.get(t)
         if s is None or s.inner <= 1:
             return None
         return s.inner, f"its {s.n * s.inner} input features arrive as {s.n} heads of {s.inner}"
-    if t not in trace.regions.openers:
+    if t not in trace.spans.openers:
         return None
-    features, parts = trace.regions.openers[t], trace.regions.parts.get(t)
+    features, parts = trace.spans.openers[t], trace.spans.parts.get(t)
     if parts is not None:
         # fused pieces are cut apart before any view: their head size shows where they meet
         # again, at the closers' input, merged from (heads, head_dim)
-        links = [g for g in trace.regions.links if t in g]
+        links = [g for g in trace.spans.links if t in g]
         inners = {
-            trace.regions.closers[c].inner for g in links for c in g if c in trace.regions.closers
+            trace.spans.closers[c].inner for g in links for c in g if c in trace.spans.closers
         }
         if len(inners) != 1 or (inner := inners.pop()) <= 1 or any(p % inner for p in parts):
             return None
@@ -130,7 +130,7 @@ def model_head_dim(trace: Trace, t: str, *, closer: bool) -> tuple[int, str] | N
             f"its {features} output features are fused pieces ({pieces}), each made of heads "
             f"of {inner}",
         )
-    heads = trace.regions.heads.get(t)
+    heads = trace.spans.heads.get(t)
     if not heads or features % heads:
         return None
     return (

@@ -11,7 +11,7 @@ own, never a table of ours) and describes each model key as a tree over stored t
 - `Joined(dim, parts)`: the parts concatenated along a dim (Concatenate, after
   MergeModulelist or on its own).
 
-`read_region` fills any rectangular region of such a tree by reading only the stored regions
+`read_slices` fills any rectangular region of such a tree by reading only the stored regions
 it covers, so each rank still reads its own slices and never a whole tensor. A conversion made
 of other operations (chunks, transposes, permutes) is reported, not guessed.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Joined", "Stacked", "Unsupported", "read_region", "shape_of", "virtual_tensors"]
+__all__ = ["Joined", "Stacked", "Unsupported", "read_slices", "shape_of", "virtual_tensors"]
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def shape_of(node: Node, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...] 
 Reader = Callable[[str, tuple[slice, ...], torch.Tensor], None]
 
 
-def read_region(
+def read_slices(
     node: Node,
     region: tuple[slice, ...],
     out: torch.Tensor,
@@ -156,7 +156,7 @@ def read_region(
     if isinstance(node, Stacked):
         rest = region[:d] + region[d + 1 :]
         for i in range(lo, hi):
-            read_region(node.parts[i], rest, out.select(d, i - lo), read, shapes)
+            read_slices(node.parts[i], rest, out.select(d, i - lo), read, shapes)
         return
     start = 0
     for part in node.parts:
@@ -164,5 +164,5 @@ def read_region(
         a, b = max(lo, start), min(hi, start + size)
         if a < b:
             sub = (*region[:d], slice(a - start, b - start), *region[d + 1 :])
-            read_region(part, sub, out.narrow(d, a - lo, b - a), read, shapes)
+            read_slices(part, sub, out.narrow(d, a - lo, b - a), read, shapes)
         start += size

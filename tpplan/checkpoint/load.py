@@ -30,7 +30,7 @@ from .._runtime.torch_compat import StridedShard
 from ..compile.shard import retie, tied_holders
 from ..compile.strided import local_runs
 from .buffers import recompute_buffers
-from .converted import Unsupported, read_region, shape_of, virtual_tensors
+from .converted import Unsupported, read_slices, shape_of, virtual_tensors
 from .dcp import load_dcp
 from .folder import readable_folder
 from .keys import match_keys
@@ -39,7 +39,7 @@ from .safetensors_io import (
     CheckpointError,
     index_folder,
     open_files,
-    read_region_into,
+    read_slices_into,
     safetensors_files,
 )
 
@@ -152,12 +152,12 @@ def _load_safetensors(model: nn.Module, sd: dict[str, torch.Tensor], path: Path)
         total = sum(t.dtype.itemsize * t.numel() for t in sd.values())
 
         def read(key: str, region: tuple[slice, ...], out: torch.Tensor) -> None:
-            read_region_into(fds[index[key].file], index[key], region, out)
+            read_slices_into(fds[index[key].file], index[key], region, out)
 
         with Progress(total, f"loading {path.name}") as progress:
             for key, target in sd.items():
                 node = virtual.get(source[key], source[key])
-                fill = partial(read_region, node, read=read, shapes=shapes)
+                fill = partial(read_slices, node, read=read, shapes=shapes)
                 _copy_from_file(key, target, fill, listed[source[key]])
                 progress.advance(target.dtype.itemsize * target.numel())
                 yield

@@ -3,7 +3,7 @@
 Used by tpplan/checkpoint/load.py and save.py; start there. `index_folder` reads only the headers of a
 folder's `.safetensors` files (the files named by `model.safetensors.index.json` when there
 is one), so a checkpoint is checked against a model before any data is read.
-`read_region_into` reads one rectangular region of one tensor straight into the tensor that
+`read_slices_into` reads one rectangular region of one tensor straight into the tensor that
 holds it, reading no other bytes. `StreamingWriter` writes a file tensor by tensor, so the rank that
 writes holds one gathered tensor at a time rather than the whole state dict.
 """
@@ -31,7 +31,7 @@ __all__ = [
     "StreamingWriter",
     "index_folder",
     "open_files",
-    "read_region_into",
+    "read_slices_into",
     "safetensors_files",
 ]
 
@@ -102,7 +102,7 @@ def open_files(files: list[Path]) -> Iterator[dict[Path, int]]:
 
     Each file is first opened once with safe_open, which checks that the header parses and
     that the data covers every offset it declares, so a truncated file is refused here,
-    before any tensor is copied. Data is then read with pread (see `read_region_into`).
+    before any tensor is copied. Data is then read with pread (see `read_slices_into`).
     """
     with ExitStack() as stack:
         fds: dict[Path, int] = {}
@@ -145,7 +145,7 @@ def index_folder(fds: dict[Path, int]) -> dict[str, Entry]:
     return index
 
 
-def read_region_into(fd: int, entry: Entry, region: tuple[slice, ...], out: torch.Tensor) -> None:
+def read_slices_into(fd: int, entry: Entry, region: tuple[slice, ...], out: torch.Tensor) -> None:
     """Copy one rectangular region of a stored tensor into `out`, reading only its bytes.
 
     Not get_slice: that maps the file, and the pages a rank touches stay resident (and in

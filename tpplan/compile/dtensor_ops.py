@@ -1,6 +1,6 @@
 """Sharding strategies DTensor lacks, which regions that keep DTensor activations need.
 
-Start at `teach_dtensor`. A region run on DTensors (infer/regions.py, `Plan.regions`) lets
+Start at `teach_dtensor`. A region run on DTensors (infer/dtensor_regions.py, `Plan.regions`) lets
 the model's own code see global shapes while DTensor's sharding propagation carries the
 split through views, rotary embeddings and attention. Two gaps in torch 2.13 broke that:
 

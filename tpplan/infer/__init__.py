@@ -1,4 +1,4 @@
-"""Stage 2, inferring a plan from a model's traced data flow: column-parallel regions that close
+"""Stage 2, inferring a plan from a model's traced data flow: column-parallel spans that close
 at a row-parallel layer, vocab-parallel tables, experts, what stays whole and why. Start at
 api.py (`infer_plan`)."""
 

@@ -19,16 +19,16 @@ from ..plan.schema import AttributeRule, ModelInfo, Options, Plan, Rule
 from ..trace import Trace, trace_model
 from .adapters import decide_adapters, refuse_sequence_parallel
 from .attention import decide_attention
-from .blocks import ran_modules, regions_within_blocks, spread_to_untraced
+from .blocks import ran_modules, spans_within_blocks, spread_to_untraced
 from .context import Context, Decided, Found
 from .decision import Attributes, Decisions, Divided, placed
 from .dtensor_regions import try_dtensor_regions
 from .embeddings import decide_embeddings, decide_head
 from .experts import decide_experts, keep_inside_experts, keep_unsplit_experts, pool_experts
 from .names import shared_params
-from .regions import decide_region, find_regions
 from .rest import decide_rest
 from .sequence_parallel import apply_sequence_parallel, try_sequence_parallel
+from .spans import decide_span, find_spans
 from .stream import fit_sequence_parallel
 from .ties import untie_unalike
 from .uncalled import copy_from_alike, infer_uncalled_parts
@@ -55,17 +55,17 @@ def infer_plan(
     The model may be on the meta device; no weights are read. `example_inputs` (a tensor, a
     tuple of positional inputs, or a dict of keyword inputs) replaces the inputs guessed from
     the forward signature (`input_ids` of shape (2, 16) for Hugging Face models). With
-    `tp_size`, regions it cannot split stay replicated; without, the plan is valid for tp 2
+    `tp_size`, spans it cannot split stay replicated; without, the plan is valid for tp 2
     and records head sizes so that `check_plan` can judge any other tp size.
 
     With `loss_parallel`, an output head split over the vocab hands back logits still split
     (a DTensor) instead of gathering them; compute the loss inside
     `torch.distributed.tensor.parallel.loss_parallel()`.
 
-    With `sequence_parallel`, the activations between split regions (the residual stream)
-    stay a DTensor split over the sequence (dim 1): each region all-gathers its input and
+    With `sequence_parallel`, the activations between split spans (the residual stream)
+    stay a DTensor split over the sequence (dim 1): each span all-gathers its input and
     reduce-scatters its output instead of one all-reduce, and the modules with parameters
-    between regions (norms) run on sequence shards. DTensor computes every op on that
+    between spans (norms) run on sequence shards. DTensor computes every op on that
     stream, so a model this does not fit fails loudly rather than computing wrong numbers;
     `tpplan verify` checks the numbers.
 
@@ -130,16 +130,16 @@ def _infer_decisions(
     decisions, attributes = _decide(model, trace, asked)
     if trace.stacks.traced:
         spread = spread_to_untraced(trace, decisions), spread_to_untraced(trace, attributes)
-        if regions_within_blocks(trace) and spread[0] is not None and spread[1] is not None:
+        if spans_within_blocks(trace) and spread[0] is not None and spread[1] is not None:
             decisions, attributes = spread[0], spread[1]
         else:
-            # a region crossed blocks, or twins disagreed: trace every block
+            # a span crossed blocks, or twins disagreed: trace every block
             trace = trace_model(model, example_inputs=example_inputs, shorten=False)
             decisions, attributes = _decide(model, trace, asked)
     ran = ran_modules(trace)
     shared = shared_params(model)
     decisions, attributes = copy_from_alike(model, decisions, attributes, trace, ran, shared)
-    used = trace.params.outside | set(trace.params.in_region)
+    used = trace.params.outside | set(trace.params.in_span)
     # a part's outputs go on into the model whole: not left split for a loss or over the sequence
     alone = replace(asked, loss_parallel=False, sequence_parallel=False)
 
@@ -157,11 +157,11 @@ def _decide(model: nn.Module, trace: Trace, asked: _Asked) -> tuple[Decisions, A
         model, trace, tp=asked.tp, gather_tp=asked.gather_tp, loss_parallel=asked.loss_parallel
     )
     out = Decided()
-    for members in find_regions(trace):
+    for members in find_spans(trace):
         if any(m in trace.experts.roles for m in members):
             out = out.merge(decide_experts(ctx, members, asked.experts))
         else:
-            out = out.merge(decide_region(ctx, out, members))
+            out = out.merge(decide_span(ctx, out, members))
     steps: list[Step] = [
         pool_experts,  # modules of one structure decide alike
         decide_attention,  # before the rest: its out_proj is its own, never called

@@ -51,7 +51,7 @@ def _kept(ctx: Context, name: str, m: nn.MultiheadAttention) -> str | None:
     if any(n == name or n.startswith(f"{name}.") for n in ctx.tied):
         return "it shares a parameter with another module"
     t = ctx.trace.params
-    if any(p in t.outside or p in t.in_region for p in _params(m, name)):
+    if any(p in t.outside or p in t.in_span for p in _params(m, name)):
         return "the model's forward also uses its parameters outside its call"
     return None
 

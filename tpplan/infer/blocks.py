@@ -3,8 +3,8 @@ of the traced blocks are copied to the untraced ones, when that is sound.
 
 Start at `spread_to_untraced`. The trace's words hold here (trace/record.py): a twin is a
 traced block of the same structure as an earlier traced one; each untraced block names the
-traced block it copies (`trace.stacks.untraced`). Copying is sound when every region stays
-inside one traced block (`regions_within_blocks`) and twins decided alike; else api.py traces
+traced block it copies (`trace.stacks.untraced`). Copying is sound when every span stays
+inside one traced block (`spans_within_blocks`) and twins decided alike; else api.py traces
 every block.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from ..trace import Trace
-from .regions import find_regions
+from .spans import find_spans
 
-__all__ = ["ran_modules", "regions_within_blocks", "spread_to_untraced"]
+__all__ = ["ran_modules", "spans_within_blocks", "spread_to_untraced"]
 
 _T = TypeVar("_T")
 
@@ -24,12 +24,12 @@ def _block_of(name: str, blocks: list[str]) -> str | None:
     return next((b for b in blocks if name == b or name.startswith(b + ".")), None)
 
 
-def regions_within_blocks(trace: Trace) -> bool:
-    """Every region, with the modules its parameters and head counts live in, sits inside one
+def spans_within_blocks(trace: Trace) -> bool:
+    """Every span, with the modules its parameters and head counts live in, sits inside one
     traced block (or outside all of them), so a block's decisions hold for its twins."""
-    for members in find_regions(trace):
+    for members in find_spans(trace):
         near = set(members)
-        near |= {p.rpartition(".")[0] for p, srcs in trace.params.in_region.items() if srcs & near}
+        near |= {p.rpartition(".")[0] for p, srcs in trace.params.in_span.items() if srcs & near}
         near |= {c[0] for o in members for c in trace.reads.counts.get(o, ())}
         if len({_block_of(m, trace.stacks.traced) for m in near}) > 1:
             return False

@@ -27,7 +27,7 @@ class Context:
     model: nn.Module
     trace: Trace
     tp: int
-    """The tp size the regions must divide (2 when infer_plan was given none)."""
+    """The tp size the spans must divide (2 when infer_plan was given none)."""
     gather_tp: int
     """The tp size a gathered layer's output features must divide (8 when infer_plan was
     given none: such a plan should serve tp 2, 4 and 8)."""
@@ -67,9 +67,7 @@ class Context:
     def used_outside(self, name: str) -> bool:
         """Whether the forward used a parameter of the module `name` outside its own call."""
         params = own_params(self.modules[name], name)
-        return any(
-            p in self.trace.params.outside or p in self.trace.params.in_region for p in params
-        )
+        return any(p in self.trace.params.outside or p in self.trace.params.in_span for p in params)
 
 
 @dataclass
@@ -97,8 +95,8 @@ class Found:
     """Router kept whole -> its weight split with its output gathered, where it may be: what
     sequence parallel gives it instead (a whole router would meet the sequence-split stream
     as a plain weight)."""
-    split_regions: list[tuple[list[str], list[str]]] = field(default_factory=list)
-    """(openers, closers) of each region split; sequence parallel gathers their inputs."""
+    split_spans: list[tuple[list[str], list[str]]] = field(default_factory=list)
+    """(openers, closers) of each span split; sequence parallel gathers their inputs."""
 
 
 @dataclass(frozen=True)
@@ -118,8 +116,8 @@ class Decided:
     """Module holding 3-D expert weights -> why it stays whole."""
     routers: dict[str, Rule | None] = field(default_factory=dict)
     """Router kept whole -> what sequence parallel gives it (`Found.routers`)."""
-    split_regions: tuple[tuple[list[str], list[str]], ...] = ()
-    """(openers, closers) of each region split, in the order they were decided."""
+    split_spans: tuple[tuple[list[str], list[str]], ...] = ()
+    """(openers, closers) of each span split, in the order they were decided."""
 
     def merge(self, found: Found) -> Decided:
         """What was decided, with `found` (one step's word) over it."""
@@ -135,5 +133,5 @@ class Decided:
             kept=over(self.kept, found.kept, found.unkept),
             kept_experts=over(self.kept_experts, found.kept_experts, set()),
             routers=over(self.routers, found.routers, set()),
-            split_regions=(*self.split_regions, *found.split_regions),
+            split_spans=(*self.split_spans, *found.split_spans),
         )

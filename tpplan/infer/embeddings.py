@@ -33,7 +33,7 @@ def decide_embeddings(ctx: Context, so_far: Decided) -> Found:
         if not isinstance(module, nn.Embedding) or name not in ctx.trace.layers.called:
             continue
         if name in so_far.decisions:
-            continue  # split by its columns inside a region
+            continue  # split by its columns inside a span
         n = module.num_embeddings
         not_linear = ctx.trace.lookups.not_linear.get(name)
         written = () if not_linear else _written(ctx, name, module)
@@ -121,9 +121,9 @@ def decide_head(ctx: Context, so_far: Decided) -> Found:
         for n, r in so_far.decisions.items()
         if isinstance(r, VocabParallelRule) and isinstance(m := ctx.modules[n], nn.Embedding)
     }
-    for name in t.regions.at_output:
-        linked = any(name in group for group in t.regions.links)
-        if name not in t.layers.linears or linked or name in t.regions.misfits:
+    for name in t.spans.at_output:
+        linked = any(name in group for group in t.spans.links)
+        if name not in t.layers.linears or linked or name in t.spans.misfits:
             continue
         _, features, transposed = t.layers.linears[name]
         if features not in vocabs or ctx.used_outside(name):

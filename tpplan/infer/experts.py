@@ -2,10 +2,10 @@
 (trace/record.py's `ExpertFacts`), split per expert like a dense MLP (mode tensor) or by
 experts (mode expert), at the module that holds them.
 
-Start at `decide_experts`, called for each region of expert weights; then `pool_experts`
+Start at `decide_experts`, called for each span of expert weights; then `pool_experts`
 (modules of one structure decide alike), `keep_unsplit_experts` and, once every layer is
 decided, `keep_inside_experts`. A module "split as experts" holds the expert weights of one
-region; each rank's experts leave a partial sum that one all-reduce at its output adds up.
+span; each rank's experts leave a partial sum that one all-reduce at its output adds up.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from ..plan.styles import ExpertsRule, ReplicateRule
 from .context import Context, Decided, Found
 from .decision import Divided, decided, reasoned
 from .names import PLAIN_OPS, join
-from .regions import split_unit
+from .spans import split_unit
 
 __all__ = ["decide_experts", "keep_inside_experts", "keep_unsplit_experts", "pool_experts"]
 
 
 @dataclass
-class _ExpertRegion:
-    """One region of expert weights, and the module judged for it (its owner)."""
+class _ExpertSpan:
+    """One span of expert weights, and the module judged for it (its owner)."""
 
     owner: str
     """The module holding the weights, or the parent where its children's weights meet."""
@@ -42,14 +42,14 @@ class _ExpertRegion:
         return name.removeprefix(self.owner + ".")
 
 
-def _expert_region(ctx: Context, members: list[str]) -> _ExpertRegion:
+def _expert_span(ctx: Context, members: list[str]) -> _ExpertSpan:
     t = ctx.trace
     holders = {m.rpartition(".")[0] for m in members}
     owner = min(holders)
     parents = {o.rpartition(".")[0] for o in holders}
     if len(holders) > 1 and len(parents) == 1 and min(parents) in t.experts.exits:
         owner = min(parents)  # children hold the weights: judged where they meet
-    return _ExpertRegion(
+    return _ExpertSpan(
         owner=owner,
         holders=holders,
         in_one_place=holders == {owner} or parents == {owner},
@@ -60,10 +60,10 @@ def _expert_region(ctx: Context, members: list[str]) -> _ExpertRegion:
 
 
 def decide_experts(ctx: Context, members: list[str], mode: str) -> Found:
-    """A module's 3-D expert weights that open and close one region: split per expert
+    """A module's 3-D expert weights that open and close one span: split per expert
     like a dense MLP (mode tensor), or by experts (mode expert) where that is proven."""
     t = ctx.trace
-    r = _expert_region(ctx, members)
+    r = _expert_span(ctx, members)
     # pooled over the modules of its structure (see `pool_experts`)
     alike = ctx.alike_experts.get(r.owner, [r.owner])
     added_whole = sorted(
@@ -77,7 +77,7 @@ def decide_experts(ctx: Context, members: list[str], mode: str) -> Found:
     module = ctx.modules[r.owner]
     own = dict(module.named_parameters(recurse=r.owner not in r.holders))
     n_experts = {own[r.short(m)].shape[0] for m in members}
-    ops = sorted({op for o in r.openers for op in t.regions.ops.get(o, ())} - PLAIN_OPS)
+    ops = sorted({op for o in r.openers for op in t.spans.ops.get(o, ())} - PLAIN_OPS)
     path = f" through {', '.join(ops)}" if ops else ""
     refused = (
         _expert_parallel_refusal(ctx, r.owner, n_experts, added_whole) if mode == "expert" else ""
@@ -89,18 +89,18 @@ def decide_experts(ctx: Context, members: list[str], mode: str) -> Found:
     return found
 
 
-def _reasons(ctx: Context, r: _ExpertRegion, alike: list[str], added_whole: list[str]) -> list[str]:
-    """Why the region cannot be split, in the order `why` lists them."""
+def _reasons(ctx: Context, r: _ExpertSpan, alike: list[str], added_whole: list[str]) -> list[str]:
+    """Why the span cannot be split, in the order `why` lists them."""
     t = ctx.trace
     reasons: list[str] = []
     module = ctx.modules.get(r.owner)
     if not r.in_one_place or module is None or any(m not in t.experts.roles for m in r.members):
         reasons.append("its split features reach weights of other modules")
     for m in r.members:
-        for b in t.regions.broken.get(m, []):
+        for b in t.spans.broken.get(m, []):
             reasons.append(f"{r.short(m)}'s split ends at {b}")
-        if m in t.regions.misfits:
-            reasons.append(f"{r.short(m)}: {t.regions.misfits[m]}")
+        if m in t.spans.misfits:
+            reasons.append(f"{r.short(m)}: {t.spans.misfits[m]}")
     if not r.openers or not r.closers:
         reasons.append("no expert matmul contracts the split features")
     exit_ = t.experts.exits.get(r.owner, "it was not called")
@@ -161,7 +161,7 @@ def _expert_parallel_refusal(
 
 
 def _split_by_experts(
-    ctx: Context, found: Found, r: _ExpertRegion, own: dict[str, nn.Parameter], path: str
+    ctx: Context, found: Found, r: _ExpertSpan, own: dict[str, nn.Parameter], path: str
 ) -> None:
     """Mode expert: each rank keeps num_experts/tp whole experts; the attribute holding the
     number of experts is divided."""
@@ -203,7 +203,7 @@ def _split_by_experts(
 def _split_per_expert(
     ctx: Context,
     found: Found,
-    r: _ExpertRegion,
+    r: _ExpertSpan,
     added_whole: list[str],
     path: str,
     refused: str,
@@ -217,9 +217,9 @@ def _split_per_expert(
         if o == r.owner or o.startswith(prefix)  # (or a child holding weights for it)
     )
     shard, fused = _per_expert_splits(ctx, r)
-    pieces = {o: t.regions.parts.get(o) for o in r.openers}
+    pieces = {o: t.spans.parts.get(o) for o in r.openers}
     what = "; ".join(
-        f"{r.short(o)}'s {t.regions.openers[o]} output features per expert"
+        f"{r.short(o)}'s {t.spans.openers[o]} output features per expert"
         + (
             f" are {len(p)} fused pieces ({' | '.join(map(str, p))}) cut apart in forward, each rank holding its slice of every piece"
             if p
@@ -250,7 +250,7 @@ def _split_per_expert(
 
 
 def _per_expert_splits(
-    ctx: Context, r: _ExpertRegion
+    ctx: Context, r: _ExpertSpan
 ) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
     """Each weight's (and opening bias's) split dim, and the fused pieces of those whose
     features are cut apart in forward, by their names under the owner."""
@@ -259,13 +259,13 @@ def _per_expert_splits(
     fused: dict[str, tuple[int, ...]] = {}
     for m in r.members:
         shard[r.short(m)] = t.experts.roles[m][1]
-        if m in t.regions.parts:
-            fused[r.short(m)] = t.regions.parts[m]
+        if m in t.spans.parts:
+            fused[r.short(m)] = t.spans.parts[m]
     for b, (src, dim) in t.experts.biases.items():
         if src in r.openers:
             shard[r.short(b)] = dim
-            if src in t.regions.parts:
-                fused[r.short(b)] = t.regions.parts[src]
+            if src in t.spans.parts:
+                fused[r.short(b)] = t.spans.parts[src]
     return shard, fused
 
 
@@ -311,7 +311,7 @@ def pool_experts(ctx: Context, so_far: Decided) -> Found:
 
 
 def keep_unsplit_experts(ctx: Context, so_far: Decided) -> Found:
-    """Modules holding expert weights that no region split: replicated, with the reason."""
+    """Modules holding expert weights that no span split: replicated, with the reason."""
     found = Found()
     split = [d for d, dec in so_far.decisions.items() if isinstance(dec, ExpertsRule)]
     for owner in sorted(set(ctx.trace.experts.exits) | set(so_far.kept_experts)):

@@ -70,7 +70,7 @@ def _gathered(ctx: Context, name: str, why: str) -> Rule | None:
     if (
         name in ctx.tied  # a tied or shared weight stays whole
         or ctx.used_outside(name)
-        or name in t.regions.misfits
+        or name in t.spans.misfits
         or name not in t.layers.called
         or features % ctx.gather_tp
     ):

@@ -1,8 +1,8 @@
-"""Sequence parallel: the stream between split regions (the residual stream) stays a
+"""Sequence parallel: the stream between split spans (the residual stream) stays a
 DTensor split over the sequence (dim 1), instead of whole on every rank.
 
 Start at `apply_sequence_parallel`, which rewrites the decisions once every module has one:
-what ends a region reduce-scatters onto sequence shards, what opens one all-gathers its
+what ends a span reduce-scatters onto sequence shards, what opens one all-gathers its
 input, and the modules with parameters on the stream (norms) run on sequence shards.
 `try_sequence_parallel` then runs the plan once on fake ranks, so a model this does not fit
 fails at infer time.
@@ -32,13 +32,13 @@ __all__ = ["apply_sequence_parallel", "try_sequence_parallel"]
 
 
 def apply_sequence_parallel(ctx: Context, so_far: Decided) -> Found:
-    """Keep the stream between split regions split over the sequence (dim 1): four
+    """Keep the stream between split spans split over the sequence (dim 1): four
     rewrites, each of the rules as the ones before it left them."""
     found = Found()
     for rewrite in (
         _routers_on_the_stream,
         _scatter_outputs,
-        _gather_region_inputs,
+        _gather_span_inputs,
         _stream_params_on_shards,
     ):
         found.rules.update(rewrite(ctx, so_far.merge(found)))
@@ -75,7 +75,7 @@ def _scatter_outputs(ctx: Context, out: Decided) -> Decisions:
             )
         elif isinstance(d, VocabParallelRule) or (isinstance(d, RowwiseRule) and d.output is None):
             rules[name] = reasoned(d, d.why + scatter, output="shard(1)", local_output=False)
-        elif isinstance(d, ColwiseRule) and d.output == "replicate" and name in t.regions.at_output:
+        elif isinstance(d, ColwiseRule) and d.output == "replicate" and name in t.spans.at_output:
             rules[name] = reasoned(
                 d,
                 d.why + "; sequence parallel: its input is gathered over the sequence first",
@@ -84,8 +84,8 @@ def _scatter_outputs(ctx: Context, out: Decided) -> Decisions:
     return rules
 
 
-def _gather_region_inputs(ctx: Context, out: Decided) -> Decisions:
-    """Each split region all-gathers its input over the sequence: once, at the module that
+def _gather_span_inputs(ctx: Context, out: Decided) -> Decisions:
+    """Each split span all-gathers its input over the sequence: once, at the module that
     holds its openers when they all take that module's input (prepare), else each opener
     its own."""
     t = ctx.trace
@@ -93,7 +93,7 @@ def _gather_region_inputs(ctx: Context, out: Decided) -> Decisions:
         "sequence parallel: all-gathers its input over the sequence, since {} need whole sequences"
     )
     rules: Decisions = {}
-    for openers, _ in out.split_regions:
+    for openers, _ in out.split_spans:
         parent = _common_parent(openers)
         entry = t.layers.entries.get(parent)
         if (

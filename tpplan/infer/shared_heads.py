@@ -1,8 +1,8 @@
-"""Grouped-query attention past its key/value heads: whether a region's key/value openers may
+"""Grouped-query attention past its key/value heads: whether a span's key/value openers may
 give each head whole to the tp/K ranks whose query heads it serves (colwise
 `replicate_heads`, compile/shared_heads.py), and what the plan then divides.
 
-Start at `kv_sharing`. The trace (trace/attention.py) records a region's grouped-query
+Start at `kv_sharing`. The trace (trace/attention.py) records a span's grouped-query
 attention: K key/value heads for H query heads, each key/value head paired with H/K
 consecutive query heads. Split by query heads over tp ranks, a tp that is a multiple of K
 gives each rank query heads of one key/value head, so that head can live whole on those
@@ -31,7 +31,7 @@ __all__ = ["Sharing", "kv_sharing"]
 
 @dataclass
 class Sharing:
-    """A region's grouped-query attention: its key/value openers and whether they may share
+    """A span's grouped-query attention: its key/value openers and whether they may share
     their heads among ranks."""
 
     kv: dict[str, int]
@@ -48,7 +48,7 @@ class Sharing:
         return {(m, a) for m, entries in self.attributes.items() for d in entries for a in d.attrs}
 
     def fits(self, tp: int) -> bool:
-        """Whether the region splits at `tp` with the key/value heads shared past K."""
+        """Whether the span splits at `tp` with the key/value heads shared past K."""
         return (
             self.refused is None
             and self.query_unit % tp == 0
@@ -59,14 +59,14 @@ class Sharing:
 def kv_sharing(
     ctx: Context, openers: list[str], counts: set[tuple[str, str, int]]
 ) -> Sharing | None:
-    """The grouped-query attention of the region with these openers (None where it has none),
+    """The grouped-query attention of the span with these openers (None where it has none),
     with the counts its views read (`counts`)."""
-    regions = ctx.trace.regions
-    kv = {o: regions.kv_heads[o] for o in openers if o in regions.kv_heads}
+    spans = ctx.trace.spans
+    kv = {o: spans.kv_heads[o] for o in openers if o in spans.kv_heads}
     if not kv:
         return None
     others = [o for o in openers if o not in kv]
-    unit = math.gcd(*(regions.units.get(o, regions.openers[o]) for o in others)) if others else 0
+    unit = math.gcd(*(spans.units.get(o, spans.openers[o]) for o in others)) if others else 0
     sharing = Sharing(kv, query_unit=unit)
     sharing.refused = _refusal(ctx, openers, kv) or _divide(ctx, sharing, openers, counts)
     return sharing
@@ -77,17 +77,17 @@ def _refusal(ctx: Context, openers: list[str], kv: dict[str, int]) -> str | None
     t = ctx.trace
     short = relative(sorted(kv))
     for o in sorted(kv):
-        if o in t.regions.unshared:
-            return f"{short[o]}: {t.regions.unshared[o]}"
-        if o not in t.layers.linears or t.layers.linears[o][2] or o in t.regions.parts:
+        if o in t.spans.unshared:
+            return f"{short[o]}: {t.spans.unshared[o]}"
+        if o not in t.layers.linears or t.layers.linears[o][2] or o in t.spans.parts:
             return f"{short[o]} is not a Linear of whole key/value heads alone"
-        if t.regions.openers[o] % kv[o]:
-            return f"{short[o]}'s {t.regions.openers[o]} features are not {kv[o]} whole heads"
+        if t.spans.openers[o] % kv[o]:
+            return f"{short[o]}'s {t.spans.openers[o]} features are not {kv[o]} whole heads"
     for o in openers:
-        pairs = t.regions.query_heads.get(o)
+        pairs = t.spans.query_heads.get(o)
         if pairs is not None and not pairs[1] <= kv.keys():
             return "a query's key/value heads come from outside the region"
-    for p, sources in t.params.in_region.items():
+    for p, sources in t.params.in_span.items():
         if sources & kv.keys() and p in t.params.split_vectors:
             return f"{p} holds one entry per head and meets the key/value heads"
     return None
@@ -115,7 +115,7 @@ def _divide(
                 "(the shards of the heads), so it is divided by that",
             )
         )
-    repeats = {t.regions.repeats[o] for o in sharing.kv if o in t.regions.repeats}
+    repeats = {t.spans.repeats[o] for o in sharing.kv if o in t.spans.repeats}
     for times, read in sorted(repeats, key=str):
         if read is not None:
             module, attr, _ = read

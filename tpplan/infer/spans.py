@@ -1,7 +1,7 @@
-"""Regions of Linears: the openers and closers that exchanged split tensors (trace/record.py
+"""Spans of Linears: the openers and closers that exchanged split tensors (trace/record.py
 defines the words), found from the trace's links and split or kept whole as one.
 
-Start at `decide_region`. A region of 3-D expert weights is decided in experts.py instead.
+Start at `decide_span`. A span of 3-D expert weights is decided in experts.py instead.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from .decision import Divided, decided
 from .names import PLAIN_OPS, join, join_names, own_params, relative
 from .shared_heads import Sharing, kv_sharing
 
-__all__ = ["decide_region", "find_regions", "split_unit"]
+__all__ = ["decide_span", "find_spans", "split_unit"]
 
 
-def find_regions(trace: Trace) -> list[list[str]]:
+def find_spans(trace: Trace) -> list[list[str]]:
     """Openers and closers joined by the split tensors they exchanged (union-find)."""
     parent: dict[str, str] = {}
 
@@ -31,9 +31,9 @@ def find_regions(trace: Trace) -> list[list[str]]:
             x = parent[x]
         return x
 
-    for name in list(trace.regions.openers) + list(trace.regions.closers):
+    for name in list(trace.spans.openers) + list(trace.spans.closers):
         root(name)
-    for group in trace.regions.links:
+    for group in trace.spans.links:
         first, *rest = sorted(group)
         for other in rest:
             parent[root(other)] = root(first)
@@ -48,21 +48,21 @@ def split_unit(trace: Trace, openers: list[str]) -> int:
     tp must divide it. 0 without openers."""
     if not openers:
         return 0
-    return math.gcd(*(trace.regions.units.get(o, trace.regions.openers[o]) for o in openers))
+    return math.gcd(*(trace.spans.units.get(o, trace.spans.openers[o]) for o in openers))
 
 
-def decide_region(ctx: Context, so_far: Decided, members: list[str]) -> Found:
-    """A region of Linears is split when every split ended at a closer that contracts it,
+def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
+    """A span of Linears is split when every split ended at a closer that contracts it,
     nothing broke it, no weight in it is shared, and tp divides its smallest head count:
     openers colwise, closers rowwise, the head counts its views read divided, and modules
     whose parameters act on the split tensors (per-head norms) replicate_grad_sum (or
     split_params, one entry per head). Else every member is kept whole, with the reasons."""
     t = ctx.trace
-    openers = [m for m in members if m in t.regions.openers]
-    closers = [m for m in members if m in t.regions.closers]
+    openers = [m for m in members if m in t.spans.openers]
+    closers = [m for m in members if m in t.spans.closers]
     short = relative(members)
     reasons = _member_reasons(ctx, members, short)
-    if any(o in t.regions.at_output for o in openers):
+    if any(o in t.spans.at_output for o in openers):
         reasons.append("the split reaches the model output")
     if openers and not closers and not reasons:
         reasons.append("no Linear contracts its output features")
@@ -89,10 +89,10 @@ def decide_region(ctx: Context, so_far: Decided, members: list[str]) -> Found:
         for m in members:
             found.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
         return found
-    found.split_regions.append((openers, closers))
+    found.split_spans.append((openers, closers))
     _open(ctx, found, openers, closers, short, units, shared)
     _close(ctx, found, openers, closers, short)
-    # (a module's attributes may hold what earlier regions divided)
+    # (a module's attributes may hold what earlier spans divided)
     found.attributes = {m: so_far.attributes.get(m, ()) for m, _, _ in counts}
     if shared is not None:
         found.attributes.update({m: so_far.attributes.get(m, ()) for m in shared.attributes})
@@ -105,21 +105,21 @@ def decide_region(ctx: Context, so_far: Decided, members: list[str]) -> Found:
 
 
 def _blocks(ctx: Context, openers: list[str], units: int) -> str:
-    """What the `units` indivisible blocks of a region's features are, for its reason: the
+    """What the `units` indivisible blocks of a span's features are, for its reason: the
     words of the opener whose split sets them (the smallest)."""
     t = ctx.trace
     vocabs = {m.num_embeddings for m in ctx.modules.values() if isinstance(m, nn.Embedding)}
     words = []
     for o in openers:
-        features, parts = t.regions.openers[o], t.regions.parts.get(o)
-        if t.regions.units.get(o, features) != units:
+        features, parts = t.spans.openers[o], t.spans.parts.get(o)
+        if t.spans.units.get(o, features) != units:
             continue
         if units == features:
-            vocab = o in t.regions.at_output and features in vocabs
+            vocab = o in t.spans.at_output and features in vocabs
             words.append("vocab entries" if vocab else "features")
-        elif units == t.regions.kv_heads.get(o):
+        elif units == t.spans.kv_heads.get(o):
             words.append("key/value heads")
-        elif units == t.regions.heads.get(o):
+        elif units == t.spans.heads.get(o):
             words.append("heads")
         elif parts is not None and units == len(parts):
             words.append("fused pieces")
@@ -134,10 +134,10 @@ def _member_reasons(ctx: Context, members: list[str], short: dict[str, str]) -> 
     t = ctx.trace
     reasons: list[str] = []
     for m in members:
-        for r in t.regions.broken.get(m, []):
+        for r in t.spans.broken.get(m, []):
             reasons.append(f"{short[m]}'s split ends at {r}")
-        if m in t.regions.misfits:
-            reasons.append(f"{short[m]}: {t.regions.misfits[m]}")
+        if m in t.spans.misfits:
+            reasons.append(f"{short[m]}: {t.spans.misfits[m]}")
         if m in ctx.tied:
             reasons.append(
                 f"{short[m]}'s weight is shared with {join(ctx.tied[m])} (tied); sharding would untie it"
@@ -148,7 +148,7 @@ def _member_reasons(ctx: Context, members: list[str], short: dict[str, str]) -> 
 
 
 def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]:
-    """Why a head count the region's views read cannot be divided."""
+    """Why a head count the span's views read cannot be divided."""
     t = ctx.trace
     reasons: list[str] = []
     for module, attr, value in sorted(counts):
@@ -172,10 +172,10 @@ def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]
 
 
 def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[str]:
-    """Modules (not Linear) whose parameters meet this region's split tensors; those that
+    """Modules (not Linear) whose parameters meet this span's split tensors; those that
     cannot follow the split add their reason to `reasons` instead."""
     t = ctx.trace
-    owners = {p.rpartition(".")[0] for p, srcs in t.params.in_region.items() if srcs & openers}
+    owners = {p.rpartition(".")[0] for p, srcs in t.params.in_span.items() if srcs & openers}
     out = []
     for owner in sorted(owners):
         module = ctx.modules.get(owner)
@@ -193,8 +193,7 @@ def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[
             continue
         own = own_params(module, owner)
         if any(
-            p in t.params.outside or not (t.params.in_region.get(p, openers) <= openers)
-            for p in own
+            p in t.params.outside or not (t.params.in_span.get(p, openers) <= openers) for p in own
         ):
             reasons.append(f"{label}'s parameters are used both inside and outside the region")
             continue
@@ -222,14 +221,14 @@ def _open(
     to = join_names([short[c] for c in closers])
     # `to` names the closers: the evidence a reviewer checks against the model's forward
     verb = "contracts" if len(closers) == 1 else "contract"
-    inners = {t.regions.closers[c].inner for c in closers}
+    inners = {t.spans.closers[c].inner for c in closers}
     for o in openers:
-        ops = sorted(t.regions.ops.get(o, set()) - PLAIN_OPS)
+        ops = sorted(t.spans.ops.get(o, set()) - PLAIN_OPS)
         path = f"through {', '.join(ops)} to {to}" if ops else f"to {to}"
         partners = [short[p] for p in openers if p != o]
         with_partners = f" (with the outputs of {join_names(partners)})" if partners else ""
         what, it, head_dim = _output_features(ctx, o, inners)
-        heads = t.regions.heads.get(o)
+        heads = t.spans.heads.get(o)
         need = (
             f"; tp must divide {units} (the region's smallest head count)"
             if heads and units < heads
@@ -238,7 +237,7 @@ def _open(
         kv = sharing.kv.get(o) if sharing is not None else None
         if sharing is not None:
             need = _shared_need(sharing, kv)
-        parts = t.regions.parts.get(o)
+        parts = t.spans.parts.get(o)
         found.rules[o] = decided(
             ColwiseRule,
             f"{what} {path}{with_partners}, which {verb} {it} on its input dim (rowwise){need}",
@@ -250,7 +249,7 @@ def _open(
 
 
 def _shared_need(sharing: Sharing, kv: int | None) -> str:
-    """What tp sizes a region with shared key/value heads takes, for one opener's `why`."""
+    """What tp sizes a span with shared key/value heads takes, for one opener's `why`."""
     if kv is None:
         return (
             f"; tp must divide {sharing.query_unit} (its query heads; the key/value heads "
@@ -267,10 +266,10 @@ def _output_features(ctx: Context, o: str, inners: set[int]) -> tuple[str, str, 
     """How an opener's output features are cut (fused pieces, heads, or neither): the words
     for `why`, the pronoun for them, and the head size its rule records."""
     t = ctx.trace
-    features = t.regions.openers[o]
-    heads = t.regions.heads.get(o)
+    features = t.spans.openers[o]
+    heads = t.spans.heads.get(o)
     head_dim = features // heads if heads and features % heads == 0 else None
-    parts = t.regions.parts.get(o)
+    parts = t.spans.parts.get(o)
     if parts is not None:
         # the pieces are cut apart before any view, so their head size shows where
         # they meet again: the closer's input, merged from (heads, head_dim)
@@ -304,7 +303,7 @@ def _close(
     """Closers rowwise: their outputs are partial sums, one all-reduce."""
     by = join_names([short[o] for o in openers])
     for c in closers:
-        s = ctx.trace.regions.closers[c]
+        s = ctx.trace.spans.closers[c]
         head_dim = s.inner if s.inner > 1 else None
         what = f"{s.n} heads of {s.inner}" if head_dim else f"{s.n} features"
         found.rules[c] = decided(
@@ -319,7 +318,7 @@ def _close(
 def _divide_counts(
     found: Found, counts: set[tuple[str, str, int]], openers: list[str], short: dict[str, str]
 ) -> None:
-    """The head counts (and fused cut sizes) the region's views read are divided by tp."""
+    """The head counts (and fused cut sizes) the span's views read are divided by tp."""
     for module, attr, _ in sorted(counts):
         entries = found.attributes[module]
         by_tp = [d for d in entries if d.by is None]

@@ -22,7 +22,7 @@ from ..errors import TpplanError
 from ..trace import Trace, block_structure, idle_roots
 from .decision import NOT_CALLED, Attributes, Decisions, reasoned
 from .names import inside, tied_outside
-from .regions import find_regions
+from .spans import find_spans
 
 __all__ = ["InferPart", "copy_from_alike", "infer_uncalled_parts"]
 
@@ -30,11 +30,11 @@ __all__ = ["InferPart", "copy_from_alike", "infer_uncalled_parts"]
 InferPart = Callable[[nn.Module, Any], tuple[Decisions, Attributes]]
 
 
-def _closed_inside(trace: Trace, regions: list[list[str]], root: str) -> bool:
-    """Every region that touches `root` opens and closes inside it: its outputs are whole."""
-    return not any(inside(o, root) for o in trace.regions.at_output) and all(
+def _closed_inside(trace: Trace, spans: list[list[str]], root: str) -> bool:
+    """Every span that touches `root` opens and closes inside it: its outputs are whole."""
+    return not any(inside(o, root) for o in trace.spans.at_output) and all(
         all(inside(m, root) for m in members) or not any(inside(m, root) for m in members)
-        for members in regions
+        for members in spans
     )
 
 
@@ -49,14 +49,14 @@ def copy_from_alike(
     """A part that did not run, called by a module that did, beside an alike part that ran:
     the same module types and parameter shapes (ERNIE 4.5 VL's vision experts beside its
     text experts, given text only). Same code on the same shapes, so the decisions of the
-    one that ran hold for it, provided every region in that one opens and closes inside it
+    one that ran hold for it, provided every span in that one opens and closes inside it
     (its outputs are then whole, whoever uses them) and none of the part's parameters was
     used directly or is shared with the rest. Returns the decisions and attributes with the
     copies."""
     decisions, attributes = dict(decisions), dict(attributes)
     modules = dict(model.named_modules())
-    used = trace.params.outside | set(trace.params.in_region)
-    regions = find_regions(trace)
+    used = trace.params.outside | set(trace.params.in_span)
+    spans = find_spans(trace)
     alike_that_ran: dict[Any, str] = {}
     for name in sorted(ran):
         if name and name in modules and next(modules[name].parameters(), None) is not None:
@@ -69,7 +69,7 @@ def copy_from_alike(
         if tied_outside(shared, name):
             continue  # tied to the rest: apply keeps it with the copy that ran
         source = alike_that_ran.get(block_structure(module))
-        if source is None or not _closed_inside(trace, regions, source):
+        if source is None or not _closed_inside(trace, spans, source):
             continue
         why = f"as {source}, which has the same structure and ran (the model's forward did not call this one)"
         for n, d in list(decisions.items()):

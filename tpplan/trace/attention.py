@@ -134,12 +134,12 @@ class AttentionMode(TorchFunctionMode):
                 elif not ms.same_cut(q.at(ms.dim)) or ms.dim != q.dim:
                     raise SplitEnds("the mask is split differently from the heads")
         except SplitEnds as e:
-            st.trace.regions.break_(sources, f"scaled_dot_product_attention: {e}")
+            st.trace.spans.break_(sources, f"scaled_dot_product_attention: {e}")
             return out
         mask_split = st.splits.split_of(mask) if isinstance(mask, torch.Tensor) else None
         if mask_split is not None:
-            sources |= mask_split.sources  # a per-head bias joins the heads' region
-        units = st.trace.regions.units
+            sources |= mask_split.sources  # a per-head bias joins the heads' span
+        units = st.trace.spans.units
         sides = _grouped(st, splits)
         for s in sources:
             # grouped-query attention: each side's heads on their own (the pairing of query

@@ -48,7 +48,7 @@ def hook_attention(st: Trackers, name: str, module: nn.MultiheadAttention) -> No
         for x in (*args, *kwargs.values()):
             s = st.splits.split_of(x) if isinstance(x, torch.Tensor) else None
             if s is not None:
-                trace.regions.break_(s.sources, "nn.MultiheadAttention takes its inputs whole")
+                trace.spans.break_(s.sources, "nn.MultiheadAttention takes its inputs whole")
         st.quiet += 1
 
     def after(mod: nn.Module, args: Any, out: Any) -> None:
@@ -78,7 +78,7 @@ def hook_layer(st: Trackers, name: str, module: nn.Module) -> None:
         else:
             p = st.experts.partial_of(x)
             if p:
-                trace.regions.break_(p, "a Linear takes the experts' partial sums")
+                trace.spans.break_(p, "a Linear takes the experts' partial sums")
             st.splits.arrive(name, x, contracted=1 if name in trace.layers.channels else -1)
         st.quiet += 1
         arrived.append(st.splits.split_of(x))

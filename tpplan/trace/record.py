@@ -7,7 +7,8 @@ or parameter names of the model ("" is the model itself).
 Words used throughout the tracer:
 - opener: a Linear called on an unsplit input; its output features get a `Split`.
 - closer: a Linear whose input arrives split on the dim it contracts (row-parallel).
-- region: openers and closers that exchanged split tensors; it is sharded as one.
+- span: openers and closers that exchanged split tensors; it is sharded as one. (A region
+  is something else: a module whose forward runs on DTensors, the plan's `regions`.)
 - whole: the same full value on every rank (neither split nor a partial sum).
 - table: an Embedding module (its weight is the lookup table; its rows are looked up).
 - vector: a 1-D parameter (a bias, a norm's weight, a per-head attention sink).
@@ -27,7 +28,7 @@ __all__ = [
     "LookupFacts",
     "ParamFacts",
     "ReadFacts",
-    "RegionFacts",
+    "SpanFacts",
     "StackFacts",
     "Trace",
 ]
@@ -63,7 +64,7 @@ class LayerFacts:
 
 
 @dataclass
-class RegionFacts:
+class SpanFacts:
     """Where each opener's split went and where it ended (the `DenseSplits` tracker)."""
 
     openers: dict[str, int] = field(default_factory=dict)
@@ -94,7 +95,7 @@ class RegionFacts:
     unshared: dict[str, str] = field(default_factory=dict)
     """Key/value opener whose heads cannot be shared among ranks -> why."""
     links: set[frozenset[str]] = field(default_factory=set)
-    """Groups of openers/closers that exchanged split tensors: one region each."""
+    """Groups of openers/closers that exchanged split tensors: one span each."""
     broken: dict[str, list[str]] = field(default_factory=dict)
     """Opener -> why its split could not be followed to a closer."""
     ops: dict[str, set[str]] = field(default_factory=dict)
@@ -116,7 +117,7 @@ class ParamFacts:
     `Vectors` trackers): a parameter used so keeps its gradient right only where the plan
     shards it like the tensors it meets."""
 
-    in_region: dict[str, set[str]] = field(default_factory=dict)
+    in_span: dict[str, set[str]] = field(default_factory=dict)
     """Parameter -> openers whose split tensors it was combined with (outside any Linear)."""
     outside: set[str] = field(default_factory=set)
     """Parameters used by ops on unsplit tensors only (outside any Linear/Embedding call)."""
@@ -233,7 +234,7 @@ class Trace:
     """Facts seen in one traced forward, by concern."""
 
     layers: LayerFacts = field(default_factory=LayerFacts)
-    regions: RegionFacts = field(default_factory=RegionFacts)
+    spans: SpanFacts = field(default_factory=SpanFacts)
     params: ParamFacts = field(default_factory=ParamFacts)
     reads: ReadFacts = field(default_factory=ReadFacts)
     lookups: LookupFacts = field(default_factory=LookupFacts)
@@ -245,8 +246,6 @@ class Trace:
         being written over its looked-up rows, so that it cannot be split."""
         full = [f"{table}.{p}".lstrip(".") for p in params]
         return any(
-            p in self.lookups.used_otherwise
-            or p in self.params.outside
-            or p in self.params.in_region
+            p in self.lookups.used_otherwise or p in self.params.outside or p in self.params.in_span
             for p in full
         )

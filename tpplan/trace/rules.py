@@ -93,12 +93,12 @@ def _as_pieces(st: Trackers, op: Op, s: Split) -> Split:
     piece), so the split moves to the dims carved out of one piece and the pieces' dim
     stays whole. A count equal to an attribute read just before is the heads' (a layout per
     head), unless the next dim holds the same count: then which is which cannot be told."""
-    regions = st.trace.regions
+    spans = st.trace.spans
     if len(s.sources) != 1 or s.outer != 1 or s.inner != 1:
         return s
     (src,) = s.sources
     features = s.n
-    if regions.openers.get(src) != features:
+    if spans.openers.get(src) != features:
         return s  # not the layer's output as it came: already cut, viewed or merged
     out = list(op.out.shape)
     pieces = carved(out, reshape(s, tuple(op.args[0].shape), tuple(out)).dim, features)
@@ -113,7 +113,7 @@ def _as_pieces(st: Trackers, op: Op, s: Split) -> Split:
             )
         return s
     parts = (features // count,) * count
-    if regions.parts.setdefault(src, parts) != parts:
+    if spans.parts.setdefault(src, parts) != parts:
         raise SplitEnds("the fused features are cut two different ways")
     return Split(s.dim, count, features // count, 1, s.sources)
 
@@ -156,12 +156,12 @@ def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
     when tp/K ranks share each key/value head (record.py's `kv_heads`, `query_heads`,
     `repeats`, `unshared`); returns opener -> its own side's head count, empty where this
     is not such a pairing."""
-    regions = st.trace.regions
+    spans = st.trace.spans
     k = kvs[0]
     kv = frozenset().union(*(x.sources for x in kvs))
     # eager attention meets the values with weights of the queries and the keys: the keys
     # are a key/value side already
-    queries = q.sources - regions.kv_heads.keys()
+    queries = q.sources - spans.kv_heads.keys()
     if k.n >= q.n or q.n % k.n or kv & queries or not queries:
         return {}
     group = q.n // k.n
@@ -170,13 +170,13 @@ def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
         # (transformers does under a mask); one that holds the group size, read by the
         # running forward, is divided with the sharing, as that repeat would need
         note_repeat(st, kv, group, "attention groups its heads by", needed=False)
-    elif k.inner != group or any(regions.repeats.get(s, (0,))[0] != group for s in kv):
+    elif k.inner != group or any(spans.repeats.get(s, (0,))[0] != group for s in kv):
         for s in kv:
-            regions.unshared.setdefault(s, "its heads are repeated other than by the groups")
+            spans.unshared.setdefault(s, "its heads are repeated other than by the groups")
     for s in kv:
-        regions.kv_heads[s] = k.n
+        spans.kv_heads[s] = k.n
     for s in queries:
-        regions.query_heads[s] = (q.n, kv | regions.query_heads.get(s, (0, frozenset()))[1])
+        spans.query_heads[s] = (q.n, kv | spans.query_heads.get(s, (0, frozenset()))[1])
     return {**dict.fromkeys(kv, k.n), **dict.fromkeys(queries, q.n)}
 
 
@@ -187,21 +187,21 @@ def note_repeat(
     attribute of the running forward holding `times` must shrink with the heads' sharing
     among ranks (record.py's `repeats`). Several make that sharing unproven, and so does
     none where the count is `needed` (an expand's; attention groups by the shapes)."""
-    regions = st.trace.regions
+    spans = st.trace.spans
     held = {(m, a) for m, a, v in st.reads.frames[-1] if v == times}
     for src in sources:
         if len(held) == 1:
             ((module, attr),) = held
-            regions.repeats[src] = (times, (module, attr, times))
+            spans.repeats[src] = (times, (module, attr, times))
             continue
-        regions.repeats.setdefault(src, (times, None))
+        spans.repeats.setdefault(src, (times, None))
         if held or needed:
             which = (
                 f"several attributes read in forward hold it ({', '.join(sorted(a for _, a in held))})"
                 if held
                 else "no module attribute read in forward holds it"
             )
-            regions.unshared.setdefault(src, f"{doing} {times}, and {which}")
+            spans.unshared.setdefault(src, f"{doing} {times}, and {which}")
 
 
 @rule("slice", "select", "narrow")
@@ -285,7 +285,7 @@ def _cut(st: Trackers, op: Op, s: Split) -> Followed:
     when it cuts into equal pieces by count (`chunk`) or by sizes read from module
     attributes, which the plan divides by the tp size.
     """
-    name, out, regions = op.name, op.out, st.trace.regions
+    name, out, spans = op.name, op.out, st.trace.spans
     if len(s.sources) != 1 or s.outer != 1 or name not in ("split", "split_with_sizes"):
         raise SplitEnds(
             f"its split features are cut into {len(out)} parts in a way a fused split "
@@ -301,9 +301,9 @@ def _cut(st: Trackers, op: Op, s: Split) -> Followed:
         for size in sorted(set([asked] if isinstance(asked, int) else asked)):
             if size > 0:  # nothing to divide in an empty piece
                 held.append(st.reads.attribute_holding(size, "it cuts the fused features at"))
-    per_unit = regions.openers[src] // (s.n * s.inner)
+    per_unit = spans.openers[src] // (s.n * s.inner)
     parts = tuple(n * per_unit for n in sizes if n)
-    if regions.parts.setdefault(src, parts) != parts:
+    if spans.parts.setdefault(src, parts) != parts:
         raise SplitEnds("the fused features are cut two different ways")
     st.trace.reads.counts.setdefault(src, set()).update(held)
     return [
@@ -418,7 +418,7 @@ def elementwise(st: Trackers, op: Op) -> Followed:
 
 def side_input(st: Trackers, t: torch.Tensor, s: Split, op: str) -> None:
     """An unsplit tensor computed from the weights (not a parameter: those get rules of their
-    own) meeting split features inside a region, broadcast across them: on each rank its
+    own) meeting split features inside a span, broadcast across them: on each rank its
     gradient sums over that rank's features only, and no collective adds the ranks' partial
     sums, so the weights behind it would train wrong. Experts modules are exempt: their
     style sums the gradients of everything they are given."""
@@ -465,7 +465,7 @@ def sized_by_a_shard(st: Trackers, op: Op) -> bool:
     s = reads.shape_splits[out.shape[d]]
     if name == "expand" and st.origins.carries(ins[0]) and st.origins.param_of(ins[0]) is None:
         # each rank would broadcast it over its own share only: its gradient is partial
-        st.trace.regions.break_(
+        st.trace.spans.break_(
             s.sources,
             "expand: it broadcasts an unsplit tensor computed from the weights to the split "
             "size; its gradient would be each rank's partial sum, with nothing to add them up",

@@ -4,7 +4,7 @@ Start at `trace_model`. The model is copied onto fake tensors (shapes and dtypes
 blocks.py shortens long stacks), its linear layers are found (probe.py), hooks mark every
 Linear / Embedding call and every module holding expert weights (hooks.py), and the
 `Tracer` (tracer.py) and `AttentionMode` (attention.py) see every op in between. The pass
-repeats until the regions settle (`_trace_once`), and falls back to tracing every block or
+repeats until the spans settle (`_trace_once`), and falls back to tracing every block or
 to the model's own weights where a fake, shortened copy cannot run (`_trace`).
 """
 
@@ -122,22 +122,22 @@ def _trace(
 def _trace_once(
     model: nn.Module, example_inputs: Any, shorten: bool, *, real: bool, whole: dict[str, str]
 ) -> Trace:
-    """Trace until the regions settle: a layer whose split ends somewhere is kept whole or
+    """Trace until the spans settle: a layer whose split ends somewhere is kept whole or
     gathered by any plan, so its output is whole, but in the pass that found it, it may
-    already have reached other layers and tied them into its dead region (ALBERT's shared
+    already have reached other layers and tied them into its dead span (ALBERT's shared
     layer, called first on the split output of the embedding projection). Those layers are
     traced again with it whole from the start: the next pass judges them on what the
     sharded model will compute. infer_plan and check_plan both see the settled trace."""
     kept: dict[str, list[str]] = {}
     for _ in range(3):
         trace = _trace_pass(model, example_inputs, shorten, real=real, kept=kept, whole=whole)
-        regions = trace.regions
+        spans = trace.spans
         tied = {
             src: reasons
-            for src, reasons in regions.broken.items()
-            if src in regions.openers
+            for src, reasons in spans.broken.items()
+            if src in spans.openers
             and src not in kept
-            and any(src in group and len(group) > 1 for group in regions.links)
+            and any(src in group and len(group) > 1 for group in spans.links)
         }
         if not tied:
             break
@@ -199,7 +199,7 @@ def _trace_pass(
     for t in tensor_leaves(out):
         s = st.splits.split_of(t)
         if s is not None:
-            trace.regions.at_output |= s.sources
+            trace.spans.at_output |= s.sources
     return trace
 
 

@@ -44,7 +44,7 @@ class Split:
     n: int
     inner: int
     sources: frozenset[str]
-    """The layers whose output features these are (one, or several joined in a region)."""
+    """The layers whose output features these are (one, or several joined in a span)."""
 
     def same_cut(self, other: Split) -> bool:
         """Both describe the same partition of the same dim (up to how finely it may be cut)."""

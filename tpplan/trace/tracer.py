@@ -54,14 +54,14 @@ class Tracer(TorchDispatchMode):
             return
         if not op.outs:
             if op.func.namespace != "prim" and op.name not in METADATA:
-                st.trace.regions.break_(
+                st.trace.spans.break_(
                     sources, f"{op.name} turns the split tensor into a plain value"
                 )
             return
         try:
             results = follow(st, op)
         except SplitEnds as e:
-            st.trace.regions.break_(sources, f"{op.name}: {e}")
+            st.trace.spans.break_(sources, f"{op.name}: {e}")
             if st.origins.expert_params:
                 st.experts.split_ended(op, sources)
             return

@@ -124,7 +124,7 @@ def _opaque(real: nn.Module, fake: FakeTensorMode, st: Trackers, reason: str) ->
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         splits = [s for s in (st.splits.split_of(t) for t in leaves) if s is not None]
         if splits:
-            st.trace.regions.break_(frozenset().union(*(s.sources for s in splits)), reason)
+            st.trace.spans.break_(frozenset().union(*(s.sources for s in splits)), reason)
         where = next((t.device for t in leaves), torch.device("meta"))
         with disable_current_modes(), torch.no_grad():
             out = real(*tree_map(lambda t: _made(t, device), args),

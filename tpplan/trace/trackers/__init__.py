@@ -54,7 +54,7 @@ class Trackers:
         """Trackers for one pass over the model. `params`: id -> name of each parameter of
         the traced copy; `kept_whole`: layers an earlier pass found cannot stay split."""
         origins = Origins(trace.params, params)
-        splits = DenseSplits(trace.regions, kept_whole)
+        splits = DenseSplits(trace.spans, kept_whole)
         whole_outputs = WholeOutputs(trace.experts, splits)
         return cls(
             trace=trace,
@@ -64,5 +64,5 @@ class Trackers:
             reads=AttributeReads(trace.reads),
             lookups=Lookups(trace.lookups, origins),
             whole_outputs=whole_outputs,
-            experts=Experts(trace.experts, trace.regions, origins, splits, whole_outputs),
+            experts=Experts(trace.experts, trace.spans, origins, splits, whole_outputs),
         )

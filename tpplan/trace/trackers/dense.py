@@ -3,7 +3,7 @@
 Start at `DenseSplits.split_of` and `mark`. A Linear called on an unsplit input opens a split
 of its output features (`open`); the per-op rules (rules.py) carry it from tensor to tensor;
 a Linear whose input arrives split on its contracted dim closes it (`arrive`). What they see
-goes to the trace's `RegionFacts`.
+goes to the trace's `SpanFacts`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..record import RegionFacts
+from ..record import SpanFacts
 from ..split import Split, SplitEnds
 
 __all__ = ["DenseSplits"]
@@ -23,7 +23,7 @@ class DenseSplits:
     """Split tensors of one traced forward: id -> (tensor, its Split). The tensors are held so
     that their ids stay unique while traced."""
 
-    def __init__(self, facts: RegionFacts, kept_whole: dict[str, list[str]]) -> None:
+    def __init__(self, facts: SpanFacts, kept_whole: dict[str, list[str]]) -> None:
         self.facts = facts
         self.splits: dict[int, tuple[torch.Tensor, Split]] = {}
         # Layers an earlier pass found could not stay split (see run.py's `_trace_once`):
@@ -37,7 +37,7 @@ class DenseSplits:
             return None
         # Once every layer behind a split has had it end somewhere, none of them will stay
         # split (each is kept whole or gathered), so what follows sees whole tensors: a
-        # normed latent (DeepSeek's q_a_proj) does not tie the next layer into its region.
+        # normed latent (DeepSeek's q_a_proj) does not tie the next layer into its span.
         if all(src in self.facts.broken for src in entry[1].sources):
             return None
         return entry[1]
@@ -82,7 +82,7 @@ class DenseSplits:
 
     def arrive(self, name: str, x: Any, contracted: int = -1) -> None:
         """A Linear is called on `x`: split on the dim it contracts (`contracted`: the last,
-        or a 1x1 convolution's channels), it closes the region (row-parallel); split on
+        or a 1x1 convolution's channels), it closes the span (row-parallel); split on
         another dim, the split ends there. A Linear called both ways can take neither role
         (`misfits`)."""
         facts = self.facts

@@ -6,7 +6,7 @@ of its output features, like a Linear; one on an input split on its contracted d
 and leaves each rank's partial sum. Partial sums stay partial through ops linear in them, up
 to the module's output, where the plan's all-reduce adds them up (`follow_partial`). The hooks
 call `enter` and `leave` around the module's forward; what is found goes to the trace's
-`ExpertFacts` (and `RegionFacts`, for the weights' roles).
+`ExpertFacts` (and `SpanFacts`, for the weights' roles).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from ..._runtime.torch_compat import tree_leaves
 from ..ops import ADDS, LINEAR_IN_PARTIAL, MADE_LIKE, METADATA, PASS_THROUGH, Op, linear_in
-from ..record import AttributeRead, ExpertFacts, RegionFacts
+from ..record import AttributeRead, ExpertFacts, SpanFacts
 from ..split import Split, norm_dim, permutation
 from .dense import DenseSplits
 from .origins import Origins
@@ -97,13 +97,13 @@ class Experts:
     def __init__(
         self,
         facts: ExpertFacts,
-        regions: RegionFacts,
+        spans: SpanFacts,
         origins: Origins,
         splits: DenseSplits,
         whole_outputs: WholeOutputs,
     ) -> None:
         self.facts = facts
-        self.regions = regions
+        self.spans = spans
         self.origins = origins
         self.splits = splits
         self.whole_outputs = whole_outputs
@@ -233,7 +233,7 @@ class Experts:
         """A batched per-expert matmul with an expert weight: opens a split of its output
         features (unsplit input) or closes one (input split on the contracted dim), leaving
         each rank's partial sum. False when no expert weight takes part."""
-        name, out, regions, roles = op.name, op.out, self.regions, self.facts.roles
+        name, out, spans, roles = op.name, op.out, self.spans, self.facts.roles
         first, second = op.named["self"], op.named["mat2"]
         if name in ("_grouped_mm", "mm") or self.weights.view_of(second) is not None:
             x, w = first, second
@@ -253,22 +253,22 @@ class Experts:
         s = self.splits.split_of(x)
         if s is None:
             if roles.get(pname, ("open",))[0] != "open":
-                regions.misfits[pname] = "it is called both on split and on unsplit inputs"
+                spans.misfits[pname] = "it is called both on split and on unsplit inputs"
             features = out.shape[out_dim]
-            regions.openers[pname] = features
+            spans.openers[pname] = features
             roles[pname] = ("open", stored_out)
             self.splits.mark(out, Split(out_dim, 1, features, 1, frozenset({pname})), name)
         elif s.dim == x_in and s.outer == 1:
             if roles.get(pname, ("close",))[0] != "close" or (
-                pname in regions.closers and not regions.closers[pname].same_cut(s)
+                pname in spans.closers and not spans.closers[pname].same_cut(s)
             ):
-                regions.misfits[pname] = "it is called both on split and on unsplit inputs"
+                spans.misfits[pname] = "it is called both on split and on unsplit inputs"
             roles[pname] = ("close", stored_in)
-            regions.closers[pname] = s
-            regions.links.add(s.sources | {pname})
+            spans.closers[pname] = s
+            spans.links.add(s.sources | {pname})
             self.partials[id(out)] = (out, s.sources | {pname})
         else:
-            regions.break_(s.sources, f"{name}: an expert matmul takes it along another dim")
+            spans.break_(s.sources, f"{name}: an expert matmul takes it along another dim")
         return True
 
     def bias_alike(self, t: torch.Tensor, s: Split, nd: int) -> bool:
@@ -368,7 +368,7 @@ class Experts:
 
     def end_partial(self, sources: frozenset[str], partial: list[torch.Tensor], why: str) -> None:
         """The partial sums of `sources` end here, for this reason."""
-        self.regions.break_(sources, why)
+        self.spans.break_(sources, why)
         if not sources and self.running:
             # a sum no expert with weights has reached yet: no weight to blame, so the
             # experts module running holds the reason (`ExpertFacts.sum_breaks`)

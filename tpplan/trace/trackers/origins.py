@@ -104,7 +104,7 @@ class Origins:
             return  # a query (`weight.device`, a size) computes nothing a gradient flows through
         for p in used:
             if sources:
-                self.facts.in_region.setdefault(p, set()).update(sources)
+                self.facts.in_span.setdefault(p, set()).update(sources)
             else:
                 self.facts.outside.add(p)
 
