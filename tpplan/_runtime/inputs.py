@@ -120,6 +120,7 @@ def example_inputs(
     if not out and config is None:
         # a hand-written module of one input: what its first layer with weights takes
         out = _first_layer_input(model, params, batch=batch, seq=seq, generator=g)
+        out = {k: v.to(device) for k, v in out.items()}
     if not out:
         names = ", ".join(params) or "no arguments"
         raise InputsError(

@@ -142,7 +142,7 @@ def _check_experts(
 
 def _conv_misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | None:
     """colwise and rowwise split a convolution only where it is a Linear over its channels,
-    and such a weight has no fused parts and is never stored transposed."""
+    and such a weight is never stored transposed (fused `parts` split as a Linear's)."""
     if not isinstance(module, ConvNd):
         return None
     if not pointwise_conv(module):
@@ -156,14 +156,13 @@ def _conv_misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | 
             f"{tuple(module.stride)}, padding {module.padding}, groups {module.groups}.",
             "keep this module replicated (style: replicate).",
         )
-    if rule.part_sizes() or rule.stored_transposed():
-        field = "parts" if rule.part_sizes() else "transposed"
+    if rule.stored_transposed():
         return Problem(
             "module_type",
             rule_label(i, rule),
             name,
-            f"a 1x1 convolution takes no `{field}`: its weight is one (out, in, 1...) block.",
-            f"drop `{field}` from the rule.",
+            "a 1x1 convolution takes no `transposed`: its weight is stored (out, in, 1...).",
+            "drop `transposed` from the rule.",
         )
     return None
 

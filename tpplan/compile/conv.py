@@ -28,7 +28,10 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .._runtime.torch_compat import StridedShard
+from ..errors import TpplanError
 from .params import changeable, split_param
+from .strided import equal_parts, own_parts
 
 __all__ = ["PointwiseConv"]
 
@@ -44,8 +47,15 @@ class PointwiseConv(ParallelStyle):
     the input holds the rank's channels, the weight is split on dim 1, each rank's output is
     a partial sum, all-reduced before the whole bias is added.
 
+    A fused convolution (q|k|v laid end to end over its output channels, `parts`) gives
+    each rank its slice of every piece, as a fused Linear does (linear.py): with pieces of
+    one size its weight is a `_StridedShard`, and its local output the rank's slice of each
+    piece in order; with pieces of several sizes the weight is a plain Shard and the rank's
+    slices are picked from the gathered output. A rowwise one takes input pieces of one size.
+
     Keyword Args:
         rowwise: split the input channels instead of the output channels.
+        parts: sizes of the pieces laid end to end along the split channels.
         input_layouts, output_layouts, use_local_output: as torch's ColwiseParallel and
             RowwiseParallel, with `Shard(1)` (the channels) where they have `Shard(-1)`.
 
@@ -60,21 +70,35 @@ class PointwiseConv(ParallelStyle):
         input_layouts: Placement | None = None,
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
+        parts: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.rowwise = rowwise
-        split, whole = _CHANNELS, Replicate()
+        self.parts = tuple(parts) if parts else None
+        if self.parts and rowwise and not equal_parts(self.parts):
+            raise TpplanError(
+                f"a rowwise 1x1 convolution takes input pieces of one size only, not {list(self.parts)}."
+            )
+        if self.parts and not rowwise and not use_local_output and not equal_parts(self.parts):
+            raise TpplanError(
+                f"a fused colwise convolution of unequal parts {list(self.parts)} has no DTensor "
+                "layout for its output; drop local_output: false from its rule."
+            )
+        pieces = len(self.parts) if self.parts and equal_parts(self.parts) else 0
+        split = StridedShard(1, split_factor=pieces) if pieces else _CHANNELS
+        whole = Replicate()
         self.input_layout = input_layouts or (split if rowwise else whole)
         self.wanted_input = split if rowwise else whole
+        self.wanted_output = split  # a colwise output's channels as each rank computes them
         self.output_layout = output_layouts or (whole if rowwise else split)
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         mesh, src = device_mesh, self.src_data_rank
-        split_param(module, "weight", mesh, 1 if self.rowwise else 0, None, src)
+        split_param(module, "weight", mesh, 1 if self.rowwise else 0, self.parts, src)
         bias = module._parameters.get("bias")
         if bias is not None and not self.rowwise:
-            split_param(module, "bias", mesh, 0, None, src)
+            split_param(module, "bias", mesh, 0, self.parts, src)
         elif bias is not None:
             whole = distribute_tensor(bias, mesh, [Replicate()], src_data_rank=src)
             module.register_parameter("bias", nn.Parameter(whole, bias.requires_grad))
@@ -109,8 +133,11 @@ class PointwiseConv(ParallelStyle):
         return x.to_local(grad_placements=None if self.rowwise else [Partial()])
 
     def _output(self, mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> Any:
+        gathered = isinstance(self.output_layout, Replicate)
+        if self.parts and not self.rowwise and not equal_parts(self.parts) and not gathered:
+            return self._own_slices(out, mesh)
         got: DTensor = DTensor.from_local(
-            out, mesh, [Partial() if self.rowwise else _CHANNELS], run_check=False
+            out, mesh, [Partial() if self.rowwise else self.wanted_output], run_check=False
         )
         if got.placements != (self.output_layout,):
             got = got.redistribute(placements=[self.output_layout])
@@ -122,9 +149,19 @@ class PointwiseConv(ParallelStyle):
         local = got.to_local()
         return changeable(local) if self.rowwise else local
 
+    def _own_slices(self, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        """A fused output of pieces of several sizes: the weight is a plain Shard of the
+        original, so the channels are gathered and this rank's slice of each piece picked
+        out (the gradient partial, each rank's picks only, summed back to the shards)."""
+        assert self.parts is not None
+        got = DTensor.from_local(out, mesh, [_CHANNELS], run_check=False)
+        whole = got.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return whole.index_select(1, own_parts(self.parts, mesh, whole.device))
+
     def __repr__(self) -> str:
         kind = "rowwise" if self.rowwise else "colwise"
         return (
             f"PointwiseConv({kind}, input_layouts={self.input_layout}, "
-            f"output_layouts={self.output_layout}, use_local_output={self.use_local_output})"
+            f"output_layouts={self.output_layout}, use_local_output={self.use_local_output}, "
+            f"parts={self.parts})"
         )

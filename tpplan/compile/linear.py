@@ -19,7 +19,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.tensor import (
     DeviceMesh,
@@ -37,7 +36,7 @@ from .._runtime.torch_compat import StridedShard, rowwise_prepare_output
 from ..errors import TpplanError
 from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
-from .strided import equal_parts, fused_order
+from .strided import equal_parts, own_parts
 
 __all__ = ["Colwise", "Rowwise"]
 
@@ -112,7 +111,7 @@ class Colwise(ColwiseParallel):
             # the original, so this rank's features are gathered and its slices picked out;
             # the gradient is partial (each rank's picks only), summed back to the shards
             whole = out.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-            return whole.index_select(-1, _own_parts(parts, mesh, whole.device))
+            return whole.index_select(-1, own_parts(parts, mesh, whole.device))
         if out.placements != layouts:
             out = out.redistribute(placements=layouts)
         if local and isinstance(layouts[0], Replicate):
@@ -151,13 +150,6 @@ def _local_run_reason(style: Any, module: nn.Module, kind: Any, tp: int) -> str 
         local_output=style.use_local_output,
         tp=tp,
     )
-
-
-def _own_parts(parts: tuple[int, ...], mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
-    """The features of a whole fused output that make this rank's slice of each part, in
-    order (each rank's own index, also on simulated ranks)."""
-    order = torch.tensor(fused_order(parts, mesh.size()), device=device)
-    return distribute_tensor(order, mesh, [Shard(0)], src_data_rank=None).to_local()
 
 
 class Rowwise(RowwiseParallel):

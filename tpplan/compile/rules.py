@@ -201,14 +201,16 @@ def _vocab_parallel(rule: VocabParallelRule, build: Build) -> ParallelStyle:
 
 def _conv_style(rule: ColwiseRule | RowwiseRule, *, rowwise: bool) -> PointwiseConv:
     """colwise or rowwise on a 1x1 convolution: its channels are split as a Linear's
-    features (conv.py). Its weight has no fused parts and is never stored transposed."""
-    if rule.parts or rule.transposed:
+    features (conv.py), fused pieces (`parts`) included. Its weight is never stored
+    transposed."""
+    if rule.transposed:
         raise TpplanError(
-            f"rule {rule.match!r} splits a 1x1 convolution, which takes no "
-            f"{'parts' if rule.parts else 'transposed'}; drop it from the rule."
+            f"rule {rule.match!r} splits a 1x1 convolution, which takes no transposed; "
+            "drop it from the rule."
         )
     return PointwiseConv(
         rowwise=rowwise,
+        parts=rule.parts,
         input_layouts=placement(rule.input),
         output_layouts=placement(rule.output),
         **_local_output(rule),

@@ -37,6 +37,7 @@ __all__ = [
     "equal_parts",
     "fused_order",
     "local_runs",
+    "own_parts",
     "split_parts",
     "teach_checkpoint_chunks",
 ]
@@ -48,6 +49,13 @@ Run = tuple[int, int, int]
 def equal_parts(parts: Sequence[int]) -> bool:
     """Whether a fused layer's pieces can be one `_StridedShard`: all the same size."""
     return len(set(parts)) == 1
+
+
+def own_parts(parts: Sequence[int], mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+    """The features of a whole fused output that make this rank's slice of each part, in
+    order (each rank's own index, also on simulated ranks)."""
+    order = torch.tensor(fused_order(parts, mesh.size()), device=device)
+    return distribute_tensor(order, mesh, [Shard(0)], src_data_rank=None).to_local()
 
 
 def fused_order(parts: Sequence[int], tp: int) -> list[int]:
