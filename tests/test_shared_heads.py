@@ -33,6 +33,7 @@ from tpplan.checkpoint import load_checkpoint, save_checkpoint
 from tpplan.diagnose.stats import plan_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
+from support.code_styles import Spec, build, inputs
 from support.parity import assert_parity
 
 TINY = {
@@ -108,11 +109,13 @@ def test_eager_attention_shares_kv_heads_at_tp4() -> None:
 
 class _Gqa(nn.Module):
     """Hand-written grouped-query attention, torchtitan's way: its key/value heads repeated
-    by `self.n_rep` (or, with `literal`, by a number no attribute holds)."""
+    by `self.n_rep` (or, with `literal`, by a number no attribute holds; with `computed`, by
+    `self.n_heads // self.n_kv`, counts its views do not read)."""
 
-    def __init__(self, literal: bool = False) -> None:
+    def __init__(self, literal: bool = False, computed: bool = False) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd, self.literal = 8, 2, 8, literal
+        self.computed = computed
         self.n_rep = self.n_heads // self.n_kv
         self.wq = nn.Linear(32, 64, bias=False)
         self.wk = nn.Linear(32, 16, bias=False)
@@ -124,7 +127,7 @@ class _Gqa(nn.Module):
         q = self.wq(x).view(b, s, -1, self.hd)
         k = self.wk(x).view(b, s, -1, self.hd)
         v = self.wv(x).view(b, s, -1, self.hd)
-        rep = 4 if self.literal else self.n_rep
+        rep = 4 if self.literal else self.n_heads // self.n_kv if self.computed else self.n_rep
         k, v = (
             t.unsqueeze(3).expand(b, s, t.shape[2], rep, self.hd).reshape(b, s, -1, self.hd)
             for t in (k, v)
@@ -157,6 +160,48 @@ def test_a_repeat_by_a_number_no_attribute_holds_is_not_shared() -> None:
         rules["0.wk"].why
     )
     assert tpplan.infer_plan(model, tp_size=2).rules[1].output is None
+
+
+@pytest.mark.unit
+def test_a_repeat_computed_from_counts_the_plan_does_not_divide_is_not_shared() -> None:
+    """`n_heads // n_kv` where the views count no heads (-1): neither is divided, so each
+    rank would repeat its one head 4 times where 2 are needed. Not shared, with the formula
+    and the numbers; at tp 2 the heads split as they are."""
+    model = nn.Sequential(_Gqa(computed=True))
+    plan = tpplan.infer_plan(model, tp_size=4)
+    rules = {r.match: r for r in plan.rules}
+    assert rules["0.wk"].output == "replicate" and not rules["0.wk"].replicate_heads
+    assert (
+        "it repeats the key/value heads by n_heads // n_kv = 4, which comes to 4 per rank at "
+        "tp 4 where 2 is needed"
+    ) in rules["0.wk"].why
+    assert tpplan.infer_plan(model, tp_size=2).rules[1].output is None
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize(
+    "kv", ["gqa", "mqa"], ids=["grouped, computed repeat", "one kv head of its own layer"]
+)
+def test_hand_written_shared_heads_split_the_megatron_way(kv: str, tp: int) -> None:
+    """Key/value heads from layers of their own, viewed by `self.n_kv`, repeated by
+    `self.n_head // self.n_kv` (a number no attribute holds, computed from the counts the
+    plan divides) and merged back by `self.n_head * self.head_dim`: 2 key/value heads for 4
+    query heads, or one for all (multi-query attention). Past the key/value heads each is
+    whole on the ranks it serves; the attention gathers nothing, and the numbers hold."""
+    spec = Spec(kv=kv)  # type: ignore[arg-type]
+    model, ids = build(spec), inputs()
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=ids)
+    rules = {r.match.rpartition(".")[2]: r for r in plan.rules}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert rules[name].style == "colwise" and rules[name].output is None, rules[name]
+        # the plan holds at every tp the heads take: the key/value heads shared past K
+        assert bool(rules[name].replicate_heads) == (name != "q_proj")
+    assert rules["o_proj"].style == "rowwise"
+    if kv == "mqa":
+        assert "its one key/value head serves every query head" in rules["k_proj"].why
+    divided = {(a.by or "tp", tuple(a.divide)) for a in plan.attributes}
+    assert ("tp", ("n_head",)) in divided or ("tp", ("n_head", "n_kv")) in divided
+    assert_parity(model, plan, tp, ids)
 
 
 def test_a_shared_heads_gradient_is_summed_over_the_ranks_sharing_it() -> None:

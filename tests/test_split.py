@@ -130,6 +130,10 @@ RESHAPES = [
     ((8,), _split(0, 1, 8, 1), (2, 2, 2), _split(0, 1, 2, 1)),
     ((2, 3, 8), _split(2, 1, 8, 1), (6, 8), _split(1, 1, 8, 1)),
     ((2, 3, 8), _split(2, 1, 2, 4), (2, 3, 2, 4), _split(2, 1, 2, 1)),
+    # one head (multi-query attention's key): a dim of one keeps its place among dims of one
+    ((2, 8, 1, 8), _split(2, 1, 1, 1), (2, 8, 1, 1, 8), _split(2, 1, 1, 1)),  # unsqueeze(3)
+    ((2, 8, 1, 1, 8), _split(2, 1, 1, 1), (2, 8, 1, 8), _split(2, 1, 1, 1)),
+    ((2, 8, 1, 4, 8), _split(2, 1, 1, 1), (2, 8, 4, 8), _split(2, 1, 1, 4)),  # repeated heads
 ]
 
 

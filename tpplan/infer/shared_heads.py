@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..trace.counted import Expr, evaluate, render
 from .context import Context
 from .decision import Divided
 from .names import inside, relative
@@ -135,7 +136,57 @@ def _divide(
         refused = _add(sharing, module, attr, by, why)
         if refused:
             return refused
+    query = {(m, a) for m, a, _ in counts} - {(m, a) for m, a, _, _ in divided}
+    return _computed_repeats(ctx, sharing, query, {(m, a): by for m, a, by, _ in divided})
+
+
+def _computed_repeats(
+    ctx: Context, sharing: Sharing, query: set[tuple[str, str]], shared: dict[tuple[str, str], str]
+) -> str | None:
+    """A repeat count the code computes from attributes (`self.n_head // self.n_kv`): with
+    the counts the plan divides (`query` by tp, `shared` by a head's shards or replicas), the
+    formula must give each rank its own repeat, (H/K) / (tp/K), at every tp the sharing
+    takes; why not, where it does not."""
+    t = ctx.trace
+    k = min(sharing.kv.values())
+    for o in sorted(sharing.kv):
+        formula = t.spans.repeat_formulas.get(o)
+        if formula is None:
+            continue
+        times = t.spans.repeats[o][0]
+        for tp in range(2, times * k + 1):
+            if (times * k) % tp or not (k % tp == 0 or tp % k == 0):
+                continue
+            shards, replicas = min(tp, k), max(1, tp // k)
+            divisor = {"tp": tp, "shards": shards, "replicas": replicas, None: 1}
+            local = {
+                read: value // divisor[by] for read, value, by in _values(formula, query, shared)
+            }
+            got, want = evaluate(formula, local), times // replicas
+            if got != want:
+                return (
+                    f"it repeats the key/value heads by {render(formula)} = {times}, which "
+                    f"comes to {got} per rank at tp {tp} where {want} is needed"
+                )
     return None
+
+
+def _values(
+    formula: Expr, query: set[tuple[str, str]], shared: dict[tuple[str, str], str]
+) -> list[tuple[tuple[str, str], int, str | None]]:
+    """(attribute, value as read, how the plan divides it: 'tp', 'shards', 'replicas' or
+    None for not at all) of each attribute the formula reads."""
+    out: list[tuple[tuple[str, str], int, str | None]] = []
+    stack = [formula]
+    while stack:
+        node = stack.pop()
+        if node[0] == "attr":
+            read = (node[1], node[2])
+            by = shared.get(read, "tp" if read in query else None)
+            out.append((read, node[3], by))
+        elif node[0] != "const":
+            stack += [node[1], node[2]]
+    return out
 
 
 def _add(sharing: Sharing, module: str, attr: str, by: str, why: str) -> str | None:

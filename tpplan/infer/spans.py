@@ -255,6 +255,11 @@ def _shared_need(sharing: Sharing, kv: int | None) -> str:
             f"; tp must divide {sharing.query_unit} (its query heads; the key/value heads "
             "are shared past their count)"
         )
+    if kv == 1:
+        return (
+            "; its one key/value head serves every query head (multi-query attention): it "
+            "stays whole on every rank, its gradient summed over them"
+        )
     return (
         f"; its {kv} key/value heads each serve consecutive query heads: tp must divide {kv}, "
         f"or be a multiple of it, each head then whole on the tp/{kv} ranks holding its "
@@ -289,8 +294,9 @@ def _output_features(ctx: Context, o: str, inners: set[int]) -> tuple[str, str, 
             if 2 <= pieces <= 4
             else ""
         )
+        viewed = "viewed as one head" if heads == 1 else f"split into {heads} heads"
         return (
-            f"output split into {heads} heads of {head_dim} by a view{per_head}; it flows",
+            f"output {viewed} of {head_dim} by a view{per_head}; it flows",
             "it",
             head_dim,
         )

@@ -28,6 +28,7 @@ _VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
 _VIEWS_AS = (torch.Tensor.view_as, torch.Tensor.reshape_as)
 _UNFLATTENS = (torch.Tensor.unflatten, torch.unflatten)
 _SHAPES = (torch.Tensor.size, torch.Tensor.shape.__get__)  # type: ignore[attr-defined]
+_REPEATS = (torch.Tensor.repeat_interleave, torch.repeat_interleave)
 
 
 def _unflattened(x: torch.Tensor, dim: int, sizes: Any) -> tuple[Any, ...]:
@@ -68,6 +69,8 @@ class AttentionMode(TorchFunctionMode):
                 return self._asked(_unflattened(*args, **kwargs), func, args, kwargs)
             finally:
                 self.st.reads.unflattening -= 1
+        if func in _REPEATS or func is torch.Tensor.expand:
+            return self._given(func, args, kwargs)
         if func in _CHUNKS:
             self.st.reads.chunking += 1
             try:
@@ -98,6 +101,23 @@ class AttentionMode(TorchFunctionMode):
         if split is not None:
             self.st.reads.note_shape(other.shape[split.dim], split)
         return self._asked(tuple(other.shape), func, args, kwargs)
+
+    def _given(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Run a repeat with the count it was written with at hand (`AttributeReads.given`):
+        `repeat_interleave(self.n_rep)` and `repeat_interleave(self.n_head // self.n_kv)`
+        reach dispatch as the same expand of the same number."""
+        if func is torch.Tensor.expand:
+            sizes = args[1:]
+            if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+                sizes = sizes[0]
+            given: tuple[str, Any] = ("sizes", tuple(sizes))
+        else:
+            given = ("repeat", args[1] if len(args) > 1 else kwargs.get("repeats"))
+        self.st.reads.given.append(given)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.st.reads.given.pop()
 
     def _asked(self, sizes: tuple[Any, ...], func: Any, args: Any, kwargs: Any) -> Any:
         """Run a view with the sizes it was written with at hand (`AttributeReads.asked`)."""

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._runtime.lookup import put_in_lookup_place
+from .counted import Counted
 from .split import Split
 from .trackers import Trackers
 
@@ -166,6 +167,8 @@ def _watched(cls: type) -> type:
                 log = object.__getattribute__(self, "__dict__").get(_READS)
                 if log is not None:
                     log[0].read(log[1], attr, value)
+                    # the forward gets a number that remembers it is this attribute
+                    return Counted.read(log[1], attr, value)
             return value
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .counted import Expr
 from .split import Split
 
 __all__ = [
@@ -92,6 +93,11 @@ class SpanFacts:
     (times, the attribute holding that count, or None where none does or none is needed).
     Where tp/K ranks share a head, each rank repeats its one head by (H/K)/(tp/K): the
     attribute is divided by the ranks sharing it."""
+    repeat_formulas: dict[str, Expr] = field(default_factory=dict)
+    """Key/value opener repeated by a count the code computed from attributes (`self.n_head
+    // self.n_kv`) rather than read from one -> that formula (counted.py): no attribute
+    holds the count, and infer checks that the formula, with the counts the plan divides,
+    gives each rank its repeat."""
     unshared: dict[str, str] = field(default_factory=dict)
     """Key/value opener whose heads cannot be shared among ranks -> why."""
     links: set[frozenset[str]] = field(default_factory=set)

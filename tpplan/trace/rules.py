@@ -13,9 +13,11 @@ way (torch/distributed/tensor/_ops/).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from .counted import Counted
 from .ops import (
     ELEMENTWISE,
     NORMS,
@@ -78,12 +80,50 @@ def follow(st: Trackers, op: Op) -> Followed:
 def _reshaped(st: Trackers, op: Op) -> Followed:
     x = op.args[0]
     before = _as_pieces(st, op, st.splits.only_split(x))
-    s = reshape(before, tuple(x.shape), tuple(op.out.shape))
+    s = _one_head(st, reshape(before, tuple(x.shape), tuple(op.out.shape)), op.out.shape)
     sizes = op.named.get("size", op.named.get("shape"))
     st.reads.check_count(
-        sizes, s, before, x, op.out.shape, width=x.shape[before.dim] // before.outer
+        sizes,
+        s,
+        before,
+        x,
+        op.out.shape,
+        width=x.shape[before.dim] // before.outer,
+        counted=heads_owners(st, s),
     )
     return [(op.out, s)]
+
+
+def _one_head(st: Trackers, s: Split, shape: Any) -> Split:
+    """A layer's whole output viewed as one head (`view(B, T, self.n_kv, self.head_dim)`
+    with one key/value head, multi-query attention): the split moves from the features
+    to the heads dim, one head of them, which tp ranks can only share whole. Told from a
+    tensor merely given a dim of 1 by what the view was written with: the head count an
+    attribute (or -1), the width an attribute."""
+    asked = st.reads.asked[-1] if st.reads.asked else ()
+    last = len(shape) - 1
+    if (
+        last < 1
+        or s.dim != last
+        or s.outer != 1
+        or s.n * s.inner != shape[last]
+        or shape[last - 1] != 1
+        or len(asked) != len(shape)
+        or not isinstance(asked[last], Counted)
+        or not (isinstance(asked[last - 1], Counted) or asked[last - 1] == -1)
+    ):
+        return s
+    return Split(last - 1, 1, 1, 1, s.sources)
+
+
+def heads_owners(st: Trackers, s: Split) -> frozenset[str]:
+    """The openers whose heads a count of `s`'s split digit counts: all its sources, but a
+    key/value opener of grouped-query attention whose own head count is not the digit's.
+    Attention's output carries the query heads, joined with the key/value openers' span:
+    `view(B, T, self.n_head * hd)` on it counts the query heads only."""
+    kv = st.trace.spans.kv_heads
+    own = frozenset(src for src in s.sources if kv.get(src, s.n) == s.n)
+    return own or s.sources
 
 
 def _as_pieces(st: Trackers, op: Op, s: Split) -> Split:
@@ -143,7 +183,8 @@ def _expanded(st: Trackers, op: Op) -> Followed:
     after = s.dim + 1
     if after < x.dim() and x.shape[after] == 1 and out.shape[d + 1] > 1:
         # each head repeated side by side (`repeat_kv`), if a merge follows
-        note_repeat(st, s.sources, out.shape[d + 1], "an expand repeats the heads", needed=True)
+        times = out.shape[d + 1]
+        note_repeat(st, s.sources, times, "an expand repeats the heads", needed=True, at=d + 1)
     return [(out, s.at(d))]
 
 
@@ -181,14 +222,34 @@ def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
 
 
 def note_repeat(
-    st: Trackers, sources: frozenset[str], times: int, doing: str, *, needed: bool
+    st: Trackers,
+    sources: frozenset[str],
+    times: int,
+    doing: str,
+    *,
+    needed: bool,
+    at: int | None = None,
 ) -> None:
     """Heads of `sources` repeated `times` times each (or grouped so, by attention): the
     attribute of the running forward holding `times` must shrink with the heads' sharing
     among ranks (record.py's `repeats`). Several make that sharing unproven, and so does
-    none where the count is `needed` (an expand's; attention groups by the shapes)."""
+    none where the count is `needed` (an expand's; attention groups by the shapes). A count
+    the code computed from attributes (`self.n_head // self.n_kv`, seen as a `Counted` the
+    repeat at output dim `at` was written with) is held by no attribute: its formula is
+    kept instead, for infer to evaluate with the counts the plan divides."""
     spans = st.trace.spans
-    held = {(m, a) for m, a, v in st.reads.frames[-1] if v == times}
+    given = st.reads.count_given(at, times) if at is not None else None
+    read = given.direct() if isinstance(given, Counted) else None
+    if isinstance(given, Counted) and read is None:
+        for src in sources:
+            spans.repeats[src] = (times, None)
+            spans.repeat_formulas[src] = given.expr
+        return
+    held: set[tuple[str, str]] = (
+        {read}  # the attribute itself, whatever else holds the same value
+        if read is not None
+        else {(m, a) for m, a, v in st.reads.frames[-1] if v == times}
+    )
     for src in sources:
         if len(held) == 1:
             ((module, attr),) = held

@@ -82,6 +82,14 @@ def reshape(split: Split, before: tuple[int, ...], after: tuple[int, ...]) -> Sp
     low = split.inner * st[split.dim]  # flat stride of the split digit
     top = low * split.n
     st2 = strides(after)
+    if split.n == split.inner == split.outer == 1:
+        # a dim of one (a single head, viewed so): it has no flat extent, and dims of one
+        # added or removed beside it share its stride; it stays the same one of them
+        ones = [k for k, size in enumerate(before) if size == 1 and st[k] == low]
+        kept = [k for k, size in enumerate(after) if size == 1 and st2[k] == low]
+        i = ones.index(split.dim)
+        if i < len(kept):
+            return Split(kept[i], 1, 1, 1, split.sources)
     for k, size in enumerate(after):
         if st2[k] < top <= st2[k] * size:
             break

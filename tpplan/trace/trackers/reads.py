@@ -41,8 +41,22 @@ class AttributeReads:
         self.asked: list[tuple[Any, ...]] = []
         self.unflattening = 0  # >0 while an unflatten runs (its view's -1 is resolved)
         self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
+        # The counts a running repeat was written with, as Python handed them (a `Counted`
+        # remembers the attributes it came from): ("repeat", n) for `repeat_interleave(n)`,
+        # ("sizes", sizes) for `expand(*sizes)`; innermost last.
+        self.given: list[tuple[str, Any]] = []
 
     # ---- logging ----------------------------------------------------------------------------
+    def count_given(self, at: int, times: int) -> Any:
+        """The number the running repeat was written with for `times` copies at output dim
+        `at` (a `Counted` where it came from attributes); None when none is at hand."""
+        if not self.given:
+            return None
+        kind, value = self.given[-1]
+        if kind == "sizes":
+            value = value[at] if at < len(value) else None
+        return value if isinstance(value, int) and value == times else None
+
     def read(self, module: str, attr: str, value: int) -> None:
         """`module`'s forward read the integer attribute `attr`."""
         self.frames[-1].append((module, attr, value))
@@ -82,6 +96,7 @@ class AttributeReads:
         x: Any,
         out_shape: Any,
         width: int | None = None,
+        counted: frozenset[str] | None = None,
     ) -> None:
         """A view of split features must size the split dim so that each rank's shard gets
         its share, and the dims beside it so that they do not change.
@@ -98,7 +113,8 @@ class AttributeReads:
           attribute: read off the tensor it would be the shard's own, but from elsewhere not.
 
         `width`: the size of the features one split digit spans (one fused piece's, where
-        the view carves the pieces apart); the input dim's size when not given.
+        the view carves the pieces apart); the input dim's size when not given. `counted`:
+        the openers whose heads the split digit counts (all of `s.sources` when not given).
         """
         if not isinstance(sizes, (list, tuple)):
             return  # squeeze, unsqueeze, flatten: dims, not sizes
@@ -130,9 +146,9 @@ class AttributeReads:
             free = len(written) == len(sizes) and written[last] == -1
             self._check_beside(pieces[1:-1] if free else pieces[1:], sizes[k], width, read)
         else:
-            self._check_merge(sizes, s)
+            self._check_merge(sizes, s, counted or s.sources)
             return
-        self._check_fixed_count(sizes, s)
+        self._check_fixed_count(sizes, s, counted or s.sources)
 
     def _check_beside(self, beside: list[int], count: int, width: int, read: set[int]) -> None:
         """The sizes a view gives the dims it carves beside the split dim out of the split
@@ -156,7 +172,7 @@ class AttributeReads:
                 "they would be wrong on every rank"
             )
 
-    def _check_merge(self, sizes: Any, s: Split) -> None:
+    def _check_merge(self, sizes: Any, s: Split, counted: frozenset[str]) -> None:
         """A view merging the split dim with others. One sized by -1 or by the tensor's own
         sizes is the shard's own. One sized by an attribute read right before it
         (`reshape(B, T, self.embed_dim)`) is divided by the plan; a number that only equals
@@ -185,10 +201,10 @@ class AttributeReads:
                 "attribute read just before it sized them is ambiguous "
                 f"({', '.join(sorted({a for _, a, _ in held}))})"
             )
-        for src in s.sources:
+        for src in counted:
             self.facts.counts.setdefault(src, set()).add(held[0])
 
-    def _check_fixed_count(self, sizes: Any, s: Split) -> None:
+    def _check_fixed_count(self, sizes: Any, s: Split, counted: frozenset[str]) -> None:
         """The count a view gives the split dim, unless -1 or read off a split tensor, must
         be an attribute the plan divides."""
         k = s.dim
@@ -198,7 +214,7 @@ class AttributeReads:
         if sizes[k] != -1:
             doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
             count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
-            for src in s.sources:
+            for src in counted:
                 self.facts.counts.setdefault(src, set()).add(count)
 
     def attribute_holding(self, value: int, doing: str) -> AttributeRead:

@@ -1,0 +1,123 @@
+"""`Counted`, an integer attribute as a traced forward reads it, and the numbers computed
+from such reads: each remembers the expression it came from.
+
+Start at `Counted`. The plan divides integer attributes (head counts); a number an op is
+given must shrink with them. A number that merely equals an attribute (`g = self.n_head //
+self.n_kv` is 2, and so is `self.n_kv`) says nothing of where it came from; a `Counted`
+does. The read hooks (hooks.py) hand the forward a `Counted` for every integer attribute it
+reads; arithmetic on it (`+ - * // %`, either side) gives another, whose `expr` is the
+formula over the attributes read. The attention mode sees them where Python code hands them
+to an op (a repeat's count), and infer evaluates `expr` with the counts the plan divides
+(`evaluate`). Anything else that touches one treats it as the plain int it equals.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["Counted", "Expr", "attributes_in", "evaluate", "render"]
+
+# ("attr", module, attribute, value as read) | ("const", value) | (operator, left, right)
+Expr = tuple[Any, ...]
+
+_OPS: dict[str, Callable[[int, int], int]] = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "//": operator.floordiv,
+    "%": operator.mod,
+}
+
+
+def _expr(x: Any) -> Expr:
+    return x.expr if isinstance(x, Counted) else ("const", int(x))
+
+
+def _binary(symbol: str, *, reflected: bool = False) -> Callable[[Counted, Any], Any]:
+    fn = _OPS[symbol]
+
+    def op(self: Counted, other: Any) -> Any:
+        if type(other) is not int and not isinstance(other, Counted):
+            return NotImplemented  # floats, tensors: their own arithmetic, no formula
+        left, right = (other, self) if reflected else (self, other)
+        value = fn(int(left), int(right))
+        return Counted(value, (symbol, _expr(left), _expr(right)))
+
+    return op
+
+
+class Counted(int):
+    """An int that remembers the formula over integer attributes it was computed from."""
+
+    expr: Expr
+
+    def __new__(cls, value: int, expr: Expr) -> Counted:
+        out = super().__new__(cls, value)
+        out.expr = expr
+        return out
+
+    @classmethod
+    def read(cls, module: str, attr: str, value: int) -> Counted:
+        """Attribute `attr` of the module named `module`, as its forward read it."""
+        return cls(value, ("attr", module, attr, value))
+
+    def direct(self) -> tuple[str, str] | None:
+        """(module, attribute) when this is one attribute as read, not computed from it."""
+        return (self.expr[1], self.expr[2]) if self.expr[0] == "attr" else None
+
+    __add__ = _binary("+")
+    __radd__ = _binary("+", reflected=True)
+    __sub__ = _binary("-")
+    __rsub__ = _binary("-", reflected=True)
+    __mul__ = _binary("*")
+    __rmul__ = _binary("*", reflected=True)
+    __floordiv__ = _binary("//")
+    __rfloordiv__ = _binary("//", reflected=True)
+    __mod__ = _binary("%")
+    __rmod__ = _binary("%", reflected=True)
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    def __reduce__(self) -> Any:  # copies and pickles are the plain number
+        return (int, (int(self),))
+
+
+def attributes_in(expr: Expr) -> set[tuple[str, str]]:
+    """(module, attribute) of every attribute the formula reads."""
+    if expr[0] == "attr":
+        return {(expr[1], expr[2])}
+    if expr[0] == "const":
+        return set()
+    return attributes_in(expr[1]) | attributes_in(expr[2])
+
+
+def evaluate(expr: Expr, values: Mapping[tuple[str, str], int]) -> int | None:
+    """The formula with these values of (module, attribute) (the others as read); None where
+    it divides by zero."""
+    kind = expr[0]
+    if kind == "const":
+        return int(expr[1])
+    if kind == "attr":
+        return values.get((expr[1], expr[2]), expr[3])
+    left, right = evaluate(expr[1], values), evaluate(expr[2], values)
+    if left is None or right is None or (kind in ("//", "%") and right == 0):
+        return None
+    return _OPS[kind](left, right)
+
+
+def render(expr: Expr) -> str:
+    """The formula as the model's code might write it (`n_head // n_kv`)."""
+    kind = expr[0]
+    if kind == "const":
+        return str(expr[1])
+    if kind == "attr":
+        return str(expr[2])
+    return f"{_inner(expr[1])} {kind} {_inner(expr[2])}"
+
+
+def _inner(expr: Expr) -> str:
+    text = render(expr)
+    return f"({text})" if expr[0] not in ("attr", "const") else text
