@@ -9,9 +9,9 @@ blocks written many ways, each written as source, run, and held to parity.
   a wrong number never is); and the fixed sample, every choice's every value at least once,
   at tp 2 and 4.
 
-Whether a block is split the Megatron way is not asserted: many styles are not yet, by
-design of the issue; benchmarks/code_styles.py reports it per choice. A failing case prints
-its source.
+Whether a block is split the Megatron way is asserted for the structures tpplan splits
+(`SPLIT_STRUCTURES`, slow, at tp 2 and 4); benchmarks/code_styles.py reports it for every
+choice. A failing case prints its source.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from support.code_styles import (
     Spec,
     build,
     inputs,
+    measure_case,
     megatron_exists,
     source,
     why_not,
@@ -121,3 +122,26 @@ def test_any_case_keeps_the_numbers_at_tp_2(spec: Spec) -> None:
 def test_the_sample_keeps_the_numbers(spec: Spec, tp: int) -> None:
     print(source(spec))  # shown when the test fails
     _assert_parity(spec, tp)
+
+
+# ---- the structures issue 35 names, split the Megatron way --------------------------------
+# one case per structure tpplan now splits, each written as the generator writes it; the
+# benchmark (benchmarks/code_styles.py) reports every choice, these hold the ones done
+SPLIT_STRUCTURES = {
+    "b: heads folded into the batch dim, (b h) n d": Spec(layout="batch"),
+    "j: multi-query attention, k/v of their own layers": Spec(kv="mqa"),
+    "grouped heads past K, repeated by n_head // n_kv": Spec(kv="gqa"),
+    "fused q|k|v of a 1x1 convolution": Spec(proj="conv", qkv="chunk"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("spec", SPLIT_STRUCTURES.values(), ids=SPLIT_STRUCTURES.keys())
+def test_a_structure_tpplan_splits_is_split_the_megatron_way(spec: Spec, tp: int) -> None:
+    """Parity forward and backward, no all-gather in the attention or the MLP, and about
+    1/tp of their weights per rank (tests/support/code_styles.py's `measure_case`)."""
+    print(source(spec))  # shown when the test fails
+    got = measure_case(spec, tp)
+    assert got.parity == "ok", got.detail
+    assert got.got, f"not split the Megatron way: {got.megatron}, {got.whys}"

@@ -184,6 +184,18 @@ def _heads_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:
     """The split of the query's heads, when q, k and v are all split along their heads."""
     if any(s is None for s in splits):
         raise SplitEnds("query, key and value are not all split")
+    first = splits[0]
+    assert first is not None
+    if all(
+        s.dim == first.dim
+        and (s.outer, s.n, s.inner) == (first.outer, first.n, first.inner)
+        and s.dim < x.dim() - 2
+        and x.shape[s.dim] == qkv[0].shape[s.dim]
+        for x, s in zip(qkv, splits, strict=True)
+    ):
+        # split alike on a dim attention runs over independently: heads folded into the
+        # batch (`(b h) n d`), each rank its own rows of the batch-and-heads dim
+        return first
     dims = [x.dim() - 3 for x in qkv]
     for x, s, d in zip(qkv, splits, dims, strict=True):
         assert s is not None

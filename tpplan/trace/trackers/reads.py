@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._runtime.torch_compat import tree_leaves
+from ..counted import Counted, attributes_in
 from ..ops import COPIES, SIZED, Op
 from ..record import AttributeRead, ReadFacts
 from ..split import Split, SplitEnds, carved
@@ -188,6 +189,10 @@ class AttributeReads:
             for m, a, v in self.fresh
             if v == sizes[k] or (v == s.n and sizes[k] == s.outer * s.n * s.inner)
         ]
+        if isinstance(sizes[k], Counted):
+            # written as a formula (`b * self.n_head`): only the attributes it reads sized it
+            formula = attributes_in(sizes[k].expr)
+            held = [(m, a, v) for m, a, v in held if (m, a) in formula]
         if sizes[k] == -1 or not held:
             if sizes[k] != -1 and -1 in sizes:
                 raise SplitEnds(
