@@ -187,7 +187,8 @@ def _heads_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:
     first = splits[0]
     assert first is not None
     if all(
-        s.dim == first.dim
+        s is not None
+        and s.dim == first.dim
         and (s.outer, s.n, s.inner) == (first.outer, first.n, first.inner)
         and s.dim < x.dim() - 2
         and x.shape[s.dim] == qkv[0].shape[s.dim]
