@@ -91,3 +91,19 @@ def test_an_op_dtensor_cannot_shard_is_still_the_plan_s_problem() -> None:
         "Operator aten.cumsum.default does not have a sharding strategy registered."
     )
     assert fake_limit(error) is None
+
+
+def test_routing_by_torch_where_runs_bounded_where_only_shapes_matter() -> None:
+    """Runs that count collectives or follow which layer reads what (the DTensor regions'
+    proof) give `nonzero` as many indices as the mask has entries, the most it could; the
+    dry run's verdict keeps torch's refusal above."""
+    from tpplan._runtime.torch_compat import DynamicOutputShapeException, FakeTensorMode
+    from tpplan.check.blame import MetaKernels
+
+    with FakeTensorMode() as fake:
+        chosen = fake.from_tensor(torch.zeros(6, 2, dtype=torch.long))
+        with MetaKernels(bounded_nonzero=True):
+            token, slot = torch.where(chosen == 1)
+        assert token.shape == slot.shape == (12,) and token.dtype == torch.long
+        with pytest.raises(DynamicOutputShapeException), MetaKernels():
+            torch.where(chosen == 1)

@@ -132,6 +132,9 @@ SPLIT_STRUCTURES = {
     "j: multi-query attention, k/v of their own layers": Spec(kv="mqa"),
     "grouped heads past K, repeated by n_head // n_kv": Spec(kv="gqa"),
     "fused q|k|v of a 1x1 convolution": Spec(proj="conv", qkv="chunk"),
+    "c, e: a head average dropped, beside experts routed by torch.where": Spec(
+        reduce="unused", mlp="moe"
+    ),
 }
 
 

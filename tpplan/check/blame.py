@@ -50,13 +50,23 @@ class Failure:
 class MetaKernels(TorchDispatchMode):
     """Every op as the tracer runs it on meta tensors (`run_op`: the grouped matmul of
     mixture-of-experts layers, whose meta kernel takes bf16 only, is asked in bf16); and the
-    tensors of the first op that raised, whose makers are the likeliest culprits."""
+    tensors of the first op that raised, whose makers are the likeliest culprits.
 
-    def __init__(self) -> None:
+    With `bounded_nonzero`, `nonzero` (and `torch.where(mask)`, `argwhere`) gives as many
+    indices as the mask has entries, the most it could: a fake tensor has no values to
+    count, and a mixture of experts routing tokens by `torch.where(chosen == e)` then runs
+    on fake tensors with each expert given every token. For runs that count collectives
+    or follow which layer reads what (shapes only); never for a dry run's verdict."""
+
+    def __init__(self, *, bounded_nonzero: bool = False) -> None:
         super().__init__()
         self.operands: list[torch.Tensor] = []
+        self.bounded_nonzero = bounded_nonzero
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.bounded_nonzero and func is torch.ops.aten.nonzero.default:
+            (mask,) = args
+            return torch.empty((mask.numel(), mask.dim()), dtype=torch.long, device=mask.device)
         try:
             return run_op(func, args, kwargs or {})
         except Exception:

@@ -216,6 +216,7 @@ def _run_sharded(
     args: tuple[Any, ...] = (),
     counting: Any = None,
     record: dict[type, RegionNotes] | None = None,
+    bounded_nonzero: bool = False,
 ) -> Failure | None:
     # Fake tensors rather than bare meta ones: models skip value checks on them (Hugging
     # Face's mask code asks `.all()` of position ids otherwise), as they do for the tracer.
@@ -234,7 +235,7 @@ def _run_sharded(
             shard_model(copy_, mesh, plan, on_module=applying.append, record=record)
         except Exception as e:
             return Failure("applying the plan", applying[-1], [(applying[-1], "in")], e)
-        watch = Watch(copy_)
+        watch = Watch(copy_, kernels=MetaKernels(bounded_nonzero=bounded_nonzero))
         if counting is not None:
             stack.enter_context(counting)
         try:
@@ -313,7 +314,17 @@ def collectives_inside(
         counting = _comm_counting()
         cut = _shortened(plan, model)
         try:
-            failed = _run_sharded(plan, model, tp_size, kwargs, cut, args=args, counting=counting)
+            # shapes only: routing by `torch.where` runs, every token to every expert
+            failed = _run_sharded(
+                plan,
+                model,
+                tp_size,
+                kwargs,
+                cut,
+                args=args,
+                counting=counting,
+                bounded_nonzero=True,
+            )
             if failed:
                 return None
         except _CannotRun:

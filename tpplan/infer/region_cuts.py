@@ -143,8 +143,15 @@ def _reads(
     for h in set(holder.values()):
         handles.append(modules[h].register_forward_hook(leaving(h)))
     try:
-        # MetaKernels: the ops as the tracer runs them (experts' grouped matmul in fp32)
-        with quiet_fake_tensor_log(), fake, taint, torch.no_grad(), MetaKernels():
+        # MetaKernels: the ops as the tracer runs them (experts' grouped matmul in fp32),
+        # routing by `torch.where` on fake tensors as every token to every expert
+        with (
+            quiet_fake_tensor_log(),
+            fake,
+            taint,
+            torch.no_grad(),
+            MetaKernels(bounded_nonzero=True),
+        ):
             taint.note_use(call_fake(copy_, fake, args, kwargs))  # the output is a use
     except Exception:
         return None
