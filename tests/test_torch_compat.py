@@ -262,6 +262,14 @@ def _disable_torch_function() -> None:
 
 
 # nested inputs and outputs
+@holds("decomposition")
+def _decomposition() -> None:
+    glu = tc.decomposition(torch.ops.aten.glu.default)
+    x = torch.randn(2, 6)
+    assert torch.allclose(glu(x, -1), torch.nn.functional.glu(x, -1))
+    assert tc.decomposition(torch.ops.aten.topk.default) is None  # none for topk
+
+
 @holds("tree_leaves")
 def _tree_leaves() -> None:
     a, b = torch.ones(1), torch.ones(2)

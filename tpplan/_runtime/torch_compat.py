@@ -82,6 +82,7 @@ __all__ = [
     "canonical_mask",
     "comm_mode_module_tracker",
     "create_fake_backend",
+    "decomposition",
     "disable_current_modes",
     "dtensor_rng_tracker",
     "fake_store",
@@ -138,6 +139,18 @@ none_or_dtype = F._none_or_dtype
 # grouped_mm: the grouped matmul of mixture-of-experts layers, whose meta kernel takes bf16
 # only (trace/ops.py asks it in bf16); 2.8+.
 grouped_mm = torch.ops.aten._grouped_mm.default
+
+# decomposition(op): torch's own decomposition of an aten op into simpler ones (its Python
+# reference, `torch._decomp.decomposition_table`), None where it has none: the tracer
+# follows a split through an op it has no rule for by the ops it decomposes into; 2.0+.
+
+
+def decomposition(op: Any) -> Any:
+    """torch's decomposition of the aten op `op` into simpler aten ops, or None."""
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(op)
+
 
 # ---- collectives ----------------------------------------------------------------------------
 # all_reduce_op / all_gather_op / wait_tensor_op: torch's functional collective ops

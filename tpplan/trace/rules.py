@@ -65,6 +65,12 @@ def rule(*names: str) -> Callable[[Rule], Rule]:
     return register
 
 
+def has_rule(op: Op) -> bool:
+    """Whether the tracer knows how `op` treats a split dim: a rule of its own, or an
+    element-wise op."""
+    return op.name in RULES or op.name in ELEMENTWISE or torch.Tag.pointwise in op.func.tags
+
+
 def follow(st: Trackers, op: Op) -> Followed:
     """The split outputs of an op with at least one split input, by its rule."""
     found = RULES.get(op.name)
@@ -374,6 +380,25 @@ def _cut(st: Trackers, op: Op, s: Split) -> Followed:
     ]
 
 
+@rule("glu")
+def _glu(st: Trackers, op: Op) -> Followed:
+    """`glu(x, dim)`: x cut into two equal halves along `dim`, one gating the other. Along
+    the split dim the halves are fused pieces (gate|up, `parts` in the plan) cut by count,
+    as `chunk(2)` cuts them; along another dim the split passes as element-wise."""
+    x = op.args[0]
+    s = st.splits.only_split(x)
+    d = norm_dim(op.named.get("dim", -1), x.dim())
+    if d != s.dim:
+        return [(op.out, s)]
+    halves = Op(torch.ops.aten.split.Tensor, (x, x.shape[d] // 2, d), {}, [op.out, op.out])
+    st.reads.chunking += 1
+    try:
+        ((_, first), _) = _cut(st, halves, s)
+    finally:
+        st.reads.chunking -= 1
+    return [(op.out, first)]
+
+
 # ---- reductions and norms -----------------------------------------------------------------
 @rule(*SAME_SHAPE_OVER_DIM)
 def _over_dim(st: Trackers, op: Op) -> Followed:
@@ -381,6 +406,18 @@ def _over_dim(st: Trackers, op: Op) -> Followed:
     if norm_dim(op.named["dim"], op.args[0].dim()) == s.dim:
         raise SplitEnds("it normalizes over the split dim")
     return [(op.out, s)]
+
+
+@rule("topk", "sort", "cummax", "cummin")
+def _ordered(st: Trackers, op: Op) -> Followed:
+    """Ops that order or pick along one dim (values and their indices): along another dim
+    than the split one, each row is ordered on its own rank, and both outputs keep the
+    split; along the split dim they would compare features ranks do not share."""
+    x = op.args[0]
+    s = st.splits.only_split(x)
+    if norm_dim(op.named.get("dim", -1), x.dim()) == s.dim:
+        raise SplitEnds("it orders or picks along the split dim")
+    return [(o, s) for o in op.outs]  # values and indices, of the input's dims
 
 
 @rule(*REDUCTIONS)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._runtime.torch_compat import TorchDispatchMode
+from .._runtime.torch_compat import TorchDispatchMode, decomposition
 from .ops import METADATA, NEW_FROM, Op, run_op
-from .rules import follow, sized_by_a_shard
+from .rules import follow, has_rule, sized_by_a_shard
 from .split import SplitEnds
 from .trackers import Trackers
 
@@ -30,6 +30,10 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         op = Op(func, args, kwargs or {}, None)
+        if self._unknown(op):
+            done, out = self._by_parts(op)
+            if done:
+                return out
         op.out = run_op(func, args, op.kwargs)
         # a table's rows are judged even inside its own (quiet) forward
         self.st.lookups.on_op(op)
@@ -37,6 +41,26 @@ class Tracer(TorchDispatchMode):
             self.on_op(op)
         self.st.reads.after_op(op.name)
         return op.out
+
+    def _unknown(self, op: Op) -> bool:
+        """An op that meets split features and that no rule knows."""
+        return (
+            not self.st.quiet
+            and not has_rule(op)
+            and any(self.st.splits.split_of(t) is not None for t in op.ins)
+        )
+
+    def _by_parts(self, op: Op) -> tuple[bool, Any]:
+        """Run an op no rule knows as torch decomposes it (`log_sigmoid`, `hardswish`,
+        `to`): its Python reference, or its composite kernel, with this mode on, so each op
+        it is made of comes back here to its own rule before the split is given up.
+        (False, None) where torch has no decomposition for it."""
+        table = decomposition(op.func)
+        with self:
+            out = table(*op.args, **op.kwargs) if table is not None else NotImplemented
+            if out is NotImplemented:
+                out = op.func.decompose(*op.args, **op.kwargs)
+        return (False, None) if out is NotImplemented else (True, out)
 
     def on_op(self, op: Op) -> None:
         st = self.st
