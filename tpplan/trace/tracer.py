@@ -27,6 +27,7 @@ class Tracer(TorchDispatchMode):
     def __init__(self, st: Trackers) -> None:
         super().__init__()
         self.st = st
+        self.decomposing: list[Any] = []  # the ops being run by their parts, innermost last
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         op = Op(func, args, kwargs or {}, None)
@@ -47,6 +48,7 @@ class Tracer(TorchDispatchMode):
         return (
             not self.st.quiet
             and not has_rule(op)
+            and op.func not in self.decomposing  # its own parts call it again: its verdict
             and any(self.st.splits.split_of(t) is not None for t in op.ins)
         )
 
@@ -56,10 +58,14 @@ class Tracer(TorchDispatchMode):
         it is made of comes back here to its own rule before the split is given up.
         (False, None) where torch has no decomposition for it."""
         table = decomposition(op.func)
-        with self:
-            out = table(*op.args, **op.kwargs) if table is not None else NotImplemented
-            if out is NotImplemented:
-                out = op.func.decompose(*op.args, **op.kwargs)
+        self.decomposing.append(op.func)
+        try:
+            with self:
+                out = table(*op.args, **op.kwargs) if table is not None else NotImplemented
+                if out is NotImplemented:
+                    out = op.func.decompose(*op.args, **op.kwargs)
+        finally:
+            self.decomposing.pop()
         return (False, None) if out is NotImplemented else (True, out)
 
     def on_op(self, op: Op) -> None:
