@@ -47,6 +47,8 @@ class Tracer(TorchDispatchMode):
         """An op that meets split features and that no rule knows."""
         return (
             not self.st.quiet
+            and op.func.namespace == "aten"  # prim::device and the like have no parts
+            and op.name not in METADATA
             and not has_rule(op)
             and op.func not in self.decomposing  # its own parts call it again: its verdict
             and any(self.st.splits.split_of(t) is not None for t in op.ins)
