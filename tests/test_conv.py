@@ -150,9 +150,6 @@ def test_a_fused_1x1_convolution_holds_its_slice_of_each_piece() -> None:
         assert torch.equal(weight.to_local(), torch.cat([whole[:16], whole[32:48]]))
 
 
-# the dry run stops, warned, where torch gathers a _StridedShard on fake tensors (it reads
-# shard offsets with .tolist()); the numbers are checked here on real ones
-@pytest.mark.filterwarnings("ignore::tpplan.errors.DryRunSkipped")
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("gathered", [False, True], ids=["split", "gathered"])
 def test_a_fused_1x1_convolution_matches_the_unsharded_model(tp: int, gathered: bool) -> None:

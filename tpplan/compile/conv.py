@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .._runtime.torch_compat import StridedShard
 from ..errors import TpplanError
 from .params import changeable, split_param
-from .strided import equal_parts, own_parts
+from .strided import equal_parts, gather_pieces, own_parts
 
 __all__ = ["PointwiseConv"]
 
@@ -136,6 +136,12 @@ class PointwiseConv(ParallelStyle):
         gathered = isinstance(self.output_layout, Replicate)
         if self.parts and not self.rowwise and not equal_parts(self.parts) and not gathered:
             return self._own_slices(out, mesh)
+        if self.parts and not self.rowwise and equal_parts(self.parts) and gathered:
+            # gathered by pieces (strided.py), as a fused Linear's
+            whole = gather_pieces(out, mesh, self.parts, 1)
+            if not self.use_local_output:
+                return DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+            return whole
         got: DTensor = DTensor.from_local(
             out, mesh, [Partial() if self.rowwise else self.wanted_output], run_check=False
         )

@@ -36,7 +36,7 @@ from .._runtime.torch_compat import StridedShard, rowwise_prepare_output
 from ..errors import TpplanError
 from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
-from .strided import equal_parts, own_parts
+from .strided import equal_parts, gather_pieces, own_parts
 
 __all__ = ["Colwise", "Rowwise"]
 
@@ -112,6 +112,13 @@ class Colwise(ColwiseParallel):
             # the gradient is partial (each rank's picks only), summed back to the shards
             whole = out.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
             return whole.index_select(-1, own_parts(parts, mesh, whole.device))
+        if parts is not None and equal_parts(parts) and isinstance(layouts[0], Replicate):
+            # gathered by pieces (strided.py): torch's own gather of the _StridedShard
+            # output reads shard offsets off tensor values, which a dry run cannot
+            whole = gather_pieces(out.to_local(), mesh, parts, -1)
+            if not local:
+                return DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+            return changeable(whole)
         if out.placements != layouts:
             out = out.redistribute(placements=layouts)
         if local and isinstance(layouts[0], Replicate):

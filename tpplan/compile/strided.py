@@ -27,7 +27,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 
 from .._runtime.torch_compat import StridedShard
 
@@ -36,6 +43,7 @@ __all__ = [
     "boxes",
     "equal_parts",
     "fused_order",
+    "gather_pieces",
     "local_runs",
     "own_parts",
     "split_parts",
@@ -69,6 +77,23 @@ def fused_order(parts: Sequence[int], tp: int) -> list[int]:
             out.extend(range(start + r * step, start + (r + 1) * step))
             start += size
     return out
+
+
+def gather_pieces(
+    local: torch.Tensor, mesh: DeviceMesh, parts: Sequence[int], dim: int
+) -> torch.Tensor:
+    """The whole fused output on every rank, from each rank's slice of every piece (`local`,
+    as a fused layer's `_StridedShard` weight makes it): gathered as a plain Shard, which
+    lays rank 0's slices first, then put back in the pieces' order by a fixed permutation.
+    The same numbers as torch's `_StridedShard` gather, which reads shard offsets off a
+    tensor's values and so stops a dry run on fake tensors."""
+    dim = dim % local.dim()
+    gathered = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+    whole = gathered.redistribute(placements=[Replicate()]).to_local()
+    back = [0] * whole.shape[dim]
+    for position, feature in enumerate(fused_order(parts, mesh.size())):
+        back[feature] = position
+    return whole.index_select(dim, torch.tensor(back, device=whole.device))
 
 
 def split_parts(
