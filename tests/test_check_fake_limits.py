@@ -59,18 +59,14 @@ def test_what_fake_tensors_cannot_run_even_unsharded_is_left_to_the_static_check
     assert not [w for w in caught if issubclass(w.category, DryRunSkipped)]
 
 
-def test_a_fused_layer_gathered_after_it_is_not_refused_and_gets_a_note() -> None:
-    """DiffLlama's v_proj and Mamba's in_proj: two equal pieces, output replicate. On fake
-    tensors torch's own gather of them reads values (torch 2.13), which the unsharded model
-    never does: the plan is sound, and check says what it could not dry-run."""
-    with pytest.warns(DryRunSkipped) as caught:
+def test_a_fused_layer_gathered_after_it_dry_runs_to_the_end() -> None:
+    """DiffLlama's v_proj and Mamba's in_proj: two equal pieces, output replicate. torch's
+    own gather of such pieces reads values on fake tensors (torch 2.13); tpplan gathers them
+    by a fixed permutation instead (compile/strided.py), so the dry run goes through."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert check_plan(FUSED_PLAN, fused(), tp_size=2) == []
-    (note,) = [str(w.message) for w in caught]
-    assert note.startswith("could not dry-run "), note
-    assert note.endswith(
-        "A forward on fake ranks stopped there; no rule is to blame and the plan is not "
-        "refused for it (`tpplan verify` runs it on real numbers)."
-    )
+    assert not [w for w in caught if issubclass(w.category, DryRunSkipped)]
 
 
 def test_a_fake_tensor_limit_is_found_behind_the_error_it_caused() -> None:
