@@ -97,3 +97,29 @@ def test_picking_among_the_split_features_ends_the_split_with_the_reason() -> No
     plan, _ = _inferred(_Ordered("features"), 2)
     assert plan.rules[0].output == "replicate"
     assert "fc1's split ends at topk: it orders or picks along the split dim" in plan.rules[0].why
+
+
+class _CutInOne(nn.Module):
+    """fc1's features cut into one piece (`chunk(1)`, as some decompositions write a cut):
+    that piece is every feature, no fused cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (h,) = self.fc1(x).chunk(1, dim=-1)
+        return x + self.fc2(F.gelu(h))
+
+
+def test_a_cut_into_one_piece_is_no_fused_cut() -> None:
+    """A plan with `parts: [32]` would not even validate (a fused layer has two pieces at
+    least); apply_plan refused GLM-5-Next's plan so before this was seen."""
+    torch.manual_seed(0)
+    model = _CutInOne()
+    plan, x = _inferred(model, 2)
+    assert [(r.style, r.parts if r.style == "colwise" else None) for r in plan.rules] == [
+        ("colwise", None),
+        ("rowwise", None),
+    ]
+    assert_parity(model, plan, 2, x)

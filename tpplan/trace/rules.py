@@ -360,6 +360,9 @@ def _cut(st: Trackers, op: Op, s: Split) -> Followed:
         )
     (src,) = s.sources
     sizes = [o.shape[s.dim] for o in out]
+    if sum(1 for n in sizes if n) == 1:
+        # one piece holds every feature (a cut into one, or beside empty ones): no cut
+        return [(o, s) for o, n in zip(out, sizes, strict=True) if n]
     if any(n % s.inner for n in sizes):
         raise SplitEnds("it cuts the split features inside a block that must stay whole")
     held: list[tuple[str, str, int]] = []
