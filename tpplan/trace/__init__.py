@@ -21,7 +21,8 @@ The modules, in reading order:
 - split.py: `Split` and its pure algebra (reshape, permute, merge, reduce).
 - ops.py: the aten ops by what they do, and `Op`, one call of one.
 - tracer.py: `Tracer`, the dispatch driver.
-- rules.py: the per-op rules, registered by op name.
+- rules.py: the per-op rules, registered by op name; heads.py: what they note about heads
+  (one-head views, grouped-query attention, repeat counts).
 - trackers/: one object per kind of tensor followed (dense splits, parameters and vectors,
   attribute reads, embedding lookups, experts' partial sums, whole outputs).
 - attention.py: the torch-function mode (attention as one op, sizes read off tensors).

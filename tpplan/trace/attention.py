@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .rules import note_grouped, side_input
+from .heads import note_grouped
+from .rules import side_input
 from .split import Split, SplitEnds, check_broadcast, norm_dim
 from .trackers import Trackers
 
