@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..trace.counted import Expr, evaluate, render
+from ..trace.counted import evaluate, render, values_read
 from .context import Context
 from .decision import Divided
 from .names import inside, relative
@@ -160,7 +160,8 @@ def _computed_repeats(
             shards, replicas = min(tp, k), max(1, tp // k)
             divisor = {"tp": tp, "shards": shards, "replicas": replicas, None: 1}
             local = {
-                read: value // divisor[by] for read, value, by in _values(formula, query, shared)
+                read: value // divisor[shared.get(read, "tp" if read in query else None)]
+                for read, value in values_read(formula).items()
             }
             got, want = evaluate(formula, local), times // replicas
             if got != want:
@@ -169,24 +170,6 @@ def _computed_repeats(
                     f"comes to {got} per rank at tp {tp} where {want} is needed"
                 )
     return None
-
-
-def _values(
-    formula: Expr, query: set[tuple[str, str]], shared: dict[tuple[str, str], str]
-) -> list[tuple[tuple[str, str], int, str | None]]:
-    """(attribute, value as read, how the plan divides it: 'tp', 'shards', 'replicas' or
-    None for not at all) of each attribute the formula reads."""
-    out: list[tuple[tuple[str, str], int, str | None]] = []
-    stack = [formula]
-    while stack:
-        node = stack.pop()
-        if node[0] == "attr":
-            read = (node[1], node[2])
-            by = shared.get(read, "tp" if read in query else None)
-            out.append((read, node[3], by))
-        elif node[0] != "const":
-            stack += [node[1], node[2]]
-    return out
 
 
 def _add(sharing: Sharing, module: str, attr: str, by: str, why: str) -> str | None:

@@ -17,7 +17,7 @@ import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Counted", "Expr", "attributes_in", "evaluate", "render"]
+__all__ = ["Counted", "Expr", "attributes_in", "evaluate", "render", "values_read"]
 
 # ("attr", module, attribute, value as read) | ("const", value) | (operator, left, right)
 Expr = tuple[Any, ...]
@@ -85,13 +85,18 @@ class Counted(int):
         return (int, (int(self),))
 
 
+def values_read(expr: Expr) -> dict[tuple[str, str], int]:
+    """(module, attribute) -> its value as read, for every attribute the formula reads."""
+    if expr[0] == "attr":
+        return {(expr[1], expr[2]): expr[3]}
+    if expr[0] == "const":
+        return {}
+    return {**values_read(expr[1]), **values_read(expr[2])}
+
+
 def attributes_in(expr: Expr) -> set[tuple[str, str]]:
     """(module, attribute) of every attribute the formula reads."""
-    if expr[0] == "attr":
-        return {(expr[1], expr[2])}
-    if expr[0] == "const":
-        return set()
-    return attributes_in(expr[1]) | attributes_in(expr[2])
+    return set(values_read(expr))
 
 
 def evaluate(expr: Expr, values: Mapping[tuple[str, str], int]) -> int | None:
