@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .._runtime.torch_compat import StridedShard
 from ..errors import TpplanError
 from .params import changeable, split_param
-from .strided import equal_parts, gather_pieces, own_parts
+from .strided import equal_parts, gather_pieces, own_slices
 
 __all__ = ["PointwiseConv"]
 
@@ -135,7 +135,9 @@ class PointwiseConv(ParallelStyle):
     def _output(self, mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> Any:
         gathered = isinstance(self.output_layout, Replicate)
         if self.parts and not self.rowwise and not equal_parts(self.parts) and not gathered:
-            return self._own_slices(out, mesh)
+            # pieces of several sizes: a plain Shard of the weight, this rank's slices picked
+            split = DTensor.from_local(out, mesh, [_CHANNELS], run_check=False)
+            return own_slices(split, mesh, self.parts, 1)
         if self.parts and not self.rowwise and equal_parts(self.parts) and gathered:
             # gathered by pieces (strided.py), as a fused Linear's
             whole = gather_pieces(out, mesh, self.parts, 1)
@@ -154,15 +156,6 @@ class PointwiseConv(ParallelStyle):
             return got
         local = got.to_local()
         return changeable(local) if self.rowwise else local
-
-    def _own_slices(self, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        """A fused output of pieces of several sizes: the weight is a plain Shard of the
-        original, so the channels are gathered and this rank's slice of each piece picked
-        out (the gradient partial, each rank's picks only, summed back to the shards)."""
-        assert self.parts is not None
-        got = DTensor.from_local(out, mesh, [_CHANNELS], run_check=False)
-        whole = got.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-        return whole.index_select(1, own_parts(self.parts, mesh, whole.device))
 
     def __repr__(self) -> str:
         kind = "rowwise" if self.rowwise else "colwise"

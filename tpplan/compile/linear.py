@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.tensor import (
     DeviceMesh,
     DTensor,
-    Partial,
     Placement,
     Replicate,
     Shard,
@@ -36,7 +35,7 @@ from .._runtime.torch_compat import StridedShard, rowwise_prepare_output
 from ..errors import TpplanError
 from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
-from .strided import equal_parts, gather_pieces, own_parts
+from .strided import equal_parts, gather_pieces, own_slices
 
 __all__ = ["Colwise", "Rowwise"]
 
@@ -110,8 +109,7 @@ class Colwise(ColwiseParallel):
             # pieces of unequal sizes are no DTensor layout: the weight is a plain Shard of
             # the original, so this rank's features are gathered and its slices picked out;
             # the gradient is partial (each rank's picks only), summed back to the shards
-            whole = out.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-            return whole.index_select(-1, own_parts(parts, mesh, whole.device))
+            return own_slices(out, mesh, parts, -1)
         if parts is not None and equal_parts(parts) and isinstance(layouts[0], Replicate):
             # gathered by pieces (strided.py): torch's own gather of the _StridedShard
             # output reads shard offsets off tensor values, which a dry run cannot

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import (
     DeviceMesh,
     DTensor,
+    Partial,
     Placement,
     Replicate,
     Shard,
@@ -46,6 +47,7 @@ __all__ = [
     "gather_pieces",
     "local_runs",
     "own_parts",
+    "own_slices",
     "split_parts",
     "teach_checkpoint_chunks",
 ]
@@ -64,6 +66,15 @@ def own_parts(parts: Sequence[int], mesh: DeviceMesh, device: torch.device) -> t
     order (each rank's own index, also on simulated ranks)."""
     order = torch.tensor(fused_order(parts, mesh.size()), device=device)
     return distribute_tensor(order, mesh, [Shard(0)], src_data_rank=None).to_local()
+
+
+def own_slices(split: DTensor, mesh: DeviceMesh, parts: Sequence[int], dim: int) -> torch.Tensor:
+    """This rank's slice of each of `parts`, pieces of several sizes laid end to end along
+    `dim` of `split` (a plain Shard of the whole fused output): the whole gathered, the
+    rank's slices picked out. The gradient is partial (each rank's picks only), summed back
+    to the shards."""
+    whole = split.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    return whole.index_select(dim, own_parts(parts, mesh, whole.device))
 
 
 def fused_order(parts: Sequence[int], tp: int) -> list[int]:
