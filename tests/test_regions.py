@@ -551,3 +551,84 @@ def test_a_mask_of_one_per_head_is_cut_to_each_ranks_heads() -> None:
             got = rank_values(sharded(**x).logits)
     assert max((g - want).abs().max().item() for g in got) < 1e-5
     assert_parity(model, plan, 2, x)
+
+
+# ---- reductions over the split heads (issue 35 d and e) ---------------------------------------
+class _ReducedOverHeads(nn.Module):
+    """Attention whose code reduces over every head's features, written one of several ways:
+    a q/k norm over all heads (nn.RMSNorm, nn.LayerNorm, or by hand with a weight of one
+    entry per feature), or attention weights averaged or summed over the heads and returned
+    beside the output, for the caller to use."""
+
+    def __init__(self, style: str, width: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.style, self.n_head, self.head_dim = style, n_head, width // n_head
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.o = nn.Linear(width, width)
+        if style == "rmsnorm":
+            self.q_norm, self.k_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        elif style == "layernorm":
+            self.q_norm, self.k_norm = nn.LayerNorm(width), nn.LayerNorm(width)
+        elif style == "by_hand":
+            self.q_scale = nn.Parameter(1 + 0.1 * torch.randn(width))
+
+    def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.style in ("rmsnorm", "layernorm"):
+            return self.q_norm(q), self.k_norm(k)
+        if self.style == "by_hand":
+            rms = torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return q * rms * self.q_scale, k
+        return q, k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, t, _ = x.shape
+        q, k = self._normed(self.q(x), self.k(x))
+        q, k, v = (
+            z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, self.v(x))
+        )
+        scores = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5  # (B, H, T, T)
+        p = scores.softmax(dim=-1)
+        a = (p @ v).transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
+        kept = {"mean": p.mean(dim=1), "sum": p.sum(dim=1)}.get(self.style)  # (B, T, T)
+        return self.o(a), kept
+
+
+class _OneLayer(nn.Module):
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.embed, self.attn = nn.Embedding(64, 32), _ReducedOverHeads(style)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        a, weights = self.attn(x)
+        if weights is not None:  # used: the most attended position's weight, per token
+            a = a + weights.amax(dim=-1, keepdim=True)
+        return self.head(x + a)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("style", ["rmsnorm", "layernorm", "by_hand", "mean", "sum"])
+def test_a_reduction_over_the_split_heads_runs_split_with_one_all_reduce(
+    style: str, tp: int
+) -> None:
+    """Every head's features normalized at once, or attention weights averaged or summed
+    over the heads for the caller: the heads stay split in a DTensor region, whose forward
+    sums the reduced values (a row's statistics, the T x T weights) with an all-reduce and
+    gathers nothing, at the unsharded model's numbers forward and backward."""
+    model = seeded(_OneLayer, style=style)
+    x = token_batch(64)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    assert [r.match for r in plan.regions] == ["attn"], plan.to_yaml()
+    assert "reduces over the split features" in plan.regions[0].why
+    rules = {r.match: r.style for r in plan.rules}
+    assert {rules[f"attn.{n}"] for n in "qkv"} == {"colwise"}
+    assert rules["attn.o"] == "rowwise"
+    assert_parity(model, plan, tp, x)
+    comms, _ = _one_forward(model, plan, tp, x)
+    attn = {
+        str(op).split(".")[-1]: n
+        for op, n in comms.comm_module_counts["_OneLayer.attn"]["forward"].items()
+    }
+    assert set(attn) == {"all_reduce"}, attn
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []

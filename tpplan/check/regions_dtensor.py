@@ -76,12 +76,12 @@ def check_region_collectives(plan: Plan, model: nn.Module, tp_size: int) -> list
             "dtensor_region",
             label[m],
             m,
-            f"{n.forward} collective(s) ran inside the region's forward outside its split "
+            f"{n.gathers()} gathering collective(s) ran inside the region's forward outside its split "
             "layers' own calls: "
             "it runs, but gathers its split activations, so its work is not split.",
             "delete the region (its layers then split and gather, as `tpplan infer` "
             "writes where no region is proven), or rerun `tpplan infer`.",
         )
         for m, n in found.items()
-        if n.forward > 0
+        if n.gathers() > 0
     ]

@@ -217,6 +217,7 @@ def _run_sharded(
     counting: Any = None,
     record: dict[type, RegionNotes] | None = None,
     bounded_nonzero: bool = False,
+    returned: dict[str, int] | None = None,
 ) -> Failure | None:
     # Fake tensors rather than bare meta ones: models skip value checks on them (Hugging
     # Face's mask code asks `.all()` of position ids otherwise), as they do for the tracer.
@@ -236,6 +237,8 @@ def _run_sharded(
         except Exception as e:
             return Failure("applying the plan", applying[-1], [(applying[-1], "in")], e)
         watch = Watch(copy_, kernels=MetaKernels(bounded_nonzero=bounded_nonzero))
+        if returned is not None:
+            _count_split_outputs(copy_, returned)
         if counting is not None:
             stack.enter_context(counting)
         try:
@@ -246,6 +249,22 @@ def _run_sharded(
         finally:
             watch.remove()
     return None
+
+
+def _count_split_outputs(model: nn.Module, returned: dict[str, int]) -> None:
+    """Counts into `returned` ({module name: 0}) the DTensors each named module hands back:
+    a region's output that leaves it still split."""
+    from torch.distributed.tensor import DTensor
+
+    def hook(name: str) -> Any:
+        def count(m: nn.Module, a: Any, out: Any) -> None:
+            returned[name] += sum(isinstance(t, DTensor) for t in tensor_leaves(out))
+
+        return count
+
+    for name, module in model.named_modules():
+        if name in returned:
+            module.register_forward_hook(hook(name))
 
 
 def _runs_unsharded(model: nn.Module, inputs: dict[str, Any], args: tuple[Any, ...] = ()) -> bool:
@@ -287,9 +306,18 @@ def _forward_backward(
 class Inside(NamedTuple):
     """The collectives a module ran outside its split layers' own calls."""
 
-    forward: int
+    forward: dict[str, int]
+    """{collective: count} of the forward (an all-reduce of what a reduction over the split
+    heads summed, say)."""
     backward: dict[str, int]
     """{collective: count} of the backward (an all-gather of a gradient, say)."""
+    returned_split: int = 0
+    """How many tensors it handed back still split (DTensors)."""
+
+    def gathers(self) -> int:
+        """The forward's collectives other than all-reduces: each moves split activations
+        whole, so the work after it is not split."""
+        return sum(n for op, n in self.forward.items() if not op.startswith("all_reduce"))
 
 
 def collectives_inside(
@@ -313,6 +341,8 @@ def collectives_inside(
         warnings.simplefilter("ignore")
         counting = _comm_counting()
         cut = _shortened(plan, model)
+        ran_as = _ran_as(model, cut)
+        returned = {ran_as(m): 0 for m in modules}
         try:
             # shapes only: routing by `torch.where` runs, every token to every expert
             failed = _run_sharded(
@@ -324,6 +354,7 @@ def collectives_inside(
                 args=args,
                 counting=counting,
                 bounded_nonzero=True,
+                returned=returned,
             )
             if failed:
                 return None
@@ -336,7 +367,6 @@ def collectives_inside(
             phase: {getattr(op, "__name__", str(op)).split(".")[0]: n for op, n in ops.items()}
             for phase, ops in per.items()
         }
-    ran_as = _ran_as(model, cut)
 
     def phase(module: str, which: str) -> dict[str, int]:
         return counts.get(ran_as(module), {}).get(which, {})
@@ -352,7 +382,9 @@ def collectives_inside(
                 for op, n in phase(m, which).items():
                     kinds[which][op] = kinds[which].get(op, 0) - n
         out[module] = Inside(
-            sum(kinds["forward"].values()), {op: n for op, n in kinds["backward"].items() if n}
+            {op: n for op, n in kinds["forward"].items() if n},
+            {op: n for op, n in kinds["backward"].items() if n},
+            returned.get(ran_as(module), 0),
         )
     return out
 

@@ -18,6 +18,7 @@ module's backward.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -26,9 +27,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map
+from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map, tree_unflatten
 from .dtensor_ops import teach_dtensor
 from .local_regions import Recorder, RegionNotes, contiguous_strides, note_outputs
+from .params import own_start
 
 __all__ = ["hold_dtensors"]
 
@@ -43,6 +45,10 @@ class _ReplicatePlain(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             found = _heads_attention(*args, **kwargs)
+            if found is not None:
+                return found
+        if func in _NORMS and args and isinstance(args[0], DTensor):
+            found = _norm_over_split(func, *args, **kwargs)
             if found is not None:
                 return found
         if func in _BATCHED:
@@ -85,6 +91,7 @@ class _ReplicatePlain(TorchFunctionMode):
 
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
+_NORMS = (F.rms_norm, F.layer_norm)
 _BATCHED = (torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm)
 _NEW = (
     torch.Tensor.new_empty,
@@ -126,6 +133,71 @@ def _new_alike(func: Any, source: DTensor, *args: Any, **kwargs: Any) -> Any:
         run_check=False,
         shape=torch.Size(size),
         stride=contiguous_strides(size),
+    )
+
+
+def _norm_over_split(
+    func: Any,
+    x: DTensor,
+    normalized_shape: Any,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> Any:
+    """A RMSNorm or LayerNorm whose normalized dims hold the split (a q/k norm over every
+    head's features) as out-of-place ops, whose statistics DTensor sums over the ranks: one
+    all-reduce of a value per row for each mean, where torch's own kernels write them in
+    place, which DTensor refuses on a partial sum. None where the split is elsewhere."""
+    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    dims = list(range(x.ndim - len(shape), x.ndim))
+    split = [p.dim % x.ndim for p in x.placements if isinstance(p, Shard)]
+    if x.device_mesh.ndim != 1 or not split or split[0] not in dims:
+        return None
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps if func is F.rms_norm else 1e-5
+    count = math.prod(shape)
+
+    def mean(t: torch.Tensor) -> Any:
+        return _SummedWhole.apply(t.sum(dims, keepdim=True)) / count
+
+    centred = x if func is F.rms_norm else x - mean(x)
+    y = centred * torch.rsqrt(mean(centred.pow(2)) + eps)
+    own = type(x.placements[0]) is Shard
+    for t, combine in ((weight, torch.mul), (bias, torch.add)):
+        if t is not None:
+            y = combine(y, _own_entries(t, x, split[0] - dims[0]) if own else t)
+    return y
+
+
+class _SummedWhole(torch.autograd.Function):
+    """A partial sum made whole (one all-reduce), its gradient made whole too (one
+    all-reduce of the same small size) before it goes back: left partial, DTensor would
+    reduce-scatter it at the size of the features the sum read."""
+
+    @staticmethod
+    def forward(ctx: Any, t: DTensor) -> DTensor:
+        return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> DTensor:
+        return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+
+def _own_entries(t: torch.Tensor, x: DTensor, dim: int) -> Any:
+    """A norm's whole weight or bias (one entry per normalized feature) as the DTensor of
+    this rank's entries along `dim`, where `x` is split: each rank reads its own slice, and
+    the whole tensor's gradient, each rank's slice filled, is summed over the ranks in the
+    backward (one all-reduce of the weight's size). Lifting it whole would gather that
+    gradient instead. As it is where it is not whole or the split is uneven."""
+    mesh, n = x.device_mesh, t.shape[dim] if t.dim() > dim else 0
+    whole = not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements)
+    if not whole or n == 0 or n % mesh.size():
+        return t
+    step = n // mesh.size()
+    rows = own_start(n, mesh, t.device) + torch.arange(step, device=t.device)
+    mine = _used_whole(t, mesh).index_select(dim, rows)
+    return DTensor.from_local(
+        mine, mesh, [Shard(dim)], run_check=False, shape=t.shape, stride=contiguous_strides(t.shape)
     )
 
 
@@ -417,6 +489,21 @@ def _plain(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0
 
 
+def _partial_summed(out: Any) -> tuple[Any, bool]:
+    """`out` with each partial DTensor in it (a reduction over the split heads that the
+    module returns, such as attention weights averaged over heads) summed over the ranks
+    into a whole plain tensor, and whether there was one. What leaves split stays split."""
+    leaves, spec = tree_flatten(out)
+    if not any(isinstance(t, DTensor) and _partial(t) for t in leaves):
+        return out, False
+    whole = [t.full_tensor() if isinstance(t, DTensor) and _partial(t) else t for t in leaves]
+    return tree_unflatten(whole, spec), True
+
+
+def _partial(t: DTensor) -> bool:
+    return any(isinstance(p, Partial) for p in t.placements)
+
+
 def hold_dtensors(module: nn.Module, *, notes: RegionNotes | None = None, mesh: Any = None) -> None:
     """Let `module`'s forward mix DTensors with whole plain tensors; idempotent. With
     `notes` (the proof run of check/run.py, on the fake `mesh`), a `Recorder` notes what
@@ -446,11 +533,12 @@ def hold_dtensors(module: nn.Module, *, notes: RegionNotes | None = None, mesh: 
             recorders.pop()
         if modes:
             modes.pop().__exit__(None, None, None)
+        out, summed = _partial_summed(out)
         if recorded and notes is not None:
             notes.ran = True
             # what the module returns split is gathered, as it will be on local shards
             return note_outputs(notes, out)
-        return None
+        return out if summed else None
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)

@@ -30,6 +30,7 @@ shrink, work does not. Here such layers get a second chance:
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -71,33 +72,38 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     if candidates is None:
         return plan
     proven: dict[str, dict[str, Rule]] = {}
-    for variant in (0, 1):
-        for pieces in (1, 3, 2, 0):
-            trial = {
-                m: c[variant] for m, c in candidates.items() if m not in proven and len(c) > variant
-            }
-            made: dict[str, dict[str, Rule]] = {}
-            for m, cut in trial.items():
-                rewritten = _rewrite(model, rules, m, cut, pieces, tp)
-                if rewritten is not None:
-                    made[m] = rewritten
-            if not made:
-                continue
-            found = collectives_inside(
-                _with(plan, rules, made, names),
-                model,
-                tp_size=tp,
-                args=args,
-                kwargs=kwargs,
-                modules={m: _split_inside(m, rules, made[m]) for m in made},
-            )
-            for m in made:
-                inside = (found or {}).get(m)
-                if inside is not None and _clean(inside, trial[m]):
-                    proven[m] = made[m]
+    sums: dict[str, int] = {}  # {region: the all-reduces its forward ran, a reduction's}
+    # a cut whose openers' outputs leave the module is tried apart, after the others: a
+    # use outside that fails on a DTensor fails the whole run, not only its module's
+    for leaky, variant, pieces in itertools.product((False, True), (0, 1), (1, 3, 2, 0)):
+        trial = {
+            m: c[variant]
+            for m, c in candidates.items()
+            if m not in proven and len(c) > variant and c[variant].leaky == leaky
+        }
+        made: dict[str, dict[str, Rule]] = {}
+        for m, cut in trial.items():
+            rewritten = _rewrite(model, rules, m, cut, pieces, tp)
+            if rewritten is not None:
+                made[m] = rewritten
+        if not made:
+            continue
+        found = collectives_inside(
+            _with(plan, rules, made, names, {}),
+            model,
+            tp_size=tp,
+            args=args,
+            kwargs=kwargs,
+            modules={m: _split_inside(m, rules, made[m]) for m in made},
+        )
+        for m in made:
+            inside = (found or {}).get(m)
+            if inside is not None and _clean(inside, trial[m]):
+                proven[m] = made[m]
+                sums[m] = sum(inside.forward.values())
     if not proven:
         return plan
-    return _with(plan, rules, proven, names)
+    return _with(plan, rules, proven, names, sums)
 
 
 def _split_inside(module: str, rules: dict[str, Rule], made: dict[str, Rule]) -> list[str]:
@@ -110,12 +116,15 @@ def _split_inside(module: str, rules: dict[str, Rule], made: dict[str, Rule]) ->
 
 
 def _clean(inside: Inside, cut: Cut) -> bool:
-    """No collective in the region's forward. In its backward only sums of the gradients
+    """No collective in the region's forward but all-reduces (a reduction over the split
+    heads: a norm's statistics over every head, attention weights averaged over heads and
+    summed at the exit), and, where an opener's output leaves the module and is used,
+    nothing handed back split. In its backward only sums of the gradients
     of whole tensors the split heads use (a q/k norm's weight on split heads: each rank's
     gradient is its heads' share), and, where layers stay whole, the gather of the
     gradient of what every head shares of their output (DeepSeek's rotary key part,
     expanded to every head)."""
-    if inside.forward:
+    if inside.gathers() or (cut.leaky and inside.returned_split):
         return False
     return all(
         op.startswith("all_reduce") or (cut.kept and op.startswith("all_gather"))
@@ -261,10 +270,15 @@ def _width(model: nn.Module, rules: dict[str, Rule], name: str, side: int) -> in
 
 
 def _with(
-    plan: Plan, rules: dict[str, Rule], regions: dict[str, dict[str, Rule]], names: list[str]
+    plan: Plan,
+    rules: dict[str, Rule],
+    regions: dict[str, dict[str, Rule]],
+    names: list[str],
+    sums: dict[str, int],
 ) -> Plan:
     """The plan with each region's rules in place of its layers' old ones, and the regions
-    listed; rules are collapsed to patterns again, in module order."""
+    listed ({region: the all-reduces its forward ran besides its closers'} in `sums`);
+    rules are collapsed to patterns again, in module order."""
     per = dict(rules)
     for new in regions.values():
         per.update(new)
@@ -273,13 +287,23 @@ def _with(
     for m, made in regions.items():
         opens = [n for n, r in made.items() if isinstance(r, ColwiseRule)]
         closes = [n for n, r in made.items() if isinstance(r, RowwiseRule)]
-        why = (
+        span = (
             f"runs on DTensors from {', '.join(o[len(m) + 1 :] for o in opens)} to "
-            f"{', '.join(c[len(m) + 1 :] for c in closes)}: its code sizes the split "
-            "features by what no attribute a plan may divide holds, so it sees global shapes "
-            "and DTensor carries the split; proven on fake ranks with no collective inside "
-            "it but the closers' sums"
+            f"{', '.join(c[len(m) + 1 :] for c in closes)}: "
         )
+        if sums.get(m):
+            why = span + (
+                "its code reduces over the split features (a norm's statistics over every "
+                "head, or what it averages over the heads), which DTensor sums over the ranks; "
+                "proven on fake ranks with no gather inside it, only the closers' sums and "
+                f"{sums[m]} all-reduce(s) of the reduced values per call"
+            )
+        else:
+            why = span + (
+                "its code sizes the split features by what no attribute a plan may divide "
+                "holds, so it sees global shapes and DTensor carries the split; proven on fake "
+                "ranks with no collective inside it but the closers' sums"
+            )
         kept = [n for n, r in made.items() if isinstance(r, ReplicateRule)]
         if kept:
             why += (

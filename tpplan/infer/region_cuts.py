@@ -170,6 +170,10 @@ class Cut(NamedTuple):
     kept: list[str]
     readers: dict[str, list[str]]
     """{kept layer: the openers that read what it made}."""
+    leaky: bool = False
+    """What an opener made leaves the module unclosed and is used (attention weights
+    averaged over the heads): the proof must find it summed over the ranks at the exit,
+    never gathered."""
 
 
 def _candidates(
@@ -212,7 +216,10 @@ def _candidates(
                     {k: [m for m in middle if k in reads[m]] for k in kept},
                 )
             )
-        out[held] = [c for c in cuts if _closed(c, reads, roles, leaks.get(held, frozenset()))]
+        leaked = leaks.get(held, frozenset())
+        out[held] = [
+            c._replace(leaky=bool(leaked & set(c.opens))) for c in cuts if _closed(c, reads, roles)
+        ]
     return {m: cuts for m, cuts in out.items() if cuts}
 
 
@@ -270,12 +277,10 @@ def _joined(
     return out
 
 
-def _closed(
-    cut: Cut, reads: dict[str, frozenset[str]], roles: dict[str, str], leaks: frozenset[str]
-) -> bool:
+def _closed(cut: Cut, reads: dict[str, frozenset[str]], roles: dict[str, str]) -> bool:
     """Every closer reads only openers (and layers kept whole), every opener is read by a
-    closer, kept layers are openers as called, and no opener's output leaves unclosed."""
-    if not cut.opens or not cut.closes or leaks & set(cut.opens):
+    closer, and kept layers are openers as called."""
+    if not cut.opens or not cut.closes:
         return False
     if any(roles[k] != "open" for k in cut.kept):
         return False
