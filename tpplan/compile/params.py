@@ -128,6 +128,10 @@ class SplitParams(ParallelStyle):
         return f"SplitParams(shard={self.shard})"
 
 
+REGION_FLAG = "_tpplan_dtensor_region"
+"""Set on a module whose forward runs on DTensors (regions.py's `hold_dtensors`)."""
+
+
 def local_during_calls(
     module: nn.Module, names: tuple[str, ...], local: Callable[[DTensor], torch.Tensor]
 ) -> None:
@@ -136,6 +140,8 @@ def local_during_calls(
     finds them before the parameters; gradients flow back through `local` into the shard."""
 
     def before(mod: nn.Module, args: Any) -> None:
+        if getattr(mod, REGION_FLAG, False):
+            return  # a DTensor region's own code takes its parameters as DTensors
         for name in names:
             p = mod._parameters.get(name)
             if isinstance(p, DTensor):

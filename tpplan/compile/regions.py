@@ -30,11 +30,11 @@ from torch.overrides import TorchFunctionMode
 from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map, tree_unflatten
 from .dtensor_ops import teach_dtensor
 from .local_regions import Recorder, RegionNotes, contiguous_strides, note_outputs
-from .params import own_start
+from .params import REGION_FLAG, own_start
 
 __all__ = ["hold_dtensors"]
 
-_HOOKED = "_tpplan_dtensor_region"
+_HOOKED = REGION_FLAG
 
 
 class _ReplicatePlain(TorchFunctionMode):
@@ -82,9 +82,20 @@ class _ReplicatePlain(TorchFunctionMode):
             placements = [Replicate()] * mesh.ndim
 
             def lift(t: Any) -> Any:
-                if _plain(t):
-                    return DTensor.from_local(t, mesh, placements, run_check=False)
-                return t
+                if not _plain(t):
+                    return t
+                if t.requires_grad and func in _ELEMENTWISE:
+                    own = _own_entries_beside(t, first)
+                    if own is not None:
+                        return own
+                if t.requires_grad and func is F.linear and t.dim() == 1 and len(args) > 2:
+                    # a linear's bias meets its output's features as its weight's rows do
+                    weight = args[1]
+                    if isinstance(weight, DTensor) and weight.placements == (Shard(0),):
+                        own = _own_entries(t, weight, 0)
+                        if isinstance(own, DTensor):
+                            return own
+                return DTensor.from_local(t, mesh, placements, run_check=False)
 
             args, kwargs = tree_map(lift, (args, kwargs))
         return func(*args, **kwargs)
@@ -92,6 +103,13 @@ class _ReplicatePlain(TorchFunctionMode):
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 _NORMS = (F.rms_norm, F.layer_norm)
+# element-wise ops of two tensors, where a whole tensor broadcast along the split dim (a
+# bias, a scale of one entry per feature) meets each rank's features with its own entries
+_ELEMENTWISE = frozenset(
+    getattr(torch.Tensor, f"__{op}__") for op in ("add", "radd", "sub", "rsub", "mul", "rmul")
+) | frozenset(
+    (torch.add, torch.sub, torch.mul, torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul)
+)
 _BATCHED = (torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm)
 _NEW = (
     torch.Tensor.new_empty,
@@ -181,6 +199,18 @@ class _SummedWhole(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> DTensor:
         return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+
+def _own_entries_beside(t: torch.Tensor, x: DTensor) -> Any:
+    """`t` as each rank's own entries where it broadcasts against `x` along the one dim
+    `x` is split on at full size (`_own_entries`); None otherwise."""
+    if x.device_mesh.ndim != 1 or type(x.placements[0]) is not Shard or t.dim() > x.dim():
+        return None
+    dim = x.placements[0].dim % x.dim() - (x.dim() - t.dim())
+    if dim < 0 or t.shape[dim] != x.shape[dim + x.dim() - t.dim()]:
+        return None
+    own = _own_entries(t, x, dim)
+    return own if isinstance(own, DTensor) else None
 
 
 def _own_entries(t: torch.Tensor, x: DTensor, dim: int) -> Any:
@@ -491,17 +521,19 @@ def _plain(t: Any) -> bool:
 
 def _partial_summed(out: Any) -> tuple[Any, bool]:
     """`out` with each partial DTensor in it (a reduction over the split heads that the
-    module returns, such as attention weights averaged over heads) summed over the ranks
-    into a whole plain tensor, and whether there was one. What leaves split stays split."""
+    module returns, such as attention weights averaged over heads, or what its own split
+    weights contracted) summed over the ranks into a whole plain tensor, a replicated one
+    made plain, and whether there was either. What leaves split stays split."""
     leaves, spec = tree_flatten(out)
-    if not any(isinstance(t, DTensor) and _partial(t) for t in leaves):
+    if not any(isinstance(t, DTensor) and _unsplit(t) for t in leaves):
         return out, False
-    whole = [t.full_tensor() if isinstance(t, DTensor) and _partial(t) else t for t in leaves]
+    whole = [t.full_tensor() if isinstance(t, DTensor) and _unsplit(t) else t for t in leaves]
     return tree_unflatten(whole, spec), True
 
 
-def _partial(t: DTensor) -> bool:
-    return any(isinstance(p, Partial) for p in t.placements)
+def _unsplit(t: DTensor) -> bool:
+    """Whole on every rank, or a partial sum of it: handed back as a plain tensor."""
+    return all(isinstance(p, (Partial, Replicate)) for p in t.placements)
 
 
 def hold_dtensors(module: nn.Module, *, notes: RegionNotes | None = None, mesh: Any = None) -> None:

@@ -45,9 +45,10 @@ from ..plan.styles import (
     ColwiseRule,
     ReplicateRule,
     RowwiseRule,
+    SplitParamsRule,
 )
 from ..plan.versions import SCHEMA_VERSION
-from .region_cuts import Cut, call_fake, cuts
+from .region_cuts import Cut, ParamDims, call_fake, cuts
 
 __all__ = ["call_fake", "collapsed", "example_call", "per_module", "try_dtensor_regions"]
 
@@ -65,10 +66,12 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         for n, r in rules.items()
         if isinstance(r, ColwiseRule) and r.output == "replicate" and r.why.startswith(_GATHERED)
     }
-    if not gathered:
+    raw = _raw_params(model, rules)
+    if not gathered and not raw:
         return plan
     args, kwargs = example_call(model, example_inputs)
-    candidates = cuts(model, gathered, args, kwargs)
+    dims: dict[str, ParamDims] = {}
+    candidates = cuts(model, gathered, args, kwargs, raw, dims)
     if candidates is None:
         return plan
     proven: dict[str, dict[str, Rule]] = {}
@@ -83,7 +86,10 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         }
         made: dict[str, dict[str, Rule]] = {}
         for m, cut in trial.items():
-            rewritten = _rewrite(model, rules, m, cut, pieces, tp)
+            if not raw & {*cut.opens, *cut.closes}:
+                rewritten = _rewrite(model, rules, m, cut, pieces, tp)
+            else:  # pieces 1, 3 and 2 stand for the first, second and last dims to try
+                rewritten = _rewrite_raw(model, m, cut, pieces, tp, dims)
             if rewritten is not None:
                 made[m] = rewritten
         if not made:
@@ -161,7 +167,72 @@ def example_call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...]
     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, found)
 
 
+def _raw_params(model: nn.Module, rules: dict[str, Rule]) -> set[str]:
+    """`module.param` for the parameters of 2 dims or more that modules no rule splits hold
+    themselves (a weight used in the module's own `x @ w` or einsum), outside torch's own
+    layers, whose styles say what they split."""
+    out = set()
+    for name, module in model.named_modules():
+        kept = isinstance(rules.get(name), ReplicateRule)  # 3-D weights no expert split took
+        if (
+            not name
+            or (name in rules and not kept)
+            or type(module).__module__.startswith("torch.nn")
+        ):
+            continue
+        for p, t in module.named_parameters(recurse=False):
+            if t.dim() >= 2:
+                out.add(f"{name}.{p}")
+    return out
+
+
 # ---- 2. candidates as rules ----------------------------------------------------------------
+def _rewrite_raw(
+    model: nn.Module, holder: str, cut: Cut, choice: int, tp: int, dims: dict[str, ParamDims]
+) -> dict[str, Rule] | None:
+    """A region of raw parameters: the holder's own parameters split where their matmul or
+    einsum calls keep them in the output (openers) or contract them (closers), the `choice`
+    (1, 3, 2: first, second, last; 0 none) of the dims each may be split on; None where a
+    member is a layer, a dim is not divided by tp, or a choice repeats the first."""
+    members = {*cut.opens, *cut.closes}
+    if choice == 0 or cut.kept or any("." in n[len(holder) + 1 :] for n in members):
+        return None
+    pick = {1: 0, 3: 1, 2: -1}[choice]
+    shard: dict[str, int] = {}
+    for role, names in (("opens", cut.opens), ("closes", cut.closes)):
+        for n in names:
+            found = getattr(dims.get(n), role, ())
+            if not found or (pick and len(found) < 2):
+                return None
+            d = found[pick]
+            if model.get_parameter(n).shape[d] % tp:
+                return None
+            shard[n[len(holder) + 1 :]] = d
+    if pick and all(
+        len(getattr(dims[n], r)) < 2
+        for r, ns in (("opens", cut.opens), ("closes", cut.closes))
+        for n in ns
+    ):
+        return None
+    opens = ", ".join(
+        f"{n[len(holder) + 1 :]} (dim {shard[n[len(holder) + 1 :]]})" for n in cut.opens
+    )
+    closes = ", ".join(
+        f"{n[len(holder) + 1 :]} (dim {shard[n[len(holder) + 1 :]]})" for n in cut.closes
+    )
+    return {
+        holder: SplitParamsRule(
+            match=holder,
+            shard=shard,
+            why=(
+                f"its own weights, used in its code's matmul or einsum, are split: {opens} "
+                f"open the split of what they compute, {closes} contract it; they stay "
+                "DTensors through the module's code (a DTensor region)"
+            ),
+        )
+    }
+
+
 def _rewrite(
     model: nn.Module,
     rules: dict[str, Rule],
@@ -287,6 +358,16 @@ def _with(
     for m, made in regions.items():
         opens = [n for n, r in made.items() if isinstance(r, ColwiseRule)]
         closes = [n for n, r in made.items() if isinstance(r, RowwiseRule)]
+        own = made.get(m)
+        if isinstance(own, SplitParamsRule):
+            why = (
+                "runs on DTensors: its own weights are split and its code computes with them "
+                "on each rank's part (DTensor carries the split through every op); proven on "
+                "fake ranks with no gather inside it, the partial sum it hands back summed "
+                f"over the ranks at its exit ({max(sums.get(m, 0), 1)} all-reduce(s) per call)"
+            )
+            kinds.setdefault(why, []).append(m)
+            continue
         span = (
             f"runs on DTensors from {', '.join(o[len(m) + 1 :] for o in opens)} to "
             f"{', '.join(c[len(m) + 1 :] for c in closes)}: "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -19,20 +20,81 @@ from .._runtime.torch_compat import FakeTensorMode, tree_flatten
 from ..check.blame import MetaKernels
 from ..trace import quiet_fake_tensor_log
 
-__all__ = ["Cut", "call_fake", "cuts"]
+__all__ = ["Cut", "ParamDims", "call_fake", "cuts", "param_dims"]
 
 
 def cuts(
-    model: nn.Module, gathered: set[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: nn.Module,
+    gathered: set[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    raw: set[str] = frozenset(),  # type: ignore[assignment]
+    dims: dict[str, ParamDims] | None = None,
 ) -> dict[str, list[Cut]] | None:
     """{module: the ways to make it a region, first first} for the modules holding
-    `gathered` layers; None when the fake forward fails."""
+    `gathered` layers or the `raw` parameters (`module.param`, used by its own code in a
+    matmul or einsum, where each use is a call of a layer); None when the fake forward
+    fails. `dims` receives, for each raw parameter used, the dims it may be split on."""
     modules = dict(model.named_modules())
     holder = {n: _holder(n, modules) for n in gathered}
-    found = _reads(model, holder, args, kwargs)
+    holder.update({n: n.rpartition(".")[0] for n in raw})
+    found = _reads(model, holder, args, kwargs, raw, {} if dims is None else dims)
     if found is None:
         return None
     return _candidates(holder, *found)
+
+
+class ParamDims(NamedTuple):
+    """The dims of a raw parameter that its matmul or einsum calls keep in their output (it
+    opens a split there) and contract with the other operand (it closes one), in the order
+    to try them."""
+
+    opens: tuple[int, ...]
+    closes: tuple[int, ...]
+
+
+def param_dims(func: Any, args: tuple[Any, ...], param: torch.Tensor) -> ParamDims | None:
+    """Where `func(*args)` lets `param` open or close a split: a matmul's operand (`x @ w`:
+    w's columns open, its rows close), a linear's weight (rows open, columns close), an
+    einsum's operand (letters only it and the output hold open, letters only it and the
+    other operand hold close). None for any other use."""
+    operands = [a for a in args if isinstance(a, torch.Tensor)]
+    nd = param.dim()
+    if func in _LINEARS:
+        return ParamDims((0,), (1,)) if nd == 2 and operands[1:2] == [param] else None
+    if func in _MATMULS and len(operands) == 2 and nd >= 2:
+        right = operands[1] is param if func not in _RMATMULS else operands[0] is param
+        return ParamDims((nd - 1,), (nd - 2,)) if right else ParamDims((nd - 2,), (nd - 1,))
+    if func in _EINSUMS and args and isinstance(args[0], str):
+        ops = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        return _einsum_dims(args[0], list(ops), param)
+    return None
+
+
+def _einsum_dims(eq: str, ops: list[Any], param: torch.Tensor) -> ParamDims | None:
+    eq = eq.replace(" ", "")
+    if "->" not in eq or "." in eq or len(ops) != 2:
+        return None
+    ins, out = eq.split("->")
+    letters = ins.split(",")
+    at = next((i for i, t in enumerate(ops) if t is param), None)
+    if at is None or len(letters) != 2 or len(letters[at]) != param.dim():
+        return None
+    mine, other = letters[at], letters[1 - at]
+    opens = tuple(i for i, c in enumerate(mine) if c in out and c not in other)
+    closes = tuple(i for i, c in enumerate(mine) if c in other and c not in out)
+    return ParamDims(opens, closes)
+
+
+_LINEARS = frozenset((F.linear,))
+_RMATMULS = frozenset((torch.Tensor.__rmatmul__,))
+_MATMULS = (
+    frozenset(
+        (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
+    )
+    | _RMATMULS
+)
+_EINSUMS = frozenset((torch.einsum,))
 
 
 def call_fake(
@@ -50,8 +112,13 @@ def call_fake(
 class _Taint(TorchFunctionMode):
     """Which gathered layers' outputs each tensor was computed from."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, params: dict[int, str] | None = None, dims: dict[str, ParamDims] | None = None
+    ) -> None:
         super().__init__()
+        self.params = params or {}  # id of a raw parameter -> its name
+        self.dims = {} if dims is None else dims
+        self.calls: list[tuple[str, frozenset[str]]] = []
         self.of: dict[int, frozenset[str]] = {}
         self.keep: list[Any] = []  # tensors whose ids are keys: alive, so ids stay unique
         self.leaked: dict[int, tuple[str, frozenset[str]]] = {}  # id -> (holder, sources)
@@ -82,11 +149,39 @@ class _Taint(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.note_use((args, kwargs))
+        used = self._param_calls(func, args, kwargs)
         out = func(*args, **kwargs)
+        if used:  # what a raw weight's call makes is its own, as a layer's output is
+            self.mark(out, used)
+            return out
         found = self.sources((args, kwargs))
         if found:
             self.mark(out, found | self.sources(out))
         return out
+
+    def _param_calls(self, func: Any, args: Any, kwargs: Any) -> frozenset[str]:
+        """The raw parameters `func` takes as a layer takes its weight, each noted as a
+        call reading what the other operands were computed from."""
+        if not self.params:
+            return frozenset()
+        used = set()
+        for t in tree_flatten((args, kwargs))[0]:
+            name = self.params.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if name is None:
+                continue
+            dims = param_dims(func, tuple(args), t)
+            if dims is None:
+                continue
+            known = self.dims.get(name)
+            if known is not None and known != dims:
+                dims = ParamDims(
+                    tuple(d for d in known.opens if d in dims.opens),
+                    tuple(d for d in known.closes if d in dims.closes),
+                )
+            self.dims[name] = dims
+            self.calls.append((name, self.sources((args, kwargs))))
+            used.add(name)
+        return frozenset(used)
 
 
 def _holder(name: str, modules: dict[str, nn.Module]) -> str:
@@ -99,18 +194,24 @@ def _holder(name: str, modules: dict[str, nn.Module]) -> str:
 
 
 def _reads(
-    model: nn.Module, holder: dict[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: nn.Module,
+    holder: dict[str, str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    raw: set[str],
+    dims: dict[str, ParamDims],
 ) -> tuple[list[tuple[str, frozenset[str]]], dict[str, frozenset[str]]] | None:
-    """The calls of the gathered layers, in order, each with the gathered layers whose
-    outputs reached its inputs; and {holder: the layers in it (or in holders inside it)
-    whose outputs reach what it hands back and its caller uses}. None when the fake
-    forward fails."""
-    gathered = set(holder)
+    """The calls of the gathered layers (and uses of the raw parameters), in order, each
+    with the gathered layers whose outputs reached its inputs; and {holder: the layers in
+    it (or in holders inside it) whose outputs reach what it hands back and its caller
+    uses}. None when the fake forward fails."""
+    gathered = set(holder) - raw
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     copy_ = meta_copy(model, fake=fake).eval()
     modules = dict(copy_.named_modules())
-    taint = _Taint()
-    calls: list[tuple[str, frozenset[str]]] = []
+    params = {id(copy_.get_parameter(n)): n for n in raw}
+    taint = _Taint(params, dims)
+    calls = taint.calls
 
     def pre(name: str) -> Any:
         def hook(m: nn.Module, a: Any, kw: Any) -> None:
