@@ -40,8 +40,10 @@ SMALL: dict[str, dict[str, object]] = {
     # and gate|up [8192] * 2: one layer
     "phi3": {"num_hidden_layers": 1, "vocab_size": 512, "hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32, "pad_token_id": 0, "eos_token_id": 0},
     "gpt2": {"n_layer": 2, "vocab_size": 512},
-    "gpt_neox": {**_LAYERS, "intermediate_size": 256},
-    "falcon": {**_LAYERS, "intermediate_size": 256},
+    # their plans name no width; heads of 128 and 64 as GPT-NeoX-20B's and Falcon-7B's (at
+    # the configs' own widths, 6144 and 4544, these two were 300-400M parameters: two minutes)
+    "gpt_neox": {**_LAYERS, "hidden_size": 1024, "num_attention_heads": 8, "intermediate_size": 256},
+    "falcon": {**_LAYERS, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 256},
     "opt": {**_LAYERS, "ffn_dim": 256},
     "bloom": {"n_layer": 2, "vocab_size": 512},
     "bert": {**_LAYERS, "intermediate_size": 256},
