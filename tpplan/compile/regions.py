@@ -453,9 +453,11 @@ def _heads_attention(
     p = query.placements
     if key.placements != p or value.placements != p:
         return None
-    if any(not isinstance(x, (Shard, Replicate)) for x in p):
+    if any(not isinstance(x, (Shard, StridedShard, Replicate)) for x in p):
         return None
-    dims = [x.dim % query.ndim for x in p if isinstance(x, Shard)]
+    # heads folded into the batch dim, `(b h) n d`, come as a strided shard of it: each
+    # rank's rows are still whole attention problems
+    dims = [x.dim % query.ndim for x in p if isinstance(x, (Shard, StridedShard))]
     if not dims or any(d > query.ndim - 3 for d in dims):
         return None
     mask: torch.Tensor | None
