@@ -36,6 +36,9 @@ class _RawAttention(nn.Module):
         if style == "einsum":  # per-head weights
             self.w_q, self.w_k, self.w_v = (_w(n_head, width, self.head_dim) for _ in range(3))
             self.w_o = _w(n_head, self.head_dim, width)
+        elif style == "einsum_heads_last":  # a head's features before the heads
+            self.w_q, self.w_k, self.w_v = (_w(width, self.head_dim, n_head) for _ in range(3))
+            self.w_o = _w(self.head_dim, n_head, width)
         elif style == "linear":  # stored as nn.Linear stores them: [out, in]
             self.w_q, self.w_k, self.w_v, self.w_o = (_w(width, width) for _ in range(4))
             self.b_q = nn.Parameter(0.1 * torch.randn(width))
@@ -49,6 +52,8 @@ class _RawAttention(nn.Module):
             return torch.matmul(x, w)
         if self.style == "linear":
             return F.linear(x, w, self.b_q if w is self.w_q else None)
+        if self.style == "einsum_heads_last":
+            return torch.einsum("btc,cdh->bthd", x, w)
         return torch.einsum("btc,hcd->bthd", x, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +63,8 @@ class _RawAttention(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         if self.style == "einsum":
             return torch.einsum("bthd,hdc->btc", a, self.w_o)
+        if self.style == "einsum_heads_last":
+            return torch.einsum("bthd,dhc->btc", a, self.w_o)
         a = a.reshape(b, t, self.n_head * self.head_dim)
         return F.linear(a, self.w_o) if self.style == "linear" else a @ self.w_o
 
@@ -88,13 +95,22 @@ class _Model(nn.Module):
         return self.head(x + self.mlp(x))
 
 
-STYLES = ["matmul", "torch.matmul", "linear", "einsum"]
+STYLES = ["matmul", "torch.matmul", "linear", "einsum", "einsum_heads_last"]
+# {style: (the dim q, k and v split on, the dim the output weight splits on)}: by heads
+SHARDS = {
+    "matmul": (1, 0),
+    "torch.matmul": (1, 0),
+    "linear": (0, 1),
+    "einsum": (0, 0),
+    "einsum_heads_last": (2, 1),  # not a head's features, which split would need all-reduces
+}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("style", STYLES)
 def test_raw_weights_split_the_megatron_way(style: str, tp: int) -> None:
-    """The attention's and the MLP's own weights split by heads and hidden features, each
+    """The attention's and the MLP's own weights split by heads (the dim of several to split
+    on that costs the fewest all-reduces) and hidden features, each
     module a region with one all-reduce in its forward and nothing gathered, every rank
     holding 1/tp of them; parity forward and backward on both execution paths."""
     torch.manual_seed(0)
@@ -102,8 +118,7 @@ def test_raw_weights_split_the_megatron_way(style: str, tp: int) -> None:
     x = token_batch(64)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
     rules = {r.match: r for r in plan.rules}
-    heads = 0 if style == "einsum" else (0 if style == "linear" else 1)
-    closes = 0 if style in ("einsum", "matmul", "torch.matmul") else 1
+    heads, closes = SHARDS[style]
     assert rules["attn"].style == "split_params", plan.to_yaml()
     assert rules["attn"].shard == {"w_q": heads, "w_k": heads, "w_v": heads, "w_o": closes}
     assert rules["mlp"].shard == {"w_in": 1, "w_out": 0}
@@ -125,3 +140,22 @@ def test_raw_weights_split_the_megatron_way(style: str, tp: int) -> None:
                 assert p.to_local().numel() * tp == p.numel()
                 whole = rank_values(p.full_tensor())[0]
                 assert torch.equal(whole, getattr(model.attn, name))
+
+
+def test_verify_passes_the_inferred_plan_and_check_refuses_a_wrong_dim() -> None:
+    """`verify` (forward and backward against the unsharded model) passes the inferred plan.
+    Split on its other dim, the output weight no longer contracts the heads: the region
+    would hand back its output split, and check's dry run refuses the plan."""
+    from tpplan.diagnose.verify import verify_plan
+
+    model = seeded(_Model, style="matmul")
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=token_batch(64))
+    assert verify_plan(model, plan, tp_size=2, backward=True, tol=1e-4).ok
+    rules = [
+        r.model_copy(update={"shard": {**r.shard, "w_o": 1}}) if r.match == "attn" else r
+        for r in plan.rules
+    ]
+    wrong = plan.model_copy(update={"rules": rules})
+    problems = tpplan.check_plan(wrong, model, tp_size=2)
+    assert [p.kind for p in problems] == ["dry_run"], problems
+    assert "mixed torch.Tensor and DTensor" in str(problems[0])

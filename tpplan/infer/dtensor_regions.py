@@ -76,13 +76,16 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         return plan
     proven: dict[str, dict[str, Rule]] = {}
     sums: dict[str, int] = {}  # {region: the all-reduces its forward ran, a reduction's}
+    raw_tried: dict[str, int] = {}  # {raw weights' region proven: its all-reduces}
     # a cut whose openers' outputs leave the module is tried apart, after the others: a
     # use outside that fails on a DTensor fails the whole run, not only its module's
     for leaky, variant, pieces in itertools.product((False, True), (0, 1), (1, 3, 2, 0)):
         trial = {
             m: c[variant]
             for m, c in candidates.items()
-            if m not in proven and len(c) > variant and c[variant].leaky == leaky
+            if (m not in proven or m in raw_tried)
+            and len(c) > variant
+            and c[variant].leaky == leaky
         }
         made: dict[str, dict[str, Rule]] = {}
         for m, cut in trial.items():
@@ -104,9 +107,15 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         )
         for m in made:
             inside = (found or {}).get(m)
-            if inside is not None and _clean(inside, trial[m]):
-                proven[m] = made[m]
-                sums[m] = sum(inside.forward.values())
+            if inside is None or not _clean(inside, trial[m]):
+                continue
+            count = sum(inside.forward.values())
+            if m in raw_tried and raw_tried[m] <= count:
+                continue
+            proven[m], sums[m] = made[m], count
+            if raw & {*trial[m].opens, *trial[m].closes}:
+                # another dim may split with fewer all-reduces (heads, not a head's features)
+                raw_tried[m] = count
     if not proven:
         return plan
     return _with(plan, rules, proven, names, sums)
@@ -192,8 +201,8 @@ def _rewrite_raw(
 ) -> dict[str, Rule] | None:
     """A region of raw parameters: the holder's own parameters split where their matmul or
     einsum calls keep them in the output (openers) or contract them (closers), the `choice`
-    (1, 3, 2: first, second, last; 0 none) of the dims each may be split on; None where a
-    member is a layer, a dim is not divided by tp, or a choice repeats the first."""
+    (1, 3, 2: first, second, last; 0 none) of the dims each may be split on (its only one
+    where it has one); None where a member is a layer or a dim is not divided by tp."""
     members = {*cut.opens, *cut.closes}
     if choice == 0 or cut.kept or any("." in n[len(holder) + 1 :] for n in members):
         return None
@@ -202,18 +211,12 @@ def _rewrite_raw(
     for role, names in (("opens", cut.opens), ("closes", cut.closes)):
         for n in names:
             found = getattr(dims.get(n), role, ())
-            if not found or (pick and len(found) < 2):
+            if not found:
                 return None
-            d = found[pick]
+            d = found[pick] if len(found) > 1 else found[0]
             if model.get_parameter(n).shape[d] % tp:
                 return None
             shard[n[len(holder) + 1 :]] = d
-    if pick and all(
-        len(getattr(dims[n], r)) < 2
-        for r, ns in (("opens", cut.opens), ("closes", cut.closes))
-        for n in ns
-    ):
-        return None
     opens = ", ".join(
         f"{n[len(holder) + 1 :]} (dim {shard[n[len(holder) + 1 :]]})" for n in cut.opens
     )
