@@ -190,3 +190,17 @@ def test_channels_tp_does_not_divide() -> None:
         "rules[1] (match: fc2), module fc2: in_channels = 32 does not divide by tp size 3. "
         "Fix: use a tp size among 1, 2, 4, 8, 16, 32, or keep this module replicated.",
     ]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_attention_of_1x1_convolutions_sized_by_literals_is_a_region(tp: int) -> None:
+    """q, k, v and the output from 1x1 convolutions, heads cut at literal sizes no attribute
+    holds: the attention runs in a DTensor region (the convolutions colwise with DTensor
+    outputs, the output one rowwise), with the unsharded model's numbers."""
+    spec = Spec(proj="conv", sizes="literal")
+    model, ids = build(spec), inputs()
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=ids)
+    assert [r.match for r in plan.regions] == ["layers.0.attn"], plan.to_yaml()
+    styles = _styles(plan)
+    assert styles["layers.0.attn.o_proj"] == "rowwise"
+    assert_parity(model, plan, tp, ids)

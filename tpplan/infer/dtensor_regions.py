@@ -332,11 +332,13 @@ def _common_pieces(
 
 
 def _width(model: nn.Module, rules: dict[str, Rule], name: str, side: int) -> int | None:
-    """A Linear-like layer's output (`side` 0) or input (1) features."""
+    """A Linear-like layer's (or a convolution's) output (`side` 0) or input (1) features."""
     m = model.get_submodule(name)
     n = getattr(m, ("out_features", "in_features")[side], None)
     if isinstance(n, int):
         return n
+    if isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1:  # a 1x1 convolution's
+        return int((m.out_channels, m.in_channels)[side])
     w = getattr(m, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         return None
