@@ -177,9 +177,9 @@ def example_call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...]
 
 
 def _raw_params(model: nn.Module, rules: dict[str, Rule]) -> set[str]:
-    """`module.param` for the parameters of 2 dims or more that modules no rule splits hold
-    themselves (a weight used in the module's own `x @ w` or einsum), outside torch's own
-    layers, whose styles say what they split."""
+    """`module.param` for the parameters of 2 dims or more, none of size 1, that modules no
+    rule splits hold themselves (a weight used in the module's own `x @ w` or einsum),
+    outside torch's own layers, whose styles say what they split."""
     out = set()
     for name, module in model.named_modules():
         kept = isinstance(rules.get(name), ReplicateRule)  # 3-D weights no expert split took
@@ -190,7 +190,9 @@ def _raw_params(model: nn.Module, rules: dict[str, Rule]) -> set[str]:
         ):
             continue
         for p, t in module.named_parameters(recurse=False):
-            if t.dim() >= 2:
+            # a dim of 1 is broadcast (a class token, position embeddings): not a weight,
+            # and skipping them spares most models the fake forward that finds no use
+            if t.dim() >= 2 and 1 not in t.shape:
                 out.add(f"{name}.{p}")
     return out
 
