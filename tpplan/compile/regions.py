@@ -529,8 +529,34 @@ def _partial_summed(out: Any) -> tuple[Any, bool]:
     leaves, spec = tree_flatten(out)
     if not any(isinstance(t, DTensor) and _unsplit(t) for t in leaves):
         return out, False
-    whole = [t.full_tensor() if isinstance(t, DTensor) and _unsplit(t) else t for t in leaves]
+    whole = [_Whole.apply(t) if isinstance(t, DTensor) and _unsplit(t) else t for t in leaves]
     return tree_unflatten(whole, spec), True
+
+
+class _Whole(torch.autograd.Function):
+    """A replicated or partial DTensor as the plain whole tensor (a partial one summed over
+    the ranks, one all-reduce); its gradient, the same on every rank, goes back replicated.
+    An output nobody uses gets no gradient at all (torch's own `full_tensor` would have
+    autograd make zeros for it, a plain tensor DTensor's backward cannot take)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: DTensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.mesh, ctx.shape, ctx.stride = t.device_mesh, t.shape, t.stride()
+        return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> DTensor | None:
+        if grad is None:
+            return None
+        return DTensor.from_local(
+            grad,
+            ctx.mesh,
+            [Replicate()] * ctx.mesh.ndim,
+            run_check=False,
+            shape=ctx.shape,
+            stride=ctx.stride,
+        )
 
 
 def _unsplit(t: DTensor) -> bool:
