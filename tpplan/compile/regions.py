@@ -564,10 +564,18 @@ def _unsplit(t: DTensor) -> bool:
     return all(isinstance(p, (Partial, Replicate)) for p in t.placements)
 
 
-def hold_dtensors(module: nn.Module, *, notes: RegionNotes | None = None, mesh: Any = None) -> None:
+def hold_dtensors(
+    module: nn.Module,
+    *,
+    notes: RegionNotes | None = None,
+    mesh: Any = None,
+    stream: bool = False,
+) -> None:
     """Let `module`'s forward mix DTensors with whole plain tensors; idempotent. With
     `notes` (the proof run of check/run.py, on the fake `mesh`), a `Recorder` notes what
-    each call of the module's own code would do on local shards (local_regions.py)."""
+    each call of the module's own code would do on local shards (local_regions.py). What it
+    returns whole or summed is handed back plain, except from a sequence-parallel `stream`
+    region, whose outputs flow on as DTensors to the next."""
     teach_dtensor()
     if getattr(module, _HOOKED, False):
         return
@@ -593,7 +601,7 @@ def hold_dtensors(module: nn.Module, *, notes: RegionNotes | None = None, mesh: 
             recorders.pop()
         if modes:
             modes.pop().__exit__(None, None, None)
-        out, summed = _partial_summed(out)
+        out, summed = _partial_summed(out) if not stream else (out, False)
         if recorded and notes is not None:
             notes.ran = True
             # what the module returns split is gathered, as it will be on local shards

@@ -50,6 +50,7 @@ def shard_model(
     """
     names = [n for n, _ in model.named_modules()]
     regions = [n for region in plan.regions for n in match_names(region.match, names)]
+    streams = {n for r in plan.regions if r.stream for n in match_names(r.match, names)}
     # at tp 1 a rank's shard is the whole tensor: a region's code runs as it is, unproven
     whole = mesh.size() == 1 and notes is not None
     local = [n for n in regions if whole or _local_notes(notes, model.get_submodule(n))]
@@ -76,9 +77,10 @@ def shard_model(
         if found is not None:
             run_locally(module, found, mesh, name)
         elif record is not None:
-            hold_dtensors(module, notes=record.setdefault(type(module), RegionNotes()), mesh=mesh)
+            notes_ = record.setdefault(type(module), RegionNotes())
+            hold_dtensors(module, notes=notes_, mesh=mesh, stream=name in streams)
         else:
-            hold_dtensors(module)
+            hold_dtensors(module, stream=name in streams)
 
 
 def _local_notes(notes: dict[type, RegionNotes] | None, module: nn.Module) -> RegionNotes | None:
