@@ -176,18 +176,24 @@ def example_call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...]
     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, found)
 
 
+# torch's own layers (and subclasses, such as a scaled or learned position embedding), whose
+# styles say what they split
+_TORCH_LAYERS = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd, nn.MultiheadAttention)
+
+
 def _raw_params(model: nn.Module, rules: dict[str, Rule]) -> set[str]:
     """`module.param` for the parameters of 2 dims or more, none of size 1, that modules no
     rule splits hold themselves (a weight used in the module's own `x @ w` or einsum),
-    outside torch's own layers, whose styles say what they split."""
+    outside torch's own layers."""
     out = set()
     for name, module in model.named_modules():
-        kept = isinstance(rules.get(name), ReplicateRule)  # 3-D weights no expert split took
-        if (
-            not name
-            or (name in rules and not kept)
-            or type(module).__module__.startswith("torch.nn")
-        ):
+        own = list(module.parameters(recurse=False))
+        # kept whole with 3-D weights: per-head weights the experts pass found no expert in
+        kept = isinstance(rules.get(name), ReplicateRule) and any(t.dim() >= 3 for t in own)
+        torch_own = isinstance(module, _TORCH_LAYERS) or type(module).__module__.startswith(
+            "torch.nn"
+        )
+        if not name or (name in rules and not kept) or torch_own:
             continue
         for p, t in module.named_parameters(recurse=False):
             # a dim of 1 is broadcast (a class token, position embeddings): not a weight,
