@@ -178,7 +178,8 @@ def example_call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...]
 
 # torch's own layers (and subclasses, such as a scaled or learned position embedding), whose
 # styles say what they split
-_TORCH_LAYERS = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd, nn.MultiheadAttention)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TORCH_LAYERS = (nn.Linear, nn.Embedding, *_CONVS, nn.MultiheadAttention)
 
 
 def _raw_params(model: nn.Module, rules: dict[str, Rule]) -> set[str]:
@@ -345,7 +346,7 @@ def _width(model: nn.Module, rules: dict[str, Rule], name: str, side: int) -> in
     n = getattr(m, ("out_features", "in_features")[side], None)
     if isinstance(n, int):
         return n
-    if isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1:  # a 1x1 convolution's
+    if isinstance(m, _CONVS) and m.groups == 1:  # a 1x1 convolution's
         return int((m.out_channels, m.in_channels)[side])
     w = getattr(m, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
