@@ -116,9 +116,30 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
             if raw & {*trial[m].opens, *trial[m].closes}:
                 # another dim may split with fewer all-reduces (heads, not a head's features)
                 raw_tried[m] = count
+    # a region whose proof ran all-reduces may have split inside a head (one head's
+    # features, the all-reduce summing its scores): the checks apply_plan runs say so
+    for m in _cut_heads(model, _with(plan, rules, proven, names, sums), tp, sums):
+        proven.pop(m, None)
     if not proven:
         return plan
     return _with(plan, rules, proven, names, sums)
+
+
+def _cut_heads(model: nn.Module, plan: Plan, tp: int, sums: dict[str, int]) -> set[str]:
+    """The regions proven with all-reduces in their forward whose layers `complete_plan`
+    (what apply_plan checks) finds a problem with: heads tp would cut, say."""
+    summed = {m for m, n in sums.items() if n}
+    if not summed:
+        return set()
+    from ..check.api import complete_plan
+
+    _, problems = complete_plan(plan, model, tp_size=tp)
+    return {
+        m
+        for m in summed
+        for p in problems
+        if p.module is not None and (p.module == m or p.module.startswith(f"{m}."))
+    }
 
 
 def _split_inside(module: str, rules: dict[str, Rule], made: dict[str, Rule]) -> list[str]:
