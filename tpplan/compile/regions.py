@@ -18,23 +18,29 @@ module's backward.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map, tree_unflatten
+from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map
 from .dtensor_ops import teach_dtensor
 from .local_regions import Recorder, RegionNotes, contiguous_strides, note_outputs
-from .params import REGION_FLAG, own_start
+from .params import REGION_FLAG
+from .region_whole import (
+    ELEMENTWISE,
+    NORMS,
+    made_whole,
+    norm_over_split,
+    own_entries,
+    own_entries_beside,
+    used_whole,
+)
 
 __all__ = ["hold_dtensors"]
-
-_HOOKED = REGION_FLAG
 
 
 class _ReplicatePlain(TorchFunctionMode):
@@ -47,8 +53,8 @@ class _ReplicatePlain(TorchFunctionMode):
             found = _heads_attention(*args, **kwargs)
             if found is not None:
                 return found
-        if func in _NORMS and args and isinstance(args[0], DTensor):
-            found = _norm_over_split(func, *args, **kwargs)
+        if func in NORMS and args and isinstance(args[0], DTensor):
+            found = norm_over_split(func, *args, **kwargs)
             if found is not None:
                 return found
         if func in _BATCHED:
@@ -84,15 +90,15 @@ class _ReplicatePlain(TorchFunctionMode):
             def lift(t: Any) -> Any:
                 if not _plain(t):
                     return t
-                if t.requires_grad and func in _ELEMENTWISE:
-                    own = _own_entries_beside(t, first)
+                if t.requires_grad and func in ELEMENTWISE:
+                    own = own_entries_beside(t, first)
                     if own is not None:
                         return own
                 if t.requires_grad and func is F.linear and t.dim() == 1 and len(args) > 2:
                     # a linear's bias meets its output's features as its weight's rows do
                     weight = args[1]
                     if isinstance(weight, DTensor) and weight.placements == (Shard(0),):
-                        own = _own_entries(t, weight, 0)
+                        own = own_entries(t, weight, 0)
                         if isinstance(own, DTensor):
                             return own
                 return DTensor.from_local(t, mesh, placements, run_check=False)
@@ -102,14 +108,6 @@ class _ReplicatePlain(TorchFunctionMode):
 
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
-_NORMS = (F.rms_norm, F.layer_norm)
-# element-wise ops of two tensors, where a whole tensor broadcast along the split dim (a
-# bias, a scale of one entry per feature) meets each rank's features with its own entries
-_ELEMENTWISE = frozenset(
-    getattr(torch.Tensor, f"__{op}__") for op in ("add", "radd", "sub", "rsub", "mul", "rmul")
-) | frozenset(
-    (torch.add, torch.sub, torch.mul, torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul)
-)
 _BATCHED = (torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm)
 _NEW = (
     torch.Tensor.new_empty,
@@ -151,83 +149,6 @@ def _new_alike(func: Any, source: DTensor, *args: Any, **kwargs: Any) -> Any:
         run_check=False,
         shape=torch.Size(size),
         stride=contiguous_strides(size),
-    )
-
-
-def _norm_over_split(
-    func: Any,
-    x: DTensor,
-    normalized_shape: Any,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float | None = None,
-) -> Any:
-    """A RMSNorm or LayerNorm whose normalized dims hold the split (a q/k norm over every
-    head's features) as out-of-place ops, whose statistics DTensor sums over the ranks: one
-    all-reduce of a value per row for each mean, where torch's own kernels write them in
-    place, which DTensor refuses on a partial sum. None where the split is elsewhere."""
-    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-    dims = list(range(x.ndim - len(shape), x.ndim))
-    split = [p.dim % x.ndim for p in x.placements if isinstance(p, Shard)]
-    if x.device_mesh.ndim != 1 or not split or split[0] not in dims:
-        return None
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps if func is F.rms_norm else 1e-5
-    count = math.prod(shape)
-
-    def mean(t: torch.Tensor) -> Any:
-        return _SummedWhole.apply(t.sum(dims, keepdim=True)) / count
-
-    centred = x if func is F.rms_norm else x - mean(x)
-    y = centred * torch.rsqrt(mean(centred.pow(2)) + eps)
-    own = type(x.placements[0]) is Shard
-    for t, combine in ((weight, torch.mul), (bias, torch.add)):
-        if t is not None:
-            y = combine(y, _own_entries(t, x, split[0] - dims[0]) if own else t)
-    return y
-
-
-class _SummedWhole(torch.autograd.Function):
-    """A partial sum made whole (one all-reduce), its gradient made whole too (one
-    all-reduce of the same small size) before it goes back: left partial, DTensor would
-    reduce-scatter it at the size of the features the sum read."""
-
-    @staticmethod
-    def forward(ctx: Any, t: DTensor) -> DTensor:
-        return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> DTensor:
-        return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
-
-
-def _own_entries_beside(t: torch.Tensor, x: DTensor) -> Any:
-    """`t` as each rank's own entries where it broadcasts against `x` along the one dim
-    `x` is split on at full size (`_own_entries`); None otherwise."""
-    if x.device_mesh.ndim != 1 or type(x.placements[0]) is not Shard or t.dim() > x.dim():
-        return None
-    dim = x.placements[0].dim % x.dim() - (x.dim() - t.dim())
-    if dim < 0 or t.shape[dim] != x.shape[dim + x.dim() - t.dim()]:
-        return None
-    own = _own_entries(t, x, dim)
-    return own if isinstance(own, DTensor) else None
-
-
-def _own_entries(t: torch.Tensor, x: DTensor, dim: int) -> Any:
-    """A norm's whole weight or bias (one entry per normalized feature) as the DTensor of
-    this rank's entries along `dim`, where `x` is split: each rank reads its own slice, and
-    the whole tensor's gradient, each rank's slice filled, is summed over the ranks in the
-    backward (one all-reduce of the weight's size). Lifting it whole would gather that
-    gradient instead. As it is where it is not whole or the split is uneven."""
-    mesh, n = x.device_mesh, t.shape[dim] if t.dim() > dim else 0
-    whole = not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements)
-    if not whole or n == 0 or n % mesh.size():
-        return t
-    step = n // mesh.size()
-    rows = own_start(n, mesh, t.device) + torch.arange(step, device=t.device)
-    mine = _used_whole(t, mesh).index_select(dim, rows)
-    return DTensor.from_local(
-        mine, mesh, [Shard(dim)], run_check=False, shape=t.shape, stride=contiguous_strides(t.shape)
     )
 
 
@@ -286,7 +207,7 @@ def _own_rows(bias: Any, batches: DTensor, k: int) -> torch.Tensor | None:
     if not isinstance(bias, torch.Tensor) or bias.dim() > 3:
         return None
     if bias.dim() < 3 or bias.shape[0] == 1:
-        return _used_whole(bias, batches.device_mesh)
+        return used_whole(bias, batches.device_mesh)
     if isinstance(bias, DTensor):
         bias = bias.to_local()
     tp = batches.device_mesh.size()
@@ -301,19 +222,6 @@ def _own_rows(bias: Any, batches: DTensor, k: int) -> torch.Tensor | None:
     )
     mine = whole.redistribute(placements=[Shard(1)]).to_local()
     return mine.reshape(-1, *bias.shape[1:])
-
-
-def _used_whole(t: torch.Tensor, mesh: Any) -> torch.Tensor:
-    """A whole tensor (plain, or a replicated DTensor) used as it is beside each rank's own
-    heads: the local tensor, whose gradient on each rank is its heads' share only, so it is
-    summed over the ranks in the backward (one all-reduce, as DTensor's `from_local` does
-    for a plain tensor lifted elsewhere in a region). Without that sum each rank would keep
-    its share as the whole gradient, a wrong number with no error."""
-    if not t.requires_grad:
-        return t.to_local() if isinstance(t, DTensor) else t
-    if not isinstance(t, DTensor):
-        t = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return t.to_local(grad_placements=[Partial()] * mesh.ndim)
 
 
 def _without_empty(tensors: Any) -> Any:
@@ -500,7 +408,7 @@ def _own_part(mask: torch.Tensor, query: DTensor, dims: list[int]) -> torch.Tens
             return None
         cut.append(md)
     if not cut:
-        return _used_whole(mask, query.device_mesh)
+        return used_whole(mask, query.device_mesh)
     whole = mask
     if not isinstance(whole, DTensor):
         whole = DTensor.from_local(mask, query.device_mesh, [Replicate()], run_check=False)
@@ -521,49 +429,6 @@ def _plain(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0
 
 
-def _partial_summed(out: Any) -> tuple[Any, bool]:
-    """`out` with each partial DTensor in it (a reduction over the split heads that the
-    module returns, such as attention weights averaged over heads, or what its own split
-    weights contracted) summed over the ranks into a whole plain tensor, a replicated one
-    made plain, and whether there was either. What leaves split stays split."""
-    leaves, spec = tree_flatten(out)
-    if not any(isinstance(t, DTensor) and _unsplit(t) for t in leaves):
-        return out, False
-    whole = [_Whole.apply(t) if isinstance(t, DTensor) and _unsplit(t) else t for t in leaves]
-    return tree_unflatten(whole, spec), True
-
-
-class _Whole(torch.autograd.Function):
-    """A replicated or partial DTensor as the plain whole tensor (a partial one summed over
-    the ranks, one all-reduce); its gradient, the same on every rank, goes back replicated.
-    An output nobody uses gets no gradient at all (torch's own `full_tensor` would have
-    autograd make zeros for it, a plain tensor DTensor's backward cannot take)."""
-
-    @staticmethod
-    def forward(ctx: Any, t: DTensor) -> torch.Tensor:
-        ctx.set_materialize_grads(False)
-        ctx.mesh, ctx.shape, ctx.stride = t.device_mesh, t.shape, t.stride()
-        return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> DTensor | None:
-        if grad is None:
-            return None
-        return DTensor.from_local(
-            grad,
-            ctx.mesh,
-            [Replicate()] * ctx.mesh.ndim,
-            run_check=False,
-            shape=ctx.shape,
-            stride=ctx.stride,
-        )
-
-
-def _unsplit(t: DTensor) -> bool:
-    """Whole on every rank, or a partial sum of it: handed back as a plain tensor."""
-    return all(isinstance(p, (Partial, Replicate)) for p in t.placements)
-
-
 def hold_dtensors(
     module: nn.Module,
     *,
@@ -577,7 +442,7 @@ def hold_dtensors(
     returns whole or summed is handed back plain, except from a sequence-parallel `stream`
     region, whose outputs flow on as DTensors to the next."""
     teach_dtensor()
-    if getattr(module, _HOOKED, False):
+    if getattr(module, REGION_FLAG, False):
         return
     # modes entered by this module's pre-hook, left by its hook (a list in the closures,
     # not on the module, so a deepcopy of the module holds no live mode)
@@ -601,7 +466,7 @@ def hold_dtensors(
             recorders.pop()
         if modes:
             modes.pop().__exit__(None, None, None)
-        out, summed = _partial_summed(out) if not stream else (out, False)
+        out, summed = made_whole(out) if not stream else (out, False)
         if recorded and notes is not None:
             notes.ran = True
             # what the module returns split is gathered, as it will be on local shards
@@ -612,7 +477,7 @@ def hold_dtensors(
     module.register_forward_hook(leave, always_call=True)
     if notes is not None:
         _layers_apart(module, recorders)
-    setattr(module, _HOOKED, True)
+    setattr(module, REGION_FLAG, True)
 
 
 def _layers_apart(module: nn.Module, recorders: list[Recorder]) -> None:
