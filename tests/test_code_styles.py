@@ -130,6 +130,10 @@ def test_the_sample_keeps_the_numbers(spec: Spec, tp: int) -> None:
 SPLIT_STRUCTURES = {
     "b: heads folded into the batch dim, (b h) n d": Spec(layout="batch"),
     "j: multi-query attention, k/v of their own layers": Spec(kv="mqa"),
+    "j in a DTensor region: one k/v head kept whole, sizes from a shared config": Spec(
+        kv="mqa", sizes="config"
+    ),
+    "j with raw weights, `x @ w`": Spec(kv="mqa", proj="matmul"),
     "grouped heads past K, repeated by n_head // n_kv": Spec(kv="gqa"),
     "fused q|k|v of a 1x1 convolution": Spec(proj="conv", qkv="chunk"),
     "c, e: a head average dropped, beside experts routed by torch.where": Spec(

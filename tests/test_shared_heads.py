@@ -148,33 +148,33 @@ def test_a_repeat_by_an_attribute_is_divided_for_shared_heads() -> None:
     assert_parity(model, plan, 4, torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2)))
 
 
-@pytest.mark.unit
+def _whole_in_a_region(model: nn.Module, plan: Plan) -> None:
+    """The attention runs as a DTensor region at tp 4, its key/value layers whole on every
+    rank (every split query head uses them) and its query and output split, to parity."""
+    rules = {r.match: r for r in plan.rules}
+    assert [r.match for r in plan.regions] == ["0"], plan.to_yaml()
+    for name in ("0.wk", "0.wv"):
+        assert rules[name].style == "replicate", plan.to_yaml()
+        assert "every split head shares it" in rules[name].why
+    assert (rules["0.wq"].style, rules["0.wo"].style) == ("colwise", "rowwise")
+    assert_parity(model, plan, 4, torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2)))
+
+
 def test_a_repeat_by_a_number_no_attribute_holds_is_not_shared() -> None:
     """Repeated by a literal 4, each rank's one head would still be repeated 4 times past the
-    count: the heads stay split and gathered at tp 4, with the reason; at tp 2 they split."""
+    count: local shards cannot share the heads at tp 4, so the attention runs on DTensors
+    with its key/value layers whole (nothing gathered); at tp 2 the heads split."""
     model = nn.Sequential(_Gqa(literal=True))
-    plan = tpplan.infer_plan(model, tp_size=4)
-    rules = {r.match: r for r in plan.rules}
-    assert rules["0.wk"].output == "replicate" and not rules["0.wk"].replicate_heads
-    assert "an expand repeats the heads 4, and no module attribute read in forward holds it" in (
-        rules["0.wk"].why
-    )
+    _whole_in_a_region(model, tpplan.infer_plan(model, tp_size=4))
     assert tpplan.infer_plan(model, tp_size=2).rules[1].output is None
 
 
-@pytest.mark.unit
 def test_a_repeat_computed_from_counts_the_plan_does_not_divide_is_not_shared() -> None:
     """`n_heads // n_kv` where the views count no heads (-1): neither is divided, so each
-    rank would repeat its one head 4 times where 2 are needed. Not shared, with the formula
-    and the numbers; at tp 2 the heads split as they are."""
+    rank would repeat its one head 4 times where 2 are needed. Not shared on local shards:
+    a DTensor region with the key/value layers whole; at tp 2 the heads split as they are."""
     model = nn.Sequential(_Gqa(computed=True))
-    plan = tpplan.infer_plan(model, tp_size=4)
-    rules = {r.match: r for r in plan.rules}
-    assert rules["0.wk"].output == "replicate" and not rules["0.wk"].replicate_heads
-    assert (
-        "it repeats the key/value heads by n_heads // n_kv = 4, which comes to 4 per rank at "
-        "tp 4 where 2 is needed"
-    ) in rules["0.wk"].why
+    _whole_in_a_region(model, tpplan.infer_plan(model, tp_size=4))
     assert tpplan.infer_plan(model, tp_size=2).rules[1].output is None
 
 

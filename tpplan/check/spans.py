@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Problem
-from ..plan.patterns import wildcard
+from ..plan.patterns import matches, wildcard
 from ..plan.schema import Plan, Rule
 from .shared import Match, legal_sizes, rule_label, traced_name
 
@@ -88,7 +88,14 @@ def _check_closers(
             # The trace saw no split arrive (or its split went through a reshape by stored
             # head counts, which the plan's attributes fix): nothing to pair it with.
             continue
-        missing = sorted(wildcard(o) for o in _partners(trace, t, trace.spans.openers) - open_t)
+        region = _region_of(plan, t)
+        missing = sorted(
+            wildcard(o)
+            for o in _partners(trace, t, trace.spans.openers) - open_t
+            # in a DTensor region a whole layer's output meets the split heads as a
+            # replicated DTensor (key/value heads every rank's query heads share)
+            if region is None or _region_of(plan, o) != region
+        )
         if missing:
             out.append(
                 Problem(
@@ -100,6 +107,16 @@ def _check_closers(
                 )
             )
     return out
+
+
+def _region_of(plan: Plan, name: str) -> str | None:
+    """The DTensor region (a module `Plan.regions` names) `name` runs in, if any."""
+    parts = name.split(".")
+    for n in range(len(parts), -1, -1):
+        module = ".".join(parts[:n])
+        if any(matches(r.match, module) for r in plan.regions):
+            return module
+    return None
 
 
 def _split_rows(i: int, rule: Rule, name: str) -> Problem:

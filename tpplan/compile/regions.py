@@ -61,6 +61,13 @@ class _ReplicatePlain(TorchFunctionMode):
             found = _batched_alike(func, *args, **kwargs)
             if found is not None:
                 return found
+        if func in _MATMULS and len(args) == 2 and not kwargs:
+            # `q @ k.transpose(1, 2)` on `(b h)` batches: a bmm, a whole side its own rows
+            a, b = (_own_heads(t, args[1 - i]) for i, t in enumerate(args))
+            if all(isinstance(t, DTensor) and t.ndim == 3 for t in (a, b)):
+                found = _batched_alike(torch.bmm, a, b)
+                if found is not None:
+                    return found
         if func in _NEW and args and isinstance(args[0], DTensor):
             found = _new_alike(func, *args, **kwargs)
             if found is not None:
@@ -90,6 +97,11 @@ class _ReplicatePlain(TorchFunctionMode):
             def lift(t: Any) -> Any:
                 if not _plain(t):
                     return t
+                if func in _MATMULS:
+                    # a whole operand beside split batch dims (heads): its own rows of them
+                    own = _own_heads(t, first)
+                    if own is not t:
+                        return own
                 if t.requires_grad and func in ELEMENTWISE:
                     own = own_entries_beside(t, first)
                     if own is not None:
@@ -108,6 +120,14 @@ class _ReplicatePlain(TorchFunctionMode):
 
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
+_MATMULS = (
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__,
+    torch.bmm,
+    torch.Tensor.bmm,
+)
 _BATCHED = (torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm)
 _NEW = (
     torch.Tensor.new_empty,
@@ -348,6 +368,39 @@ def _split_alike(tensors: Any, dim: int = 0, **kw: Any) -> Any:
     return type(tensors)(alike(t) for t in tensors)
 
 
+def _own_heads(t: Any, query: Any) -> Any:
+    """A whole key or value (plain, or replicated) of the query's shape where the query is
+    split on a dim before the last two: this rank's own entries of that dim (its gradient
+    summed over the ranks in the backward); `t` as it is otherwise."""
+    if not isinstance(query, DTensor) or query.device_mesh.ndim != 1:
+        return t
+    (p,) = query.placements
+    if not isinstance(t, torch.Tensor) or not isinstance(p, (Shard, StridedShard)):
+        return t
+    if t.dim() != query.dim() or (
+        isinstance(t, DTensor) and not isinstance(t.placements[0], Replicate)
+    ):
+        return t
+    d = p.dim % query.dim()
+    if d > query.dim() - 3 or t.shape[d] != query.shape[d]:
+        return t
+    if not isinstance(p, StridedShard):
+        return own_entries(t, query, d)
+    # heads folded into the batch dim, `(b h)`: each rank's heads of every batch row
+    rows = int(p.split_factor)
+    own = own_entries(t.unflatten(d, (rows, t.shape[d] // rows)), query, d + 1)
+    if not isinstance(own, DTensor):
+        return t
+    return DTensor.from_local(
+        own.to_local().flatten(d, d + 1),
+        query.device_mesh,
+        [p],
+        run_check=False,
+        shape=t.shape,
+        stride=contiguous_strides(t.shape),
+    )
+
+
 def _heads_attention(
     query: Any, key: Any, value: Any, attn_mask: Any = None, *rest: Any, **kw: Any
 ) -> Any:
@@ -355,7 +408,10 @@ def _heads_attention(
     rank attends over its own heads, whatever kernel the device picks (torch has DTensor
     strategies for some of SDPA's kernels only, and none for its math fallback, which the
     meta device of a proof run takes). None where that does not hold (then DTensor's own
-    dispatch decides): a mask that is split otherwise or not broadcast over the split dim."""
+    dispatch decides): a mask that is split otherwise or not broadcast over the split dim.
+    A key or value that is whole (a key/value layer kept whole, its one head repeated for
+    every query head) is used as each rank's own heads of it."""
+    key, value = (_own_heads(t, query) for t in (key, value))
     if not all(isinstance(t, DTensor) for t in (query, key, value)):
         return None
     p = query.placements

@@ -74,12 +74,14 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     candidates = cuts(model, gathered, args, kwargs, raw, dims)
     if candidates is None:
         return plan
+    for ways in candidates.values():
+        ways.extend(_shared(model, ways[0]))
     proven: dict[str, dict[str, Rule]] = {}
     sums: dict[str, int] = {}  # {region: the all-reduces its forward ran, a reduction's}
     raw_tried: dict[str, int] = {}  # {raw weights' region proven: its all-reduces}
     # a cut whose openers' outputs leave the module is tried apart, after the others: a
     # use outside that fails on a DTensor fails the whole run, not only its module's
-    for leaky, variant, pieces in itertools.product((False, True), (0, 1), (1, 3, 2, 0)):
+    for leaky, variant, pieces in itertools.product((False, True), (0, 1, 2), (1, 3, 2, 0)):
         trial = {
             m: c[variant]
             for m, c in candidates.items()
@@ -117,26 +119,55 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
                 # another dim may split with fewer all-reduces (heads, not a head's features)
                 raw_tried[m] = count
     # a region whose proof ran all-reduces may have split inside a head (one head's
-    # features, the all-reduce summing its scores): the checks apply_plan runs say so
-    for m in _cut_heads(model, _with(plan, rules, proven, names, sums), tp, sums):
+    # features, the all-reduce summing its scores), and one with layers kept whole must
+    # pass apply's checks on what reads them: the checks apply_plan runs say so
+    doubtful = {m for m, n in sums.items() if n} | {
+        m for m, made in proven.items() if any(isinstance(r, ReplicateRule) for r in made.values())
+    }
+    for m in _cut_heads(model, _with(plan, rules, proven, names, sums), tp, doubtful):
         proven.pop(m, None)
     if not proven:
         return plan
     return _with(plan, rules, proven, names, sums)
 
 
-def _cut_heads(model: nn.Module, plan: Plan, tp: int, sums: dict[str, int]) -> set[str]:
-    """The regions proven with all-reduces in their forward whose layers `complete_plan`
-    (what apply_plan checks) finds a problem with: heads tp would cut, say."""
-    summed = {m for m, n in sums.items() if n}
-    if not summed:
+def _shared(model: nn.Module, cut: Cut) -> list[Cut]:
+    """A way to cut with the openers narrower than the widest kept whole (`Cut.shared`):
+    the key/value layers of multi-query attention, whose one head no rank may split, used
+    whole by every rank's query heads. Their weights' sizes tell them apart; the proof says
+    whether DTensor runs the rest with no gather. Empty where the openers are all alike."""
+    if cut.kept:
+        return []
+    sizes = {o: _weights(model, o) for o in cut.opens}
+    widest = max(sizes.values())
+    narrow = sorted(o for o, n in sizes.items() if n < widest)
+    if not narrow:
+        return []
+    opens = [o for o in cut.opens if o not in narrow]
+    return [cut._replace(opens=opens, kept=narrow, readers={}, shared=True)]
+
+
+def _weights(model: nn.Module, name: str) -> int:
+    """How many weights a layer (its `weight`) or a raw parameter holds."""
+    try:
+        return model.get_parameter(name).numel()
+    except AttributeError:
+        w = getattr(model.get_submodule(name), "weight", None)
+        return w.numel() if isinstance(w, torch.Tensor) else 0
+
+
+def _cut_heads(model: nn.Module, plan: Plan, tp: int, doubtful: set[str]) -> set[str]:
+    """The `doubtful` regions (proven with all-reduces in their forward, or with layers
+    kept whole) whose layers `complete_plan` (what apply_plan checks) finds a problem with:
+    heads tp would cut, say."""
+    if not doubtful:
         return set()
     from ..check.api import complete_plan
 
     _, problems = complete_plan(plan, model, tp_size=tp)
     return {
         m
-        for m in summed
+        for m in doubtful
         for p in problems
         if p.module is not None and (p.module == m or p.module.startswith(f"{m}."))
     }
@@ -234,7 +265,11 @@ def _rewrite_raw(
     (1, 3, 2: first, second, last; 0 none) of the dims each may be split on (its only one
     where it has one); None where a member is a layer or a dim is not divided by tp."""
     members = {*cut.opens, *cut.closes}
-    if choice == 0 or cut.kept or any("." in n[len(holder) + 1 :] for n in members):
+    if (
+        choice == 0
+        or (cut.kept and not cut.shared)
+        or any("." in n[len(holder) + 1 :] for n in members)
+    ):
         return None
     pick = {1: 0, 3: 1, 2: -1}[choice]
     shard: dict[str, int] = {}
@@ -327,7 +362,17 @@ def _rewrite(
                 "its output is a partial sum, one all-reduce"
             ),
         )
-    for k in cut.kept:
+    for k in cut.kept if cut.shared else ():
+        out[k] = ReplicateRule(
+            match=k,
+            why=(
+                f"kept whole: its output is narrower than {by}'s and every split head "
+                "shares it (one key/value head, or fewer than the ranks), so each rank "
+                "uses it whole through the module's own code (a DTensor region); its "
+                "gradient, each rank's heads' share, is gathered in the backward"
+            ),
+        )
+    for k in cut.kept if not cut.shared else ():
         out[k] = ReplicateRule(
             match=k,
             why=(

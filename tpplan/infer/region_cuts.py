@@ -275,6 +275,10 @@ class Cut(NamedTuple):
     """What an opener made leaves the module unclosed and is used (attention weights
     averaged over the heads): the proof must find it summed over the ranks at the exit,
     never gathered."""
+    shared: bool = False
+    """The kept layers are openers narrower than the others, whose output every split head
+    shares whole (multi-query attention's one key/value head, or fewer key/value heads than
+    ranks), not layers an opener reads."""
 
 
 def _candidates(

@@ -1,0 +1,145 @@
+"""Key/value heads every split query head shares, inside a DTensor region (issue 35 j, and
+multi-query attention beside b, d, e, f): attention whose sizes no attribute a plan may
+divide holds (a shared config object, literals, raw weights, heads folded into the batch
+dim) runs on DTensors; its one key/value head (or fewer key/value heads than ranks) cannot
+be split, so its layers stay whole on every rank and each rank's query heads use it whole,
+the query and output layers split by heads. Nothing is gathered in the forward.
+
+Written by hand in several styles: `repeat_interleave` or `expand`, SDPA or an explicit
+softmax, heads in their own dim or in the batch dim, Linear layers or raw weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.models import seeded, token_batch
+from support.parity import assert_parity
+from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
+
+import tpplan
+from tpplan._runtime.local import simulated_ranks
+
+WIDTH, HEADS, HEAD_DIM = 32, 4, 8
+
+
+class _Config:
+    """Sizes every layer reads from one shared object (so no plan may divide them)."""
+
+    n_head, head_dim = HEADS, HEAD_DIM
+
+
+class _SharedKv(nn.Module):
+    """Attention with `kv` key/value heads, written `style`'s way."""
+
+    def __init__(self, style: str, kv: int) -> None:
+        super().__init__()
+        self.style, self.cfg, self.kv = style, _Config(), kv
+        if style == "raw":  # raw weights used as `x @ w`
+            self.w_q = nn.Parameter(torch.randn(WIDTH, HEADS * HEAD_DIM) * WIDTH**-0.5)
+            self.w_k = nn.Parameter(torch.randn(WIDTH, kv * HEAD_DIM) * WIDTH**-0.5)
+            self.w_v = nn.Parameter(torch.randn(WIDTH, kv * HEAD_DIM) * WIDTH**-0.5)
+            self.w_o = nn.Parameter(torch.randn(HEADS * HEAD_DIM, WIDTH) * WIDTH**-0.5)
+        else:
+            self.q_proj = nn.Linear(WIDTH, HEADS * HEAD_DIM)
+            self.k_proj = nn.Linear(WIDTH, kv * HEAD_DIM)
+            self.v_proj = nn.Linear(WIDTH, kv * HEAD_DIM)
+            self.o_proj = nn.Linear(HEADS * HEAD_DIM, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, d = self.cfg.n_head, self.cfg.head_dim
+        if self.style == "raw":
+            q, k, v = x @ self.w_q, x @ self.w_k, x @ self.w_v
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, h, d).transpose(1, 2)  # (B, H, T, D)
+        k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in (k, v))  # (B, KV, T, D)
+        if self.style == "batch":  # expanded, heads folded into the batch, a softmax
+            k, v = (
+                z[:, :, None].expand(b, k.shape[1], h // k.shape[1], t, d).reshape(b * h, t, d)
+                for z in (k, v)
+            )
+            q = q.reshape(b * h, t, d)
+            s = (q @ k.transpose(1, 2)) * d**-0.5
+            keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            a = s.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+            a = a.view(b, h, t, d)
+        else:
+            k, v = (z.repeat_interleave(h // z.shape[1], dim=1) for z in (k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = a.transpose(1, 2).reshape(b, t, h * d)
+        return a @ self.w_o if self.style == "raw" else self.o_proj(a)
+
+
+class _Model(nn.Module):
+    def __init__(self, style: str, kv: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, WIDTH)
+        self.attn = _SharedKv(style, kv)
+        self.head = nn.Linear(WIDTH, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.attn(x))
+
+
+def _gathers(model: nn.Module, plan: tpplan.Plan, tp: int, x: torch.Tensor) -> dict[str, int]:
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        with CommDebugMode() as comms:
+            sharded(x)
+        ops = comms.comm_module_counts["_Model.attn"]["forward"]
+        return {str(op).split(".")[-1]: n for op, n in ops.items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize(
+    ("style", "kv"),
+    [("linear", 1), ("raw", 1), ("batch", 1), ("linear", 2)],
+    ids=["mqa-linear-sdpa", "mqa-raw-matmul", "mqa-batch-softmax", "gqa-2-heads"],
+)
+def test_shared_key_value_heads_stay_whole_in_a_region(style: str, kv: int, tp: int) -> None:
+    """The query and output split by heads in a DTensor region, the key/value layers (or
+    weights) whole on every rank with a reason that names why; one all-reduce and no
+    all-gather in the attention's forward; check passes; parity forward and backward.
+    Two key/value heads at tp 2 split with the query heads instead."""
+    torch.manual_seed(0)
+    model = seeded(_Model, style=style, kv=kv)
+    x = token_batch(64)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    rules = {r.match: r for r in plan.rules}
+    assert [r.match for r in plan.regions] == ["attn"], plan.to_yaml()
+    shared = kv < tp
+    if style == "raw":
+        rule = rules["attn"]
+        assert rule.style == "split_params", plan.to_yaml()
+        expect = {"w_q": 1, "w_o": 0} if shared else {"w_q": 1, "w_k": 1, "w_v": 1, "w_o": 0}
+        assert rule.shard == expect
+    else:
+        assert rules["attn.q_proj"].style == "colwise"
+        assert rules["attn.o_proj"].style == "rowwise"
+        for name in ("attn.k_proj", "attn.v_proj"):
+            if shared:
+                assert rules[name].style == "replicate", plan.to_yaml()
+                assert "every split head shares it" in rules[name].why
+            else:
+                assert rules[name].style == "colwise", plan.to_yaml()
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, x)
+    assert _gathers(model, plan, tp, x) == {"all_reduce": 1}
+
+
+def test_verify_passes_a_region_with_whole_key_value_layers() -> None:
+    """`tpplan verify`'s check, forward and backward against the unsharded model, on the
+    multi-query region; the sharded model's state dict is the original one."""
+    from tpplan.diagnose.verify import verify_plan
+
+    model = seeded(_Model, style="linear", kv=1)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=token_batch(64))
+    assert verify_plan(model, plan, tp_size=2, backward=True, tol=1e-4).ok
