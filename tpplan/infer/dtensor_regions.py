@@ -52,6 +52,12 @@ from .region_cuts import Cut, ParamDims, call_fake, cuts
 
 __all__ = ["call_fake", "collapsed", "example_call", "per_module", "try_dtensor_regions"]
 
+# the ways to cut a region's layers, tried in turn: plain, in 3 equal fused pieces, in 2, in
+# pieces of the size every opener's width shares (`_rewrite`); and the dims a raw weight may
+# split on: its first, second and last (`_rewrite_raw`)
+_PIECES = (1, 3, 2, 0)
+_RAW_DIMS = (0, 1, -1)
+
 # how rest.py words a layer whose output could not stay split (split and gathered)
 _GATHERED = "its output cannot stay split ("
 
@@ -78,23 +84,24 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         ways.extend(_shared(model, ways[0]))
     proven: dict[str, dict[str, Rule]] = {}
     sums: dict[str, int] = {}  # {region: the all-reduces its forward ran, a reduction's}
-    raw_tried: dict[str, int] = {}  # {raw weights' region proven: its all-reduces}
+    raw_proven: set[str] = set()  # raw weights' regions: another dim may cost fewer sums
     # a cut whose openers' outputs leave the module is tried apart, after the others: a
     # use outside that fails on a DTensor fails the whole run, not only its module's
-    for leaky, variant, pieces in itertools.product((False, True), (0, 1, 2), (1, 3, 2, 0)):
+    for leaky, variant, attempt in itertools.product((False, True), (0, 1, 2), range(4)):
         trial = {
             m: c[variant]
             for m, c in candidates.items()
-            if (m not in proven or m in raw_tried)
+            if (m not in proven or m in raw_proven)
             and len(c) > variant
             and c[variant].leaky == leaky
         }
         made: dict[str, dict[str, Rule]] = {}
         for m, cut in trial.items():
+            rewritten: dict[str, Rule] | None = None
             if not raw & {*cut.opens, *cut.closes}:
-                rewritten = _rewrite(model, rules, m, cut, pieces, tp)
-            else:  # pieces 1, 3 and 2 stand for the first, second and last dims to try
-                rewritten = _rewrite_raw(model, m, cut, pieces, tp, dims)
+                rewritten = _rewrite(model, rules, m, cut, _PIECES[attempt], tp)
+            elif attempt < len(_RAW_DIMS):
+                rewritten = _rewrite_raw(model, m, cut, _RAW_DIMS[attempt], tp, dims)
             if rewritten is not None:
                 made[m] = rewritten
         if not made:
@@ -112,12 +119,12 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
             if inside is None or not _clean(inside, trial[m]):
                 continue
             count = sum(inside.forward.values())
-            if m in raw_tried and raw_tried[m] <= count:
+            if m in raw_proven and sums[m] <= count:
                 continue
             proven[m], sums[m] = made[m], count
             if raw & {*trial[m].opens, *trial[m].closes}:
                 # another dim may split with fewer all-reduces (heads, not a head's features)
-                raw_tried[m] = count
+                raw_proven.add(m)
     # a region whose proof ran all-reduces may have split inside a head (one head's
     # features, the all-reduce summing its scores), and one with layers kept whole must
     # pass apply's checks on what reads them: the checks apply_plan runs say so
@@ -258,20 +265,16 @@ def _raw_params(model: nn.Module, rules: dict[str, Rule]) -> set[str]:
 
 # ---- 2. candidates as rules ----------------------------------------------------------------
 def _rewrite_raw(
-    model: nn.Module, holder: str, cut: Cut, choice: int, tp: int, dims: dict[str, ParamDims]
+    model: nn.Module, holder: str, cut: Cut, pick: int, tp: int, dims: dict[str, ParamDims]
 ) -> dict[str, Rule] | None:
     """A region of raw parameters: the holder's own parameters split where their matmul or
-    einsum calls keep them in the output (openers) or contract them (closers), the `choice`
-    (1, 3, 2: first, second, last; 0 none) of the dims each may be split on (its only one
-    where it has one); None where a member is a layer or a dim is not divided by tp."""
+    einsum calls keep them in the output (openers) or contract them (closers), on the dim
+    at `pick` of those each may be split on (its only one where it has one), kept whole
+    where the cut keeps them (`Cut.shared`); None where a member is a layer or a dim is not
+    divided by tp."""
     members = {*cut.opens, *cut.closes}
-    if (
-        choice == 0
-        or (cut.kept and not cut.shared)
-        or any("." in n[len(holder) + 1 :] for n in members)
-    ):
+    if (cut.kept and not cut.shared) or any("." in n[len(holder) + 1 :] for n in members):
         return None
-    pick = {1: 0, 3: 1, 2: -1}[choice]
     shard: dict[str, int] = {}
     for role, names in (("opens", cut.opens), ("closes", cut.closes)):
         for n in names:
