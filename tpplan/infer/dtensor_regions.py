@@ -56,6 +56,8 @@ __all__ = ["call_fake", "collapsed", "example_call", "per_module", "try_dtensor_
 # pieces of the size every opener's width shares (`_rewrite`); and the dims a raw weight may
 # split on: its first, second and last (`_rewrite_raw`)
 _PIECES = (1, 3, 2, 0)
+# how a key/value layer kept whole for every split head to share begins its reason
+_SHARED = "kept whole: its output is narrower than"
 _RAW_DIMS = (0, 1, -1)
 
 # how rest.py words a layer whose output could not stay split (split and gathered)
@@ -369,10 +371,10 @@ def _rewrite(
         out[k] = ReplicateRule(
             match=k,
             why=(
-                f"kept whole: its output is narrower than {by}'s and every split head "
+                f"{_SHARED} {by}'s and every split head "
                 "shares it (one key/value head, or fewer than the ranks), so each rank "
                 "uses it whole through the module's own code (a DTensor region); its "
-                "gradient, each rank's heads' share, is gathered in the backward"
+                "gradient, each rank's heads' share, is summed over the ranks in the backward"
             ),
         )
     for k in cut.kept if not cut.shared else ():
@@ -469,7 +471,13 @@ def _with(
                 "ranks with no collective inside it but the closers' sums"
             )
         kept = [n for n, r in made.items() if isinstance(r, ReplicateRule)]
-        if kept:
+        shared = [k for k in kept if made[k].why.startswith(_SHARED)]
+        if shared:
+            why += (
+                f", {', '.join(k[len(m) + 1 :] for k in shared)} whole on every rank and used "
+                "as each rank's own heads, their gradient summed over the ranks in the backward"
+            )
+        elif kept:
             why += (
                 f", and in the backward a gather of the gradient of what "
                 f"{', '.join(k[len(m) + 1 :] for k in kept)} (kept whole) shares with every head"
