@@ -67,12 +67,14 @@ def tests(session: nox.Session) -> None:
     """The whole suite, slow multi-process tests included (pass `-- -m 'not slow'` to skip
     them), but not the zoo: its packages are the `zoo` session's to install. Without
     arguments (CI, the README's `nox`) the unit tier runs first on its own: its time goes
-    to the log, and a failure there stops the session before the half-hour run. Its tests
-    run again in the whole suite, under a minute more."""
+    to the log, and a failure there stops the session before the half-hour run. The whole
+    suite then runs the rest (`-m "not unit"`): the tier's tests have passed already."""
     _install(session, "test")
-    if not session.posargs:
+    posargs = list(session.posargs)
+    if not posargs:
         _unit_tier(session)
-    args = [*_workers(session.posargs), *_without_zoo(session.posargs)]
+        posargs = ["-m", "not unit"]
+    args = [*_workers(posargs), *_without_zoo(posargs)]
     session.run("pytest", *args, env={"OMP_NUM_THREADS": "1"})
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.tiers import may_hold_unit_tests
+from support.tiers import COLLECTED, may_hold_unit_tests
 
 _WATCHED = [signal.SIGTERM, signal.SIGINT]
 
@@ -29,6 +29,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
     return True if not may_hold_unit_tests(collection_path) else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep every test collected, before `-m` deselects any: tests/test_tiers.py checks the
+    unit marks of the whole suite also where the unit tier is deselected (nox runs the tier
+    first, then the rest with `-m "not unit"`)."""
+    config.stash[COLLECTED] = list(items)
 
 
 @pytest.fixture(autouse=True)

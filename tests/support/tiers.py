@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["UNIT_MARK", "may_hold_unit_tests"]
+import pytest
+
+__all__ = ["COLLECTED", "UNIT_MARK", "may_hold_unit_tests"]
+
+# every test a session collected, before `-m` deselected any (tests/conftest.py)
+COLLECTED = pytest.StashKey[list[pytest.Item]]()
 
 # how every unit test is marked: `pytestmark = pytest.mark.unit` or `@pytest.mark.unit`
 UNIT_MARK = "mark.unit"
