@@ -555,6 +555,21 @@ def test_a_mask_of_one_per_head_is_cut_to_each_ranks_heads() -> None:
 
 
 # ---- reductions over the split heads (issue 35 d and e) ---------------------------------------
+class _HandNorm(nn.Module):
+    """An RMSNorm written by hand in a module of its own, as transformers' OLMo-2 writes its
+    q/k norms: in float32, the weight first."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * x.to(dtype)
+
+
 class _ReducedOverHeads(nn.Module):
     """Attention whose code reduces over every head's features, written one of several ways:
     a q/k norm over all heads (nn.RMSNorm, nn.LayerNorm, or by hand with a weight of one
@@ -572,9 +587,11 @@ class _ReducedOverHeads(nn.Module):
             self.q_norm, self.k_norm = nn.LayerNorm(width), nn.LayerNorm(width)
         elif style == "by_hand":
             self.q_scale = nn.Parameter(1 + 0.1 * torch.randn(width))
+        elif style == "norm_module":
+            self.q_norm, self.k_norm = _HandNorm(width), _HandNorm(width)
 
     def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.style in ("rmsnorm", "layernorm"):
+        if self.style in ("rmsnorm", "layernorm", "norm_module"):
             return self.q_norm(q), self.k_norm(k)
         if self.style == "by_hand":
             rms = torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -609,7 +626,7 @@ class _OneLayer(nn.Module):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("style", ["rmsnorm", "layernorm", "by_hand", "mean", "sum"])
+@pytest.mark.parametrize("style", ["rmsnorm", "layernorm", "by_hand", "norm_module", "mean", "sum"])
 def test_a_reduction_over_the_split_heads_runs_split_with_one_all_reduce(
     style: str, tp: int
 ) -> None:
@@ -633,3 +650,61 @@ def test_a_reduction_over_the_split_heads_runs_split_with_one_all_reduce(
     }
     assert set(attn) == {"all_reduce"}, attn
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
+
+
+# CommDebugMode's module tracking hooks the backward of modules whose inputs need no grad
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("style", ["rmsnorm", "by_hand", "norm_module"])
+def test_a_norm_over_the_split_heads_sums_small_gradients_in_the_backward(style: str) -> None:
+    """The backward of a norm over every head's features, by torch or by hand: only
+    all-reduces of the statistics' gradients (B x S values) and of the norm's weight, never
+    a reduce-scatter or a gather of B x S x C features (DTensor's own backward of a partial
+    mean would reduce-scatter it)."""
+    model = seeded(_OneLayer, style=style)
+    x = token_batch(64)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
+    assert [r.match for r in plan.regions] == ["attn"], plan.to_yaml()
+    with simulated_ranks(2) as mesh:
+        sharded = copy.deepcopy(model).train()
+        tpplan.apply_plan(sharded, mesh, plan, local_shards=False)
+        with CommDebugMode() as comms:
+            sharded(x).float().pow(2).mean().backward()
+    backward = {
+        str(op).split(".")[-1]
+        for name, per in comms.comm_module_counts.items()
+        if name.startswith("_OneLayer.attn")
+        for op in per.get("backward", {})
+    }
+    assert backward <= {"all_reduce"}, backward
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_olmo2_attention_splits_by_heads_with_its_norms_over_all_heads(tp: int) -> None:
+    """transformers' OLMo-2 normalizes q and k over every head's features at once with an
+    RMSNorm of its own: its attention runs as a DTensor region, q, k, v split by heads,
+    the norms' statistics all-reduced, at the unsharded model's numbers on both paths (on
+    local shards the region stays on DTensors: a mean over the split features there would
+    read one rank's part)."""
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    config = Olmo2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = {"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))}
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=ids)
+    assert [r.match for r in plan.regions] == ["model.layers.*.self_attn"], plan.to_yaml()
+    assert "reduces over the split features" in plan.regions[0].why
+    rules = {r.match: r for r in plan.rules}
+    for n in ("q_proj", "k_proj", "v_proj"):
+        assert rules[f"model.layers.*.self_attn.{n}"].style == "colwise"
+    assert rules["model.layers.*.self_attn.o_proj"].style == "rowwise"
+    assert_parity(model, plan, tp, ids)

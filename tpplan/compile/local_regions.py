@@ -46,8 +46,10 @@ from .region_rewrites import (
     EXPAND,
     NARROW,
     NEW,
+    NORMS,
     SLICES,
     SPLITS,
+    SUMS,
     VIEWS,
     Call,
     Context,
@@ -79,6 +81,21 @@ __all__ = [
 
 
 # --- the proof side ---------------------------------------------------------------------------
+
+
+def reduces_split(func: Any, args: Any, kwargs: Any, dim: int) -> bool:
+    """Whether `func` sums, averages or normalizes over `dim` of its first argument (its
+    split dim): a norm over the last dims, a sum or mean over the dims it is given."""
+    x = args[0]
+    if func in NORMS:
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape", ())
+        return dim >= x.ndim - len([shape] if isinstance(shape, int) else shape)
+    if func in SUMS:
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dims is None:
+            return True
+        return dim in {d % x.ndim for d in ([dims] if isinstance(dims, int) else dims)}
+    return False
 
 
 def _whole(t: Any) -> bool:
@@ -171,6 +188,9 @@ class Recorder(TorchFunctionMode):
         at = placement_dim(args[0]) if args else None
         if reads_shape(func):
             return [Shape(at[0])] if at is not None else []
+        if at is not None and reduces_split(func, args, kwargs, at[0]):
+            # DTensor sums it over the ranks; on local shards it would read one rank's part
+            raise NotLocal("a sum, mean or norm over the split dim")
         # what whole tensors meet: the split result, or the split tensor written into
         written = args[0] if func is torch.Tensor.__setitem__ and at is not None else None
         target = split_out[0] if split_out else written

@@ -18,6 +18,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from .._runtime.torch_compat import StridedShard, tree_flatten, tree_unflatten
@@ -28,8 +29,10 @@ __all__ = [
     "EXPAND",
     "NARROW",
     "NEW",
+    "NORMS",
     "SLICES",
     "SPLITS",
+    "SUMS",
     "VIEWS",
     "Call",
     "Context",
@@ -135,6 +138,9 @@ SPLITS: set[Any] = {
 }
 SLICES = {torch.Tensor.__getitem__}
 NARROW = {torch.Tensor.narrow, torch.narrow}
+# reductions a region's code may run over the split dim, which DTensor sums over the ranks
+NORMS = (F.rms_norm, F.layer_norm)
+SUMS = (torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean)
 
 
 def _is_size(x: Any) -> bool:

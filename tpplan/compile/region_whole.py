@@ -19,18 +19,20 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from .._runtime.torch_compat import tree_flatten, tree_unflatten
 from .local_regions import contiguous_strides
 from .params import own_start
+from .region_rewrites import NORMS, SUMS
 
 __all__ = [
     "ELEMENTWISE",
     "NORMS",
+    "SUMS",
     "made_whole",
     "norm_over_split",
     "own_entries",
     "own_entries_beside",
+    "reduced_over_split",
     "used_whole",
 ]
 
-NORMS = (F.rms_norm, F.layer_norm)
 # element-wise ops of two tensors, where a whole tensor broadcast along the split dim (a
 # bias, a scale of one entry per feature) meets each rank's features with its own entries
 ELEMENTWISE = frozenset(
@@ -71,6 +73,28 @@ def norm_over_split(
         if t is not None:
             y = combine(y, own_entries(t, x, split[0] - dims[0]) if own else t)
     return y
+
+
+def reduced_over_split(func: Any, x: DTensor, *args: Any, **kwargs: Any) -> Any:
+    """A sum or mean over dims that hold the split (a hand-written norm's statistics over
+    every head's features, `x.pow(2).mean(-1, keepdim=True)`; an average over the heads):
+    the partial sum made whole at once, one all-reduce of the reduced values, its gradient
+    whole too. Left to DTensor it stays partial, and the backward reduce-scatters its
+    gradient at the size of the features it summed, as a gather would move. None where the
+    split is not reduced (or the call asks for more than dims and keepdim)."""
+    dim = args[0] if args else kwargs.get("dim")
+    keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+    if dim is None or len(args) > 2 or set(kwargs) - {"dim", "keepdim"}:
+        return None
+    if x.device_mesh.ndim != 1 or type(x.placements[0]) is not Shard:
+        return None
+    dims = [d % x.ndim for d in ([dim] if isinstance(dim, int) else dim)]
+    if x.placements[0].dim % x.ndim not in dims or not x.dtype.is_floating_point:
+        return None
+    total = _SummedWhole.apply(x.sum(dims, keepdim=bool(keepdim)))
+    if func in (torch.mean, torch.Tensor.mean):
+        return total / math.prod(x.shape[d] for d in dims)
+    return total
 
 
 class _SummedWhole(torch.autograd.Function):

@@ -33,10 +33,12 @@ from .params import REGION_FLAG
 from .region_whole import (
     ELEMENTWISE,
     NORMS,
+    SUMS,
     made_whole,
     norm_over_split,
     own_entries,
     own_entries_beside,
+    reduced_over_split,
     used_whole,
 )
 
@@ -51,6 +53,10 @@ class _ReplicatePlain(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             found = _heads_attention(*args, **kwargs)
+            if found is not None:
+                return found
+        if func in SUMS and args and isinstance(args[0], DTensor):
+            found = reduced_over_split(func, *args, **kwargs)
             if found is not None:
                 return found
         if func in NORMS and args and isinstance(args[0], DTensor):
