@@ -210,6 +210,20 @@ def _hf_deepseek_v3() -> tuple[nn.Module, Inputs]:
     return model, torch.randint(0, 128, (BATCH, 16), generator=_generator())
 
 
+def _hf_olmo2() -> tuple[nn.Module, Inputs]:
+    """transformers' OLMo-2: q and k each normalized by an RMSNorm over every head's
+    features at once (a module of its own, in float32), after the projections and before
+    the heads are cut; 4 heads of 16, a SwiGLU MLP."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    model = Olmo2ForCausalLM(config)
+    return model, torch.randint(0, 128, (BATCH, 16), generator=_generator())
+
+
 # ---- diffusers 0.42.1 ---------------------------------------------------------------------
 def _flux() -> tuple[nn.Module, Inputs]:
     """FluxTransformer2DModel: one double-stream block (image and text tokens, each with its
@@ -333,6 +347,9 @@ ZOO: dict[str, Entry] = {
         "its experts route by the values (`.item()`), which the sequence-parallel fit, a "
         "forward on fake tensors, cannot run"
     )),
+    "transformers.olmo2": Entry(_TRANSFORMERS, _hf_olmo2, {
+        "self_attn": r"model\.layers\.\d+\.self_attn", "mlp": r"model\.layers\.\d+\.mlp",
+    }),
     "timm.vit": Entry("timm 1.0.31", _vit, {"attn": r"blocks\.\d+\.attn", "mlp": r"blocks\.\d+\.mlp"}),
     "timm.swin": Entry("timm 1.0.31", _swin, {
         "attn": r"layers\.\d+\.blocks\.\d+\.attn", "mlp": r"layers\.\d+\.blocks\.\d+\.mlp",
