@@ -143,3 +143,35 @@ def test_verify_passes_a_region_with_whole_key_value_layers() -> None:
     model = seeded(_Model, style="linear", kv=1)
     plan = tpplan.infer_plan(model, tp_size=2, example_inputs=token_batch(64))
     assert verify_plan(model, plan, tp_size=2, backward=True, tol=1e-4).ok
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "tp"), [(6, 2, 3), (12, 4, 3)], ids=["6-of-2-tp3", "12-of-4-tp3"]
+)
+def test_transformers_key_value_heads_tp_does_not_split(heads: int, kv: int, tp: int) -> None:
+    """transformers' Llama with key/value heads tp neither divides nor is a multiple of
+    (so no rank can hold whole ones of its own), inferred with no example inputs: its
+    attention runs on DTensors with q split by heads and k/v whole, and
+    transformers' own SDPA call (`enable_gqa`, the grouped heads given whole on CPU) gets
+    each rank's key/value heads repeated for its query heads; parity on both paths."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        vocab_size=96,
+        hidden_size=16 * heads,
+        head_dim=16,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=96,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = {"input_ids": torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))}
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    rules = {r.match: r for r in plan.rules}
+    assert rules["model.layers.0.self_attn.k_proj"].style == "replicate", plan.to_yaml()
+    assert [r.match for r in plan.regions] == ["model.layers.0.self_attn"], plan.to_yaml()
+    assert rules["model.layers.0.self_attn.q_proj"].style == "colwise"
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, ids)

@@ -374,6 +374,18 @@ def _split_alike(tensors: Any, dim: int = 0, **kw: Any) -> Any:
     return type(tensors)(alike(t) for t in tensors)
 
 
+def _repeated_to(t: Any, query: DTensor) -> Any:
+    """A whole key or value of fewer heads (dim 1) than the query, each repeated for the
+    query heads it serves (grouped-query attention's pairing); `t` as it is otherwise."""
+    whole = not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements)
+    if not isinstance(t, torch.Tensor) or not whole or t.dim() != query.dim() or t.dim() < 3:
+        return t
+    heads, want = t.shape[1], query.shape[1]
+    if heads >= want or want % heads:
+        return t
+    return t.repeat_interleave(want // heads, dim=1)
+
+
 def _own_heads(t: Any, query: Any) -> Any:
     """A whole key or value (plain, or replicated) of the query's shape where the query is
     split on a dim before the last two: this rank's own entries of that dim (its gradient
@@ -417,6 +429,12 @@ def _heads_attention(
     dispatch decides): a mask that is split otherwise or not broadcast over the split dim.
     A key or value that is whole (a key/value layer kept whole, its one head repeated for
     every query head) is used as each rank's own heads of it."""
+    if kw.get("enable_gqa") and isinstance(query, DTensor):
+        # grouped heads given whole (transformers' SDPA path on CPU): repeated to the
+        # query's heads first, so that each rank takes the key/value heads of its own
+        key, value = (_repeated_to(t, query) for t in (key, value))
+        if key.shape[1] == query.shape[1] and value.shape[1] == query.shape[1]:
+            kw = {k: v for k, v in kw.items() if k != "enable_gqa"}
     key, value = (_own_heads(t, query) for t in (key, value))
     if not all(isinstance(t, DTensor) for t in (query, key, value)):
         return None
@@ -446,7 +464,9 @@ def _heads_attention(
     )
     shape = (*query.shape[:-1], value.shape[-1])
     return DTensor.from_local(
-        out,
+        # the strides given below are a contiguous tensor's: CPU's kernel may lay its output
+        # out heads-last, and a view of the DTensor would then fail on the local tensor
+        out.contiguous(),
         query.device_mesh,
         p,
         run_check=False,
