@@ -100,14 +100,18 @@ def reduced_over_split(func: Any, x: DTensor, *args: Any, **kwargs: Any) -> Any:
 class _SummedWhole(torch.autograd.Function):
     """A partial sum made whole (one all-reduce), its gradient made whole too (one
     all-reduce of the same small size) before it goes back: left partial, DTensor would
-    reduce-scatter it at the size of the features the sum read."""
+    reduce-scatter it at the size of the features the sum read. A sum nobody uses gets no
+    gradient (autograd's zeros for it would be a plain tensor)."""
 
     @staticmethod
     def forward(ctx: Any, t: DTensor) -> DTensor:
+        ctx.set_materialize_grads(False)  # an unused sum (a head average dropped) gets none
         return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> DTensor:
+    def backward(ctx: Any, grad: DTensor | None) -> DTensor | None:
+        if grad is None:
+            return None
         return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
 
 
