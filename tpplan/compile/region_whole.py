@@ -25,6 +25,7 @@ __all__ = [
     "ELEMENTWISE",
     "NORMS",
     "SUMS",
+    "is_whole",
     "made_whole",
     "norm_over_split",
     "own_entries",
@@ -127,6 +128,11 @@ def own_entries_beside(t: torch.Tensor, x: DTensor) -> Any:
     return own if isinstance(own, DTensor) else None
 
 
+def is_whole(t: torch.Tensor) -> bool:
+    """The same on every rank: a plain tensor, or a DTensor replicated on every axis."""
+    return not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements)
+
+
 def own_entries(t: torch.Tensor, x: DTensor, dim: int) -> Any:
     """A norm's whole weight or bias (one entry per normalized feature) as the DTensor of
     this rank's entries along `dim`, where `x` is split: each rank reads its own slice, and
@@ -134,8 +140,7 @@ def own_entries(t: torch.Tensor, x: DTensor, dim: int) -> Any:
     backward (one all-reduce of the weight's size). Lifting it whole would gather that
     gradient instead. As it is where it is not whole or the split is uneven."""
     mesh, n = x.device_mesh, t.shape[dim] if t.dim() > dim else 0
-    whole = not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements)
-    if not whole or n == 0 or n % mesh.size():
+    if not is_whole(t) or n == 0 or n % mesh.size():
         return t
     step = n // mesh.size()
     rows = own_start(n, mesh, t.device) + torch.arange(step, device=t.device)
