@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13"
 
 
 def _error(text: str) -> str:
@@ -205,7 +205,7 @@ def test_a_bad_layout(text: str, message: str) -> None:
         ),
         _case(
             "style: split_params, shard: {s: 0}, mode: tensor",
-            "line 3: rules[0]: style 'split_params' takes no mode; its optional fields are: shard.",
+            "line 3: rules[0]: style 'split_params' takes no mode; its optional fields are: fused, shard.",
         ),
         _case(
             # null is a value given: a field named at all must be one the style takes
@@ -352,8 +352,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 13\nrules: []\n",
-            f"schema version 13 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 14\nrules: []\n",
+            f"schema version 14 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -371,7 +371,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 12' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 13' (the schema version) is missing.",
             id="missing",
         ),
         _case(

@@ -326,8 +326,8 @@ def _check_param_dim(
                 rule_label(i, rule),
                 name,
                 f"fused {pname} {pieces} add up to {sum(pieces)}, but {what} is {shape[dim]}.",
-                "list the sizes of the fused pieces (gate, up) in order; they must add up "
-                "to the whole.",
+                f"list the sizes of the fused pieces ({'gate, up' if isinstance(rule, ExpertsRule) else 'q, k, v'}) "
+                "in order; they must add up to the whole.",
             )
         ]
     out: list[Problem] = []

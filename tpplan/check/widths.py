@@ -62,7 +62,11 @@ def parts_problem(
     field, of, setting = (
         ("parts", "", "parts: {}")
         if param is None
-        else (f"fused {param}", f" of {param} per expert", f"fused: {{{{{param}: {{}}}}}}")
+        else (
+            f"fused {param}",
+            f" of {param}" + (" per expert" if rule.style == "experts" else ""),
+            f"fused: {{{{{param}: {{}}}}}}",
+        )
     )
     return Problem(
         "parts",

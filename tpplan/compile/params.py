@@ -106,26 +106,33 @@ class SplitParams(ParallelStyle):
     The local parts are put in the module's `__dict__` for the call (attribute lookup finds
     them before the DTensor parameters); their gradients flow back into the rank's shard.
 
+    A fused parameter (a raw q|k|v weight, `fused`) holds its pieces of one size end to end
+    along its split dim; each rank holds its slice of every piece (a `_StridedShard`), so
+    what the module computes with it is its own q, k and v in order.
+
     Keyword Args:
         shard: parameter name (the module's own) -> the dim it is split on.
+        fused: parameter name -> the sizes of its pieces (all one size).
 
     Example::
         >>> parallelize_module(model, mesh, {"layers.0.attn": SplitParams(shard={"sinks": 0})})
     """
 
-    def __init__(self, *, shard: dict[str, int]) -> None:
+    def __init__(self, *, shard: dict[str, int], fused: dict[str, list[int]] | None = None) -> None:
         super().__init__()
         self.shard = dict(shard)
+        self.fused = {k: tuple(v) for k, v in (fused or {}).items()}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, dim in self.shard.items():
-            split_param(module, name, device_mesh, dim, None, 0)
+            split_param(module, name, device_mesh, dim, self.fused.get(name), 0)
 
         local_during_calls(module, tuple(self.shard), DTensor.to_local)
         return module
 
     def __repr__(self) -> str:
-        return f"SplitParams(shard={self.shard})"
+        fused = f", fused={self.fused}" if self.fused else ""
+        return f"SplitParams(shard={self.shard}{fused})"
 
 
 REGION_FLAG = "_tpplan_dtensor_region"

@@ -273,7 +273,7 @@ def _replicate_grad_sum(rule: ReplicateGradSumRule, build: Build) -> ParallelSty
 @builds(SplitParamsRule)
 def _split_params(rule: SplitParamsRule, build: Build) -> ParallelStyle:
     assert rule.shard is not None  # the rule's validator requires it
-    return SplitParams(shard=rule.shard)
+    return SplitParams(shard=rule.shard, fused=rule.fused)
 
 
 @builds(ExpertsRule)

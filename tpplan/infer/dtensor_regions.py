@@ -53,12 +53,13 @@ from .region_cuts import Cut, ParamDims, call_fake, cuts
 __all__ = ["call_fake", "collapsed", "example_call", "per_module", "try_dtensor_regions"]
 
 # the ways to cut a region's layers, tried in turn: plain, in 3 equal fused pieces, in 2, in
-# pieces of the size every opener's width shares (`_rewrite`); and the dims a raw weight may
-# split on: its first, second and last (`_rewrite_raw`)
+# pieces of the size every opener's width shares (`_rewrite`); and a region of raw weights:
+# the dim each may split on (its first, second and last), then a lone opener in 3 equal
+# fused pieces (a raw q|k|v weight) or 2 (gate|up) on each (`_rewrite_raw`)
 _PIECES = (1, 3, 2, 0)
+_RAW_WAYS = tuple((d, p) for p in (1, 3, 2) for d in (0, 1, -1))
 # how a key/value layer kept whole for every split head to share begins its reason
 _SHARED = "kept whole: its output is narrower than"
-_RAW_DIMS = (0, 1, -1)
 
 # how rest.py words a layer whose output could not stay split (split and gathered)
 _GATHERED = "its output cannot stay split ("
@@ -89,7 +90,8 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     raw_proven: set[str] = set()  # raw weights' regions: another dim may cost fewer sums
     # a cut whose openers' outputs leave the module is tried apart, after the others: a
     # use outside that fails on a DTensor fails the whole run, not only its module's
-    for leaky, variant, attempt in itertools.product((False, True), (0, 1, 2), range(4)):
+    attempts = range(max(len(_PIECES), len(_RAW_WAYS)))
+    for leaky, variant, attempt in itertools.product((False, True), (0, 1, 2), attempts):
         trial = {
             m: c[variant]
             for m, c in candidates.items()
@@ -101,23 +103,33 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         for m, cut in trial.items():
             rewritten: dict[str, Rule] | None = None
             if not raw & {*cut.opens, *cut.closes}:
-                rewritten = _rewrite(model, rules, m, cut, _PIECES[attempt], tp)
-            elif attempt < len(_RAW_DIMS):
-                rewritten = _rewrite_raw(model, m, cut, _RAW_DIMS[attempt], tp, dims)
+                if attempt < len(_PIECES):
+                    rewritten = _rewrite(model, rules, m, cut, _PIECES[attempt], tp)
+            elif attempt < len(_RAW_WAYS):
+                rewritten = _rewrite_raw(model, m, cut, *_RAW_WAYS[attempt], tp, dims)
             if rewritten is not None:
                 made[m] = rewritten
         if not made:
             continue
-        found = collectives_inside(
-            _with(plan, rules, made, names, {}),
-            model,
-            tp_size=tp,
-            args=args,
-            kwargs=kwargs,
-            modules={m: _split_inside(m, rules, made[m]) for m in made},
-        )
+
+        def prove(made: dict[str, dict[str, Rule]]) -> dict[str, Inside] | None:
+            return collectives_inside(
+                _with(plan, rules, made, names, {}),
+                model,
+                tp_size=tp,
+                args=args,
+                kwargs=kwargs,
+                modules={m: _split_inside(m, rules, made[m]) for m in made},
+            )
+
+        # a region proven already, tried another way, may fail the run: apart from the
+        # first tries, whose proofs it would hide
+        found: dict[str, Inside] = {}
+        for again in (False, True):
+            group = {m: r for m, r in made.items() if (m in raw_proven) == again}
+            found.update((prove(group) or {}) if group else {})
         for m in made:
-            inside = (found or {}).get(m)
+            inside = found.get(m)
             if inside is None or not _clean(inside, trial[m]):
                 continue
             count = sum(inside.forward.values())
@@ -267,28 +279,50 @@ def _raw_params(model: nn.Module, rules: dict[str, Rule]) -> set[str]:
 
 # ---- 2. candidates as rules ----------------------------------------------------------------
 def _rewrite_raw(
-    model: nn.Module, holder: str, cut: Cut, pick: int, tp: int, dims: dict[str, ParamDims]
+    model: nn.Module,
+    holder: str,
+    cut: Cut,
+    pick: int,
+    pieces: int,
+    tp: int,
+    dims: dict[str, ParamDims],
 ) -> dict[str, Rule] | None:
     """A region of raw parameters: the holder's own parameters split where their matmul or
     einsum calls keep them in the output (openers) or contract them (closers), on the dim
     at `pick` of those each may be split on (its only one where it has one), kept whole
-    where the cut keeps them (`Cut.shared`); None where a member is a layer or a dim is not
-    divided by tp."""
+    where the cut keeps them (`Cut.shared`); a lone opener in `pieces` equal fused pieces
+    when more than 1 (a raw q|k|v weight, each rank its slice of each). None where a member
+    is a layer, a dim (or a piece) is not divided by tp, or pieces meet several openers."""
     members = {*cut.opens, *cut.closes}
     if (cut.kept and not cut.shared) or any("." in n[len(holder) + 1 :] for n in members):
         return None
+    if pieces > 1 and len(cut.opens) != 1:
+        return None
     shard: dict[str, int] = {}
+    fused: dict[str, list[int]] = {}
     for role, names in (("opens", cut.opens), ("closes", cut.closes)):
         for n in names:
             found = getattr(dims.get(n), role, ())
             if not found:
                 return None
             d = found[pick] if len(found) > 1 else found[0]
-            if model.get_parameter(n).shape[d] % tp:
+            size = model.get_parameter(n).shape[d]
+            cut_in = pieces if role == "opens" else 1
+            if size % (tp * cut_in):
                 return None
             shard[n[len(holder) + 1 :]] = d
+            if cut_in > 1:
+                fused[n[len(holder) + 1 :]] = [size // cut_in] * cut_in
+                # its bias, added to what it computes, is cut alike (else the pieces meet a
+                # whole bias, and its gradient is gathered from the pieces' layout)
+                for b, t in model.get_submodule(holder).named_parameters(recurse=False):
+                    if t.dim() == 1 and t.shape[0] == size and b not in shard:
+                        shard[b], fused[b] = 0, fused[n[len(holder) + 1 :]]
     opens = ", ".join(
-        f"{n[len(holder) + 1 :]} (dim {shard[n[len(holder) + 1 :]]})" for n in cut.opens
+        f"{n[len(holder) + 1 :]} (dim {shard[n[len(holder) + 1 :]]}"
+        + (f", in {pieces} fused pieces, each rank its slice of each" if pieces > 1 else "")
+        + ")"
+        for n in cut.opens
     )
     closes = ", ".join(
         f"{n[len(holder) + 1 :]} (dim {shard[n[len(holder) + 1 :]]})" for n in cut.closes
@@ -297,6 +331,7 @@ def _rewrite_raw(
         holder: SplitParamsRule(
             match=holder,
             shard=shard,
+            fused=fused or None,
             why=(
                 f"its own weights, used in its code's matmul or einsum, are split: {opens} "
                 f"open the split of what they compute, {closes} contract it; they stay "

@@ -35,6 +35,17 @@ class ReplicateGradSumRule(Rule):
 
 
 _Shard = dict[str, Annotated[int, Field(ge=0)]]
+_Fused = dict[str, list[Annotated[int, Field(gt=0)]]]
+
+
+def _stray_fused(style: str, fused: _Fused | None, shard: _Shard) -> None:
+    """Refuse fused pieces of a parameter `shard` does not split."""
+    stray = sorted(set(fused or ()) - set(shard))
+    if stray:
+        raise ValueError(
+            f"{style}: fused names {', '.join(stray)}, which is not in shard; fused pieces "
+            "are cut along a split dim."
+        )
 
 
 class ExpertsRule(Rule):
@@ -51,7 +62,7 @@ class ExpertsRule(Rule):
     """Parameter of the matched module (by its own name, or a child's by its dotted name
     under the module) -> the dim it is split on; the module's other parameters are
     replicated."""
-    fused: dict[str, list[Annotated[int, Field(gt=0)]]] | None = None
+    fused: _Fused | None = None
     """Parameter -> sizes of the pieces laid end to end along its split dim (gate|up); each
     rank holds its slice of every piece, as `parts` does for colwise. A parameter left out
     is read from the model where its forward cuts it into pieces (schema 12)."""
@@ -93,12 +104,7 @@ class ExpertsRule(Rule):
                 "experts needs shard: {parameter: dim} naming the expert weights it splits "
                 "(e.g. {gate_up_proj: 1, down_proj: 2} for mode tensor, dim 0 for mode expert)."
             )
-        stray = sorted(set(self.fused or ()) - set(shard))
-        if stray:
-            raise ValueError(
-                f"experts: fused names {', '.join(stray)}, which is not in shard; fused pieces "
-                "are cut along a split dim."
-            )
+        _stray_fused("experts", self.fused, shard)
         stray = sorted(set(self.after_sum or ()) & set(shard))
         if stray:
             raise ValueError(
@@ -122,8 +128,16 @@ class SplitParamsRule(Rule):
     style: Literal["split_params"] = "split_params"
     shard: _Shard | None = None
     """Parameter of the matched module (by its own name) -> the dim it is split on."""
+    fused: _Fused | None = None
+    """Parameter -> sizes of the pieces of one size laid end to end along its split dim (a
+    raw q|k|v weight used in the module's own einsum): each rank holds its slice of every
+    piece, as `parts` does for colwise."""
 
     since: ClassVar[int] = 4
+    field_since: ClassVar[dict[str, int]] = {"fused": 13}
+
+    def fused_sizes(self) -> dict[str, list[int]]:
+        return self.fused or {}
 
     @model_validator(mode="after")
     def _check(self) -> SplitParamsRule:
@@ -131,6 +145,14 @@ class SplitParamsRule(Rule):
             raise ValueError(
                 "split_params needs shard: {parameter: dim} naming the module's own parameters "
                 "it splits (e.g. {sinks: 0})."
+            )
+        _stray_fused("split_params", self.fused, self.shard)
+        unequal = sorted(n for n, sizes in (self.fused or {}).items() if len(set(sizes)) > 1)
+        if unequal:
+            raise ValueError(
+                f"split_params: fused {', '.join(unequal)} has pieces of several sizes; a "
+                "parameter split in place takes pieces of one size (keep it whole with "
+                "style: replicate)."
             )
         return self
 
