@@ -139,6 +139,9 @@ SPLIT_STRUCTURES = {
     "c, e: a head average dropped, beside experts routed by torch.where": Spec(
         reduce="unused", mlp="moe"
     ),
+    "f with a: raw fused q|k|v in einsum, chunk; raw gate|up with its bias": Spec(
+        proj="einsum", qkv="chunk", mlp="gated_fused", mlp_proj="param"
+    ),
 }
 
 
