@@ -81,8 +81,8 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def zoo(session: nox.Session) -> None:
     """The model zoo (`pytest -m zoo`, tests/test_zoo.py): plans inferred for torchtitan,
-    timm, diffusers and nanoGPT models, which need the `zoo` extra installed here. About
-    5 minutes on 2 cores from a fresh environment, installs included (about 1 of it)."""
+    timm, diffusers, nanoGPT and transformers models, which need the `zoo` extra installed
+    here; on as many workers as the suite, each model's tests on one."""
     _install(session, "test", "zoo")
     # timm requires torchvision, and pip takes PyPI's: a CUDA build that cannot load beside
     # CPU torch ("operator torchvision::nms does not exist"). Left installed, it breaks
@@ -90,7 +90,10 @@ def zoo(session: nox.Session) -> None:
     # collection of the other test files. timm needs it only for data transforms:
     # tests/model_zoo/torchvision_stub.py stands in for it.
     session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", "torchvision")
-    session.run("pytest", "-m", "zoo", *session.posargs)
+    # workers as for the suite, each model's tests on one (its group, tests/conftest.py)
+    workers = _workers(session.posargs)
+    workers = [w if w != "loadfile" else "loadgroup" for w in workers]
+    session.run("pytest", "-m", "zoo", *workers, *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session(default=False)

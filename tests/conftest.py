@@ -32,11 +32,19 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 @pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep every test collected, before `-m` deselects any: tests/test_tiers.py checks the
     unit marks of the whole suite also where the unit tier is deselected (nox runs the tier
-    first, then the rest with `-m "not unit"`)."""
+    first, then the rest with `-m "not unit"`). A zoo test of one model joins that model's
+    xdist group: the zoo session's workers (`--dist loadgroup`) then each infer a model's
+    plans once (test_zoo.py's cache) and share the models out."""
     config.stash[COLLECTED] = list(items)
+    for item in items:
+        params = getattr(item, "callspec", None)
+        name = params.params.get("name") if params is not None else None
+        if name is not None and item.get_closest_marker("zoo") is not None:
+            item.add_marker(pytest.mark.xdist_group(str(name)))
 
 
 @pytest.fixture(autouse=True)
