@@ -49,6 +49,9 @@ class _FusedAttention(nn.Module):
             q, k, v = (x @ self.w_qkv + self.b_qkv).chunk(3, dim=-1)
         elif self.style == "linear_split":
             q, k, v = F.linear(x, self.w_qkv, self.b_qkv).split(WIDTH, dim=-1)
+        elif self.style == "view_unbind":
+            qkv = torch.einsum("btc,cf->btf", x, self.w_qkv)
+            q, k, v = qkv.view(b, t, 3, HEADS, self.head_dim).flatten(-2).unbind(2)
         else:  # slices at sizes read off the output's shape
             qkv = torch.einsum("btc,cf->btf", x, self.w_qkv)
             n = qkv.shape[-1] // 3
@@ -159,6 +162,25 @@ def test_a_whole_save_at_tp_2_loads_at_tp_4(tmp_path: Path) -> None:
         got = fresh(x)
     for v in rank_values(got):
         torch.testing.assert_close(v, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_raw_fused_weight_no_region_proves_stays_whole_saying_why() -> None:
+    """Cut by a view and `unbind`, the pieces' gradient comes back through a view DTensor
+    gathers by reading shard offsets off values, which the proof on fake ranks cannot run:
+    the attention stays whole, its reason naming its weights and what was tried, and the
+    numbers hold."""
+    model = seeded(_Model, style="view_unbind")
+    x = token_batch(64)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
+    rules = {r.match: r for r in plan.rules}
+    assert rules["attn"].style == "replicate", plan.to_yaml()
+    assert rules["attn"].why == (
+        "kept whole: its own weights (w_o, w_qkv) feed its own matmul or einsum calls, and no "
+        "way of splitting them in a DTensor region (on each dim they may split on, in 1, 3 or 2 "
+        "equal fused pieces) passed the proof on fake ranks: each ran a collective inside the "
+        "module, or failed there"
+    )
+    assert_parity(model, plan, 2, x)
 
 
 @pytest.mark.unit

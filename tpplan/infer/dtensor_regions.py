@@ -147,9 +147,50 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     }
     for m in _cut_heads(model, _with(plan, rules, proven, names, sums), tp, doubtful):
         proven.pop(m, None)
-    if not proven:
+    kept = _raw_kept(rules, candidates, raw, proven)
+    if not proven and not kept:
         return plan
-    return _with(plan, rules, proven, names, sums)
+    return _with(plan, {**rules, **kept}, proven, names, sums)
+
+
+# how the experts pass words a module of 3-D weights no expert span split
+_NO_EXPERTS = "kept whole: no per-expert matmul of its weights was seen"
+
+
+def _raw_kept(
+    rules: dict[str, Rule],
+    candidates: dict[str, list[Cut]],
+    raw: set[str],
+    proven: dict[str, dict[str, Rule]],
+) -> dict[str, Rule]:
+    """The reason of each module whose own weights a region was tried for and not proven:
+    kept whole, saying so (where it had no rule, or the experts pass's reason, which is not
+    why a module of per-head weights stays whole); a module with a split rule inside keeps
+    its rules."""
+    out: dict[str, Rule] = {}
+    for m, ways in candidates.items():
+        mine = sorted(n[len(m) + 1 :] for way in ways for n in {*way.opens, *way.closes} & raw)
+        if m in proven or not mine:
+            continue
+        rule = rules.get(m)
+        inside = any(n.startswith(f"{m}.") and r.splits for n, r in rules.items())
+        if inside or not (rule is None or rule.why.startswith(_NO_EXPERTS)):
+            continue
+        tried = (
+            "no way of splitting them in a DTensor region (on each dim they may split on, in "
+            "1, 3 or 2 equal fused pieces) passed the proof on fake ranks: each ran a "
+            "collective inside the module, or failed there"
+        )
+        weights = f"its own weights ({', '.join(dict.fromkeys(mine))})"
+        out[m] = ReplicateRule(
+            match=m,
+            why=(
+                f"kept whole: {weights} feed its own matmul or einsum calls, and {tried}"
+                if rule is None
+                else f"{rule.why}; and for {weights}, {tried}"
+            ),
+        )
+    return out
 
 
 def _shared(model: nn.Module, cut: Cut) -> list[Cut]:
