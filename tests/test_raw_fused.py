@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.models import seeded, token_batch
-from support.parity import assert_parity
+from support.parity import assert_parity, forward_collectives
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -119,8 +119,7 @@ def test_a_raw_fused_weight_splits_by_its_pieces(style: str, tp: int) -> None:
         with CommDebugMode() as comms:
             sharded(x)
         for name in ("attn", "mlp"):
-            ops = comms.comm_module_counts[f"_Model.{name}"]["forward"]
-            assert {str(op).split(".")[-1]: n for op, n in ops.items()} == {"all_reduce": 1}
+            assert forward_collectives(comms, f"_Model.{name}") == {"all_reduce": 1}
         whole = full_state_dict(sharded)
     for name, t in model.state_dict().items():
         assert torch.equal(whole[name], t), name

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.models import seeded, token_batch
-from support.parity import assert_parity
+from support.parity import assert_parity, forward_collectives
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -94,8 +94,7 @@ def _gathers(model: nn.Module, plan: tpplan.Plan, tp: int, x: torch.Tensor) -> d
         tpplan.apply_plan(sharded, mesh, plan)
         with CommDebugMode() as comms:
             sharded(x)
-        ops = comms.comm_module_counts["_Model.attn"]["forward"]
-        return {str(op).split(".")[-1]: n for op, n in ops.items()}
+        return forward_collectives(comms, "_Model.attn")
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -26,6 +26,7 @@ __all__ = [
     "ShardedRun",
     "assert_matches",
     "assert_parity",
+    "forward_collectives",
     "reference_run",
     "sharded_run",
 ]
@@ -180,3 +181,10 @@ def assert_matches(
         for rank, value in enumerate(got_grads):
             err = (back(value) - p.grad).abs().max().item()
             assert err <= tol, f"{what}: rank {rank}'s gradient of {name} is off by {err:.3g}"
+
+
+def forward_collectives(comms: object, module: str) -> dict[str, int]:
+    """{collective: how many} that `module` (CommDebugMode's name, `_Model.attn`) ran in
+    its forward under the CommDebugMode `comms`, named as torch's ops end (`all_reduce`)."""
+    ops = comms.comm_module_counts[module]["forward"]  # type: ignore[attr-defined]
+    return {str(op).split(".")[-1]: n for op, n in ops.items()}
