@@ -325,15 +325,22 @@ def _returned(out: Any, notes: RegionNotes, ctx: Context, name: str) -> Any:
         t = leaves[i]
         shape = list(t.shape)
         shape[dim] *= ctx.tp
-        leaves[i] = DTensor.from_local(
-            t,
-            ctx.mesh,
-            [Shard(dim)],
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=contiguous_strides(shape),
-        )
+        leaves[i] = contiguous_dtensor(t, ctx.mesh, [Shard(dim)], shape)
     return tree_unflatten(leaves, spec)
+
+
+def contiguous_dtensor(local: torch.Tensor, mesh: Any, placements: Any, shape: Any) -> DTensor:
+    """`local`, each rank's part, as a DTensor of global `shape` whose strides are a
+    contiguous tensor's: stated, not inferred (inference would gather the shapes)."""
+    shape = tuple(shape)
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_strides(shape),
+    )
 
 
 def contiguous_strides(shape: Any) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._runtime.torch_compat import StridedShard
-from .local_regions import contiguous_strides
+from .local_regions import contiguous_dtensor
 from .region_whole import is_whole, own_entries, used_whole
 
 __all__ = ["BATCHED", "MATMULS", "batched_alike", "heads_attention", "own_heads"]
@@ -67,14 +67,7 @@ def batched_alike(func: Any, *args: Any, **kwargs: Any) -> Any:
             return None
         beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         out = torch.baddbmm(bias, a.to_local(), b.to_local(), beta=beta, alpha=alpha)
-    return DTensor.from_local(
-        out,
-        a.device_mesh,
-        [p],
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(shape),
-    )
+    return contiguous_dtensor(out, a.device_mesh, [p], shape)
 
 
 def _own_rows(bias: Any, batches: DTensor, k: int) -> torch.Tensor | None:
@@ -139,14 +132,7 @@ def own_heads(t: Any, query: Any) -> Any:
     own = own_entries(t.unflatten(d, (rows, t.shape[d] // rows)), query, d + 1)
     if not isinstance(own, DTensor):
         return t
-    return DTensor.from_local(
-        own.to_local().flatten(d, d + 1),
-        query.device_mesh,
-        [p],
-        run_check=False,
-        shape=t.shape,
-        stride=contiguous_strides(t.shape),
-    )
+    return contiguous_dtensor(own.to_local().flatten(d, d + 1), query.device_mesh, [p], t.shape)
 
 
 def heads_attention(
@@ -193,15 +179,13 @@ def heads_attention(
         query.to_local(), key.to_local(), value.to_local(), mask, *rest, **kw
     )
     shape = (*query.shape[:-1], value.shape[-1])
-    return DTensor.from_local(
-        # the strides given below are a contiguous tensor's: CPU's kernel may lay its output
+    return contiguous_dtensor(
+        # contiguous_dtensor states a contiguous tensor's strides: CPU's kernel may lay its output
         # out heads-last, and a view of the DTensor would then fail on the local tensor
         out.contiguous(),
         query.device_mesh,
         p,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(shape),
+        shape,
     )
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .._runtime.torch_compat import tree_flatten, tree_unflatten
-from .local_regions import contiguous_strides
+from .local_regions import contiguous_dtensor
 from .params import own_start
 from .region_rewrites import NORMS, SUMS
 
@@ -145,9 +145,7 @@ def own_entries(t: torch.Tensor, x: DTensor, dim: int) -> Any:
     step = n // mesh.size()
     rows = own_start(n, mesh, t.device) + torch.arange(step, device=t.device)
     mine = used_whole(t, mesh).index_select(dim, rows)
-    return DTensor.from_local(
-        mine, mesh, [Shard(dim)], run_check=False, shape=t.shape, stride=contiguous_strides(t.shape)
-    )
+    return contiguous_dtensor(mine, mesh, [Shard(dim)], t.shape)
 
 
 def used_whole(t: torch.Tensor, mesh: Any) -> torch.Tensor:

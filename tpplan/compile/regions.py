@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map
 from .dtensor_ops import teach_dtensor
-from .local_regions import Recorder, RegionNotes, contiguous_strides, note_outputs
+from .local_regions import Recorder, RegionNotes, contiguous_dtensor, note_outputs
 from .params import REGION_FLAG
 from .region_heads import BATCHED, MATMULS, batched_alike, heads_attention, own_heads
 from .region_whole import (
@@ -159,14 +159,7 @@ def _new_alike(func: Any, source: DTensor, *args: Any, **kwargs: Any) -> Any:
     for d in dims:
         local[d] = source.to_local().shape[d]
     out = func(source.to_local(), tuple(local), *rest, **kwargs)
-    return DTensor.from_local(
-        out,
-        source.device_mesh,
-        source.placements,
-        run_check=False,
-        shape=torch.Size(size),
-        stride=contiguous_strides(size),
-    )
+    return contiguous_dtensor(out, source.device_mesh, source.placements, size)
 
 
 def _without_empty(tensors: Any) -> Any:
@@ -211,14 +204,7 @@ def _pieces_joined(tensors: Any, dim: int = 0, **kw: Any) -> Any:
     shape = list(first.shape)
     shape[d] = int(sum(t.shape[d] for t in tensors))
     placement = StridedShard(d, split_factor=count) if count > 1 else Shard(d)
-    return DTensor.from_local(
-        local,
-        first.device_mesh,
-        [placement],
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(tuple(shape)),
-    )
+    return contiguous_dtensor(local, first.device_mesh, [placement], shape)
 
 
 def _pieces_sliced(x: DTensor, index: Any) -> Any:
@@ -254,13 +240,11 @@ def _pieces_sliced(x: DTensor, index: Any) -> Any:
     taken = (stop - start) // piece
     shape = list(x.shape)
     shape[d] = stop - start
-    return DTensor.from_local(
+    return contiguous_dtensor(
         sliced,
         x.device_mesh,
         [StridedShard(d, split_factor=taken) if taken > 1 else Shard(d)],
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(tuple(shape)),
+        shape,
     )
 
 
