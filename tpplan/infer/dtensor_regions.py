@@ -26,6 +26,9 @@ shrink, work does not. Here such layers get a second chance:
    untouched, and DTensor's own sharding propagation computed every op (its numbers are
    the unsplit model's by construction). Anything else keeps the split-and-gather rules,
    with their reasons.
+
+A module's own raw weights (in its `x @ w` or einsum) are candidates too: raw_regions.py
+finds them and makes their `split_params` rules.
 """
 
 from __future__ import annotations
@@ -48,16 +51,15 @@ from ..plan.styles import (
     SplitParamsRule,
 )
 from ..plan.versions import SCHEMA_VERSION
+from .raw_regions import CONVS, RAW_WAYS, raw_kept, raw_params, rewrite_raw
 from .region_cuts import Cut, ParamDims, call_fake, cuts
 
 __all__ = ["call_fake", "collapsed", "example_call", "per_module", "try_dtensor_regions"]
 
 # the ways to cut a region's layers, tried in turn: plain, in 3 equal fused pieces, in 2, in
-# pieces of the size every opener's width shares (`_rewrite`); and a region of raw weights:
-# the dim each may split on (its first, second and last), then a lone opener in 3 equal
-# fused pieces (a raw q|k|v weight) or 2 (gate|up) on each (`_rewrite_raw`)
+# pieces of the size every opener's width shares (`_rewrite`); a region of raw weights is
+# tried raw_regions.py's `RAW_WAYS`
 _PIECES = (1, 3, 2, 0)
-_RAW_WAYS = tuple((d, p) for p in (1, 3, 2) for d in (0, 1, -1))
 # how a key/value layer kept whole for every split head to share begins its reason
 _SHARED = "kept whole: its output is narrower than"
 
@@ -75,7 +77,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         for n, r in rules.items()
         if isinstance(r, ColwiseRule) and r.output == "replicate" and r.why.startswith(_GATHERED)
     }
-    raw = _raw_params(model, rules)
+    raw = raw_params(model, rules)
     if not gathered and not raw:
         return plan
     args, kwargs = example_call(model, example_inputs)
@@ -90,7 +92,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     raw_proven: set[str] = set()  # raw weights' regions: another dim may cost fewer sums
     # a cut whose openers' outputs leave the module is tried apart, after the others: a
     # use outside that fails on a DTensor fails the whole run, not only its module's
-    attempts = range(max(len(_PIECES), len(_RAW_WAYS)))
+    attempts = range(max(len(_PIECES), len(RAW_WAYS)))
     for leaky, variant, attempt in itertools.product((False, True), (0, 1, 2), attempts):
         trial = {
             m: c[variant]
@@ -105,8 +107,8 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
             if not raw & {*cut.opens, *cut.closes}:
                 if attempt < len(_PIECES):
                     rewritten = _rewrite(model, rules, m, cut, _PIECES[attempt], tp)
-            elif attempt < len(_RAW_WAYS):
-                rewritten = _rewrite_raw(model, m, cut, *_RAW_WAYS[attempt], tp, dims)
+            elif attempt < len(RAW_WAYS):
+                rewritten = rewrite_raw(model, m, cut, *RAW_WAYS[attempt], tp, dims)
             if rewritten is not None:
                 made[m] = rewritten
         if not made:
@@ -147,50 +149,10 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     }
     for m in _cut_heads(model, _with(plan, rules, proven, names, sums), tp, doubtful):
         proven.pop(m, None)
-    kept = _raw_kept(rules, candidates, raw, proven)
+    kept = raw_kept(rules, candidates, raw, proven)
     if not proven and not kept:
         return plan
     return _with(plan, {**rules, **kept}, proven, names, sums)
-
-
-# how the experts pass words a module of 3-D weights no expert span split
-_NO_EXPERTS = "kept whole: no per-expert matmul of its weights was seen"
-
-
-def _raw_kept(
-    rules: dict[str, Rule],
-    candidates: dict[str, list[Cut]],
-    raw: set[str],
-    proven: dict[str, dict[str, Rule]],
-) -> dict[str, Rule]:
-    """The reason of each module whose own weights a region was tried for and not proven:
-    kept whole, saying so (where it had no rule, or the experts pass's reason, which is not
-    why a module of per-head weights stays whole); a module with a split rule inside keeps
-    its rules."""
-    out: dict[str, Rule] = {}
-    for m, ways in candidates.items():
-        mine = sorted(n[len(m) + 1 :] for way in ways for n in {*way.opens, *way.closes} & raw)
-        if m in proven or not mine:
-            continue
-        rule = rules.get(m)
-        inside = any(n.startswith(f"{m}.") and r.splits for n, r in rules.items())
-        if inside or not (rule is None or rule.why.startswith(_NO_EXPERTS)):
-            continue
-        tried = (
-            "no way of splitting them in a DTensor region (on each dim they may split on, in "
-            "1, 3 or 2 equal fused pieces) passed the proof on fake ranks: each ran a "
-            "collective inside the module, or failed there"
-        )
-        weights = f"its own weights ({', '.join(dict.fromkeys(mine))})"
-        out[m] = ReplicateRule(
-            match=m,
-            why=(
-                f"kept whole: {weights} feed its own matmul or einsum calls, and {tried}"
-                if rule is None
-                else f"{rule.why}; and for {weights}, {tried}"
-            ),
-        )
-    return out
 
 
 def _shared(model: nn.Module, cut: Cut) -> list[Cut]:
@@ -290,98 +252,7 @@ def example_call(model: nn.Module, example_inputs: Any) -> tuple[tuple[Any, ...]
     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, found)
 
 
-# torch's own layers (and subclasses, such as a scaled or learned position embedding), whose
-# styles say what they split
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_TORCH_LAYERS = (nn.Linear, nn.Embedding, *_CONVS, nn.MultiheadAttention)
-
-
-def _raw_params(model: nn.Module, rules: dict[str, Rule]) -> set[str]:
-    """`module.param` for the parameters of 2 dims or more, none of size 1, that modules no
-    rule splits hold themselves (a weight used in the module's own `x @ w` or einsum),
-    outside torch's own layers."""
-    out = set()
-    for name, module in model.named_modules():
-        own = list(module.parameters(recurse=False))
-        # kept whole with 3-D weights: per-head weights the experts pass found no expert in
-        kept = isinstance(rules.get(name), ReplicateRule) and any(t.dim() >= 3 for t in own)
-        torch_own = isinstance(module, _TORCH_LAYERS) or type(module).__module__.startswith(
-            "torch.nn"
-        )
-        if not name or (name in rules and not kept) or torch_own:
-            continue
-        for p, t in module.named_parameters(recurse=False):
-            # a dim of 1 is broadcast (a class token, position embeddings): not a weight,
-            # and skipping them spares most models the fake forward that finds no use
-            if t.dim() >= 2 and 1 not in t.shape:
-                out.add(f"{name}.{p}")
-    return out
-
-
 # ---- 2. candidates as rules ----------------------------------------------------------------
-def _rewrite_raw(
-    model: nn.Module,
-    holder: str,
-    cut: Cut,
-    pick: int,
-    pieces: int,
-    tp: int,
-    dims: dict[str, ParamDims],
-) -> dict[str, Rule] | None:
-    """A region of raw parameters: the holder's own parameters split where their matmul or
-    einsum calls keep them in the output (openers) or contract them (closers), on the dim
-    at `pick` of those each may be split on (its only one where it has one), kept whole
-    where the cut keeps them (`Cut.shared`); a lone opener in `pieces` equal fused pieces
-    when more than 1 (a raw q|k|v weight, each rank its slice of each). None where a member
-    is a layer, a dim (or a piece) is not divided by tp, or pieces meet several openers."""
-    members = {*cut.opens, *cut.closes}
-    if (cut.kept and not cut.shared) or any("." in n[len(holder) + 1 :] for n in members):
-        return None
-    if pieces > 1 and len(cut.opens) != 1:
-        return None
-    shard: dict[str, int] = {}
-    fused: dict[str, list[int]] = {}
-    for role, names in (("opens", cut.opens), ("closes", cut.closes)):
-        for n in names:
-            found = getattr(dims.get(n), role, ())
-            if not found:
-                return None
-            d = found[pick] if len(found) > 1 else found[0]
-            size = model.get_parameter(n).shape[d]
-            cut_in = pieces if role == "opens" else 1
-            if size % (tp * cut_in):
-                return None
-            shard[n[len(holder) + 1 :]] = d
-            if cut_in > 1:
-                fused[n[len(holder) + 1 :]] = [size // cut_in] * cut_in
-                # its bias, added to what it computes, is cut alike (else the pieces meet a
-                # whole bias, and its gradient is gathered from the pieces' layout)
-                for b, t in model.get_submodule(holder).named_parameters(recurse=False):
-                    if t.dim() == 1 and t.shape[0] == size and b not in shard:
-                        shard[b], fused[b] = 0, fused[n[len(holder) + 1 :]]
-    opens = ", ".join(
-        f"{n[len(holder) + 1 :]} (dim {shard[n[len(holder) + 1 :]]}"
-        + (f", in {pieces} fused pieces, each rank its slice of each" if pieces > 1 else "")
-        + ")"
-        for n in cut.opens
-    )
-    closes = ", ".join(
-        f"{n[len(holder) + 1 :]} (dim {shard[n[len(holder) + 1 :]]})" for n in cut.closes
-    )
-    return {
-        holder: SplitParamsRule(
-            match=holder,
-            shard=shard,
-            fused=fused or None,
-            why=(
-                f"its own weights, used in its code's matmul or einsum, are split: {opens} "
-                f"open the split of what they compute, {closes} contract it; they stay "
-                "DTensors through the module's code (a DTensor region)"
-            ),
-        )
-    }
-
-
 def _rewrite(
     model: nn.Module,
     rules: dict[str, Rule],
@@ -493,7 +364,7 @@ def _width(model: nn.Module, rules: dict[str, Rule], name: str, side: int) -> in
     n = getattr(m, ("out_features", "in_features")[side], None)
     if isinstance(n, int):
         return n
-    if isinstance(m, _CONVS) and m.groups == 1:  # a 1x1 convolution's
+    if isinstance(m, CONVS) and m.groups == 1:  # a 1x1 convolution's
         return int((m.out_channels, m.in_channels)[side])
     w = getattr(m, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
