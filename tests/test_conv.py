@@ -1,9 +1,10 @@
-"""1x1 convolutions are Linear layers over their channels (dim 1): an MLP of two of them
-(ConvNeXt's small models, MobileNet's and EfficientNet's pointwise convolutions) pairs up
-colwise then rowwise like any MLP, and the plan's numbers equal the unsharded model's.
-DTensor itself computes a convolution over a split weight wrong without a word, so these
-tests check the numbers on every rank, forward and backward, and the check's messages for
-a convolution the split does not fit."""
+"""Convolutions of one group are Linear layers over their channels (dim 1), whatever their
+kernel: an MLP of two 1x1 ones (ConvNeXt's small models, MobileNet's and EfficientNet's
+pointwise convolutions), or a UNet's resnet pair of 3x3 ones with a GroupNorm between
+them, pairs up colwise then rowwise like any MLP, and the plan's numbers equal the
+unsharded model's. DTensor itself computes a convolution over a split weight wrong without
+a word, so these tests check the numbers on every rank, forward and backward, and the
+check's messages for a convolution the split does not fit."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ from support.parity import assert_parity
 
 
 class _ConvMlp(nn.Module):
-    """A 3x3 convolution (kept whole), then a residual MLP of 1x1 convolutions, 8 -> 32 -> 8
-    channels, over (B, C, H, W) or, with `conv=nn.Conv1d`, (B, C, L)."""
+    """A depthwise 3x3 convolution (kept whole: it mixes no channels), then a residual MLP
+    of 1x1 convolutions, 8 -> 32 -> 8 channels, over (B, C, H, W) or, with
+    `conv=nn.Conv1d`, (B, C, L)."""
 
     def __init__(self, conv: type[nn.Module] = nn.Conv2d) -> None:
         super().__init__()
-        self.stem = conv(3, 8, 3, padding=1)
+        self.stem = conv(8, 8, 3, padding=1, groups=8)
         self.fc1 = conv(8, 32, 1)
         self.fc2 = conv(32, 8, 1)
         self.head = nn.Linear(8, 12)
@@ -51,11 +53,11 @@ def _styles(plan: Plan) -> dict[str, str]:
 @pytest.mark.parametrize("conv", [nn.Conv1d, nn.Conv2d], ids=["conv1d", "conv2d"])
 def test_a_1x1_convolution_mlp_is_split_colwise_then_rowwise(conv: type[nn.Module]) -> None:
     model = _ConvMlp(conv)
-    x = torch.randn(2, 3, 6, 6) if conv is nn.Conv2d else torch.randn(2, 3, 12)
+    x = torch.randn(2, 8, 6, 6) if conv is nn.Conv2d else torch.randn(2, 8, 12)
     plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
     styles = _styles(plan)
     assert (styles["fc1"], styles["fc2"]) == ("colwise", "rowwise")
-    assert "stem" not in styles  # a 3x3 convolution is no Linear: whole, as any other module
+    assert "stem" not in styles  # a depthwise convolution is no Linear: whole, as any other module
     assert check_plan(plan, model, tp_size=4) == []
 
 
@@ -63,7 +65,7 @@ def test_a_1x1_convolution_mlp_is_split_colwise_then_rowwise(conv: type[nn.Modul
 def test_a_split_1x1_convolution_mlp_matches_the_unsharded_model(tp: int) -> None:
     torch.manual_seed(0)
     model = _ConvMlp()
-    x = torch.randn(2, 3, 6, 6)
+    x = torch.randn(2, 8, 6, 6)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
     assert_parity(model, plan, tp, x)
 
@@ -74,7 +76,7 @@ def test_a_split_convolutions_weights_are_the_unsharded_ones_with_the_channels_s
     channels, and a rowwise bias whole."""
     torch.manual_seed(0)
     model = _ConvMlp()
-    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=torch.randn(2, 3, 6, 6))
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=torch.randn(2, 8, 6, 6))
     with simulated_ranks(2) as mesh:
         sharded = copy.deepcopy(model)
         tpplan.apply_plan(sharded, mesh, plan)
@@ -98,20 +100,20 @@ def _rule(match: str, style: str, **fields: object) -> Rule:
 
 
 @pytest.mark.unit
-def test_a_convolution_wider_than_1x1_cannot_be_split() -> None:
+def test_a_grouped_convolution_cannot_be_split() -> None:
     assert _said(_rule("stem", "colwise")) == [
         "rules[0] (match: stem), module stem: style 'colwise' splits a convolution only where "
-        "it is a Linear over its channels (1x1 kernel, stride 1, no padding, one group); this "
-        "Conv2d has kernel (3, 3), stride (1, 1), padding (1, 1), groups 1. Fix: keep this "
-        "module replicated (style: replicate)."
+        "it is a Linear over its channels (one group: every output channel reads every input "
+        "channel); this Conv2d has groups 8, each output channel reading 1 of 8. Fix: keep "
+        "this module replicated (style: replicate)."
     ]
 
 
 @pytest.mark.unit
 def test_a_1x1_convolution_takes_no_transposed() -> None:
     assert _said(_rule("fc1", "colwise", transposed=True), _rule("fc2", "rowwise")) == [
-        "rules[0] (match: fc1), module fc1: a 1x1 convolution takes no `transposed`: its weight "
-        "is stored (out, in, 1...). Fix: drop `transposed` from the rule."
+        "rules[0] (match: fc1), module fc1: a convolution takes no `transposed`: its weight "
+        "is stored (out, in, kernel...). Fix: drop `transposed` from the rule."
     ]
 
 

@@ -297,7 +297,7 @@ def _conv() -> None:
     # what check/sizes.py, _runtime/facts.py and inputs.py read of one
     assert (conv.in_channels, conv.out_channels, conv.groups) == (2, 4, 1)
     assert conv.kernel_size == (1,) and conv.stride == (1,) and conv.padding == (0,)
-    assert callable(type(conv)._conv_forward)  # facts.pointwise_conv compares it
+    assert callable(type(conv)._conv_forward)  # facts.channel_conv compares it
 
 
 @holds("mha_shape_check")

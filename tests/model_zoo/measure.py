@@ -92,6 +92,27 @@ def _bytes_per_rank(model: nn.Module) -> int:
     return total
 
 
+def _comm_mode() -> CommDebugMode:
+    """CommDebugMode whose per-module counts survive a module called more than once in one
+    forward (the one SiLU a diffusers resnet applies three times). torch 2.13's tracker
+    registers a forward hook on every call of a module, so the module's next call leaves
+    its parents' stack one pop short per extra hook, and the forward fails on an empty
+    stack; here each call first drops the hook its previous call left."""
+    mode = CommDebugMode()
+    tracker = mode.advanced_module_tracker
+    first = tracker._fw_pre_hook
+    handles = tracker.register_forward_hook_handles
+
+    def pre_hook(mod: nn.Module, args: object) -> None:
+        old = handles.get(tracker._get_mod_name(mod))
+        first(mod, args)
+        if old is not None and handles.get(tracker._get_mod_name(mod)) is not old:
+            old.remove()
+
+    tracker._fw_pre_hook = pre_hook  # type: ignore[method-assign]
+    return mode
+
+
 def measure(
     model: nn.Module,
     plan: Plan,
@@ -112,7 +133,7 @@ def measure(
         tpplan.apply_plan(sharded, mesh, plan)
         fraction = _bytes_per_rank(sharded) / whole
         # gradients on, as in training: the forward a plan is judged by is that one
-        with CommDebugMode() as comms:
+        with _comm_mode() as comms:
             got = rank_values(_run(sharded, x))
         split = frozenset(
             name

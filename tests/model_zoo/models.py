@@ -270,6 +270,29 @@ def _sd3() -> tuple[nn.Module, Inputs]:
     return model, inputs
 
 
+def _unet() -> tuple[nn.Module, Inputs]:
+    """UNet2DConditionModel: two resolutions of 32 and 64 channels (GroupNorms of 8 groups),
+    one resnet per down block and two per up block (3x3 convolutions, the time embedding
+    added per channel, a 1x1 shortcut where the channels change), a cross-attention
+    transformer at 32 channels (heads of 8) and in the mid block, text of 6 tokens."""
+    from diffusers import UNet2DConditionModel
+
+    model = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=8, norm_num_groups=8,
+    )  # fmt: skip
+    g = _generator()
+    inputs: dict[str, Any] = {
+        "sample": torch.randn(BATCH, 4, 8, 8, generator=g),
+        "timestep": torch.tensor([10, 20]),
+        "encoder_hidden_states": torch.randn(BATCH, 6, 32, generator=g),
+        "return_dict": False,
+    }
+    return model, inputs
+
+
 # ---- nanoGPT --------------------------------------------------------------------------------
 def _nanogpt() -> tuple[nn.Module, Inputs]:
     """nanoGPT has no pip package: model_zoo/nanogpt.py is upstream's model.py by hand. Two
@@ -316,7 +339,10 @@ class Entry:
     apart: str | None = None
     """Modules inside such a whole block that are neither its attention nor its MLP, whose
     collectives are not the block's (Flux's single-stream `norm`: the timestep modulation,
-    which in the double-stream blocks sits outside the attention and MLP measured)."""
+    which in the double-stream blocks sits outside the attention and MLP measured; a UNet
+    resnet's 1x1 `conv_shortcut`, a projection of the block's input beside its pair of 3x3
+    convolutions, split and gathered: tpplan cannot yet add its partial sum to conv2's
+    before their one all-reduce)."""
 
 
 _TITAN_BLOCKS = {
@@ -360,6 +386,11 @@ ZOO: dict[str, Entry] = {
         **_JOINT_BLOCKS, "single": r"single_transformer_blocks\.\d+",
     }, apart=r"single_transformer_blocks\.\d+\.norm"),
     "diffusers.sd3": Entry("diffusers 0.42.1", _sd3, _JOINT_BLOCKS),
+    "diffusers.unet": Entry("diffusers 0.42.1", _unet, {
+        "resnet": r"(down_blocks|up_blocks|mid_block)\.(\d+\.)?resnets\.\d+",
+        "attn": r".*attentions\.\d+\.transformer_blocks\.\d+\.attn[12]",
+        "ff": r".*attentions\.\d+\.transformer_blocks\.\d+\.ff",
+    }, apart=r".*resnets\.\d+\.conv_shortcut"),
     "torch.clip": Entry(f"torch {torch.__version__.split('+')[0]}", _clip, {
         "attn": r"(visual\.)?transformer\.resblocks\.\d+\.attn",
         "mlp": r"(visual\.)?transformer\.resblocks\.\d+\.mlp",

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     from ..plan.rule import Rule, WeightKind
 
 __all__ = [
+    "channel_conv",
     "describe_mismatch",
     "fingerprint",
     "parameter_shapes",
-    "pointwise_conv",
     "tied_groups",
     "weight_kind",
     "weight_split",
@@ -85,22 +85,21 @@ def describe_mismatch(
     )
 
 
-def pointwise_conv(module: nn.Module) -> bool:
+def channel_conv(module: nn.Module) -> bool:
     """A convolution that is a Linear over its channels (dim 1): nn.Conv1d/2d/3d (or a
-    subclass keeping torch's forward) with 1-wide kernels, stride 1, no padding, one group.
-    Its output channels are features like a Linear's, split colwise or rowwise alike."""
+    subclass keeping torch's forward) with one group, any kernel, stride, padding or
+    dilation. Every output channel sums over every input channel (each at its own kernel
+    offsets), so its output channels are features like a Linear's, split colwise (each rank
+    computes its own channels) or rowwise (each rank sums over its own input channels, one
+    all-reduce adds them) alike. A grouped or depthwise convolution mixes channels only
+    inside a group: it is no Linear over them."""
     base = next((c for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d) if isinstance(module, c)), None)
     if base is None or any(
         getattr(type(module), f) is not getattr(base, f) for f in ("forward", "_conv_forward")
     ):
         return False
     conv: ConvNd = module  # type: ignore[assignment]
-    return (
-        conv.groups == 1
-        and all(k == 1 for k in conv.kernel_size)
-        and all(s == 1 for s in conv.stride)
-        and (conv.padding == "valid" or all(p == 0 for p in conv.padding))
-    )
+    return conv.groups == 1
 
 
 def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:

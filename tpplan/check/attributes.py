@@ -14,7 +14,7 @@ from ..compile.shard import attribute_divisor
 from ..errors import Problem, TpplanError, did_you_mean
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan
-from .shared import Match, attribute_label, legal_sizes, traced_name
+from .shared import Match, attribute_label, legal_sizes, rule_label, traced_name
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -106,11 +106,11 @@ def check_divided(
     `divided` pairs index plan.attributes, not plan.rules."""
     if any(traced_name(trace, n) in trace.spans.broken for _, n in openers):
         return []
+    out = _groups_undivided(plan, openers, divided, trace)
     counts = [*trace.reads.counts.values(), *trace.experts.counts.values()]
     legal = {(m, a) for found in counts for m, a, _ in found}
     # the counts that repeat shared key/value heads to their query heads (by: replicas)
     legal |= {read[:2] for _, read in trace.spans.repeats.values() if read is not None}
-    out: list[Problem] = []
     for i, name in divided:
         rule, t = plan.attributes[i], traced_name(trace, name)
         for attr in rule.divide:
@@ -134,3 +134,46 @@ def check_divided(
                 )
             )
     return out
+
+
+def _groups_undivided(
+    plan: Plan, openers: list[Match], divided: list[Match], trace: Trace
+) -> list[Problem]:
+    """A GroupNorm over channels a rule splits must have its group count divided: left
+    whole, each rank normalizes its share of the channels in as many groups as the whole
+    had, groups of the wrong size, and nothing fails (a view of heads left undivided fails
+    its shape in the dry run; this does not)."""
+    done = {(n, a) for i, n in divided for a in plan.attributes[i].divide}
+    out: list[Problem] = []
+    told: set[tuple[str, str]] = set()
+    for i, name in openers:
+        t = traced_name(trace, name)
+        for module, attr, value in sorted(trace.reads.counts.get(t, ())):
+            if (module, attr) not in trace.reads.groups:
+                continue
+            real = _real_name(name, t, module)
+            if (real, attr) in done or (real, attr) in told:
+                continue
+            told.add((real, attr))
+            out.append(
+                Problem(
+                    "attribute",
+                    rule_label(i, plan.rules[i]),
+                    name,
+                    f"{real} normalizes the channels this rule splits in {attr} = {value} "
+                    f"groups (a group norm), and no entry of attributes divides {attr}: "
+                    "each rank would normalize its share of the channels in groups of the "
+                    "wrong size, without an error.",
+                    f"add an entry to attributes: match: {real}, divide: [{attr}].",
+                )
+            )
+    return out
+
+
+def _real_name(name: str, traced: str, module: str) -> str:
+    """`module`, a name in the trace, as the module of the block `name` is in (the trace
+    stands a block it left out by the traced block it copies)."""
+    for k in range(len(traced) + 1):
+        if name.endswith(traced[k:]) and module.startswith(traced[:k]):
+            return name[: len(name) - len(traced) + k] + module[k:]
+    return module

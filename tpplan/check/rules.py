@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from .._runtime.facts import pointwise_conv, tied_groups, weight_split
+from .._runtime.facts import channel_conv, tied_groups, weight_split
 from .._runtime.torch_compat import ConvNd
 from ..errors import Problem, did_you_mean
 from ..plan.patterns import collapse, match_names
@@ -145,15 +145,15 @@ def _conv_misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | 
     and such a weight is never stored transposed (fused `parts` split as a Linear's)."""
     if not isinstance(module, ConvNd):
         return None
-    if not pointwise_conv(module):
+    if not channel_conv(module):
         return Problem(
             "module_type",
             rule_label(i, rule),
             name,
             f"style '{rule.style}' splits a convolution only where it is a Linear over its "
-            f"channels (1x1 kernel, stride 1, no padding, one group); this "
-            f"{type(module).__name__} has kernel {tuple(module.kernel_size)}, stride "
-            f"{tuple(module.stride)}, padding {module.padding}, groups {module.groups}.",
+            f"channels (one group: every output channel reads every input channel); this "
+            f"{type(module).__name__} has groups {module.groups}, each output channel "
+            f"reading {module.in_channels // module.groups} of {module.in_channels}.",
             "keep this module replicated (style: replicate).",
         )
     if rule.stored_transposed():
@@ -161,7 +161,7 @@ def _conv_misfit(i: int, rule: Rule, name: str, module: nn.Module) -> Problem | 
             "module_type",
             rule_label(i, rule),
             name,
-            "a 1x1 convolution takes no `transposed`: its weight is stored (out, in, 1...).",
+            "a convolution takes no `transposed`: its weight is stored (out, in, kernel...).",
             "drop `transposed` from the rule.",
         )
     return None

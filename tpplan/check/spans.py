@@ -187,14 +187,19 @@ def check_heads(
         what = f"{heads} heads of {size}" if size else f"{features} features"
         if heads != units:
             what += f", which must stay together in {units} groups"
+        said = f"the model views its {features} output features as {what}: tp size {tp} would cut them."
+        if trace.spans.groups.get(t) == units:
+            said = (
+                f"a GroupNorm normalizes its {features} output channels in {units} groups: "
+                f"tp size {tp} would cut a group."
+            )
         # a head_dim that disagrees with the model's is a problem of its own (widths.py)
         out.append(
             Problem(
                 "divisibility",
                 rule_label(i, plan.rules[i]),
                 name,
-                f"the model views its {features} output features as {what}: tp size {tp} "
-                "would cut them.",
+                said,
                 f"use a tp size among {legal_sizes(units)}, or keep this module replicated{hint}.",
             )
         )

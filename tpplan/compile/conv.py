@@ -1,6 +1,6 @@
-"""colwise and rowwise for 1x1 convolutions: a Linear over the channels (dim 1).
+"""colwise and rowwise for convolutions of one group: a Linear over the channels (dim 1).
 
-Start at `PointwiseConv`. DTensor has no convolution over a split weight: given one, its
+Start at `ChannelConv`. DTensor has no convolution over a split weight: given one, its
 convolution rule runs each rank's shard as if it were the whole weight and returns
 wrong numbers without a word. So the convolution never sees a DTensor here. Its weight
 and bias are DTensors split like a Linear's (state dicts and checkpoints see the unsharded
@@ -33,13 +33,13 @@ from ..errors import TpplanError
 from .params import changeable, split_param
 from .strided import equal_parts, gather_pieces, own_slices
 
-__all__ = ["PointwiseConv"]
+__all__ = ["ChannelConv"]
 
 _CHANNELS = Shard(1)
 
 
-class PointwiseConv(ParallelStyle):
-    """A 1x1 convolution split over its output channels (colwise) or its input channels
+class ChannelConv(ParallelStyle):
+    """A convolution of one group (any kernel) split over its output channels (colwise) or its input channels
     (rowwise), as a Linear is over its features.
 
     Colwise: the input is whole on every rank (its gradient summed over them), the weight and
@@ -60,7 +60,7 @@ class PointwiseConv(ParallelStyle):
             RowwiseParallel, with `Shard(1)` (the channels) where they have `Shard(-1)`.
 
     Example::
-        >>> parallelize_module(mlp, mesh, {"fc1": PointwiseConv(), "fc2": PointwiseConv(rowwise=True)})
+        >>> parallelize_module(mlp, mesh, {"fc1": ChannelConv(), "fc2": ChannelConv(rowwise=True)})
     """
 
     def __init__(
@@ -77,7 +77,7 @@ class PointwiseConv(ParallelStyle):
         self.parts = tuple(parts) if parts else None
         if self.parts and rowwise and not equal_parts(self.parts):
             raise TpplanError(
-                f"a rowwise 1x1 convolution takes input pieces of one size only, not {list(self.parts)}."
+                f"a rowwise convolution takes input pieces of one size only, not {list(self.parts)}."
             )
         if self.parts and not rowwise and not use_local_output and not equal_parts(self.parts):
             raise TpplanError(
@@ -160,7 +160,7 @@ class PointwiseConv(ParallelStyle):
     def __repr__(self) -> str:
         kind = "rowwise" if self.rowwise else "colwise"
         return (
-            f"PointwiseConv({kind}, input_layouts={self.input_layout}, "
+            f"ChannelConv({kind}, input_layouts={self.input_layout}, "
             f"output_layouts={self.output_layout}, use_local_output={self.use_local_output}, "
             f"parts={self.parts})"
         )

@@ -8,7 +8,7 @@ PrepareModuleInput/Output); the styles torch lacks are built in the modules besi
 - colwise with `parts`, `transposed` or `output`: `Colwise` (linear.py);
 - colwise with `replicate_heads`: `SharedHeadsColwise` (shared_heads.py);
 - rowwise: `Rowwise` (linear.py);
-- colwise and rowwise on a 1x1 convolution: `PointwiseConv` (conv.py);
+- colwise and rowwise on a convolution of one group: `ChannelConv` (conv.py);
 - vocab_parallel with `sum_at: lookup`: `SumAtLookup` (embeddings.py);
 - vocab_parallel with `written`: `WrittenRows` (embeddings.py);
 - replicate_grad_sum: `ReplicateGradSum`, split_params: `SplitParams` (params.py);
@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from .._runtime.facts import pointwise_conv
+from .._runtime.facts import channel_conv
 from ..errors import TpplanError
 from ..plan.layouts import parse_layout
 from ..plan.patterns import match_names
@@ -55,7 +55,7 @@ from ..plan.styles import (
     VocabParallelRule,
 )
 from .attention import HeadParallelAttention
-from .conv import PointwiseConv
+from .conv import ChannelConv
 from .embeddings import SumAtLookup, WrittenRows
 from .experts import Experts
 from .linear import Colwise, Rowwise
@@ -70,7 +70,7 @@ class Build:
     """What a builder is told about the modules a rule's style is built for."""
 
     conv: bool = False
-    """They are 1x1 convolutions (`pointwise_conv`): channels split as a Linear's features."""
+    """They are convolutions of one group (`channel_conv`): channels split as a Linear's features."""
     local_shards: bool = True
     """Split layers whose sizes are local may run on their shards (local_run.py); False
     runs every one on DTensors (`apply_plan(..., local_shards=False)`)."""
@@ -105,7 +105,7 @@ def plan_to_torch(
     for rule in plan.rules:
         built: dict[bool, ParallelStyle | None] = {}  # one style per kind of module matched
         for name in match_names(rule.match, names):
-            conv = pointwise_conv(modules[name])
+            conv = channel_conv(modules[name])
             if conv not in built:
                 built[conv] = rule_to_style(rule, Build(conv=conv, local_shards=local_shards))
             style = built[conv]
@@ -152,8 +152,8 @@ def _layouts(rule: ColwiseRule | RowwiseRule | VocabParallelRule) -> dict[str, A
 @builds(ColwiseRule)
 def _colwise(rule: ColwiseRule, build: Build) -> ParallelStyle:
     """tpplan's Colwise (torch's, extended to fused and (in, out) weights and to running on
-    local shards); a key/value projection sharing whole heads among ranks, or a 1x1
-    convolution, its own."""
+    local shards); a key/value projection sharing whole heads among ranks, or a
+    convolution of one group, its own."""
     if build.conv:
         return _conv_style(rule, rowwise=False)
     kw = _layouts(rule)
@@ -199,16 +199,16 @@ def _vocab_parallel(rule: VocabParallelRule, build: Build) -> ParallelStyle:
     return Rowwise(local_shards=build.local_shards, **kw)
 
 
-def _conv_style(rule: ColwiseRule | RowwiseRule, *, rowwise: bool) -> PointwiseConv:
-    """colwise or rowwise on a 1x1 convolution: its channels are split as a Linear's
+def _conv_style(rule: ColwiseRule | RowwiseRule, *, rowwise: bool) -> ChannelConv:
+    """colwise or rowwise on a convolution of one group: its channels are split as a Linear's
     features (conv.py), fused pieces (`parts`) included. Its weight is never stored
     transposed."""
     if rule.transposed:
         raise TpplanError(
-            f"rule {rule.match!r} splits a 1x1 convolution, which takes no transposed; "
+            f"rule {rule.match!r} splits a convolution, which takes no transposed; "
             "drop it from the rule."
         )
-    return PointwiseConv(
+    return ChannelConv(
         rowwise=rowwise,
         parts=rule.parts,
         input_layouts=placement(rule.input),

@@ -364,7 +364,7 @@ def _width(model: nn.Module, rules: dict[str, Rule], name: str, side: int) -> in
     n = getattr(m, ("out_features", "in_features")[side], None)
     if isinstance(n, int):
         return n
-    if isinstance(m, CONVS) and m.groups == 1:  # a 1x1 convolution's
+    if isinstance(m, CONVS) and m.groups == 1:  # a convolution of one group: its channels
         return int((m.out_channels, m.in_channels)[side])
     w = getattr(m, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2:

@@ -96,7 +96,7 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
     found.attributes = {m: so_far.attributes.get(m, ()) for m, _, _ in counts}
     if shared is not None:
         found.attributes.update({m: so_far.attributes.get(m, ()) for m in shared.attributes})
-    _divide_counts(found, counts, openers, short)
+    _divide_counts(found, counts, openers, short, t.reads.groups)
     if shared is not None:
         for module, entries in shared.attributes.items():
             found.attributes[module] = (*found.attributes[module], *entries)
@@ -121,6 +121,8 @@ def _blocks(ctx: Context, openers: list[str], units: int) -> str:
             words.append("key/value heads")
         elif units == t.spans.heads.get(o):
             words.append("heads")
+        elif units == t.spans.groups.get(o):
+            words.append("channel groups (of a GroupNorm)")
         elif parts is not None and units == len(parts):
             words.append("fused pieces")
         elif parts is not None and {units} == set(parts):
@@ -161,6 +163,11 @@ def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]
             reasons.append(
                 f"the model's own forward reads {attr} = {value} to size the split features, "
                 "and a plan divides attributes of submodules only"
+            )
+        elif value % ctx.tp and (module, attr) in t.reads.groups:
+            reasons.append(
+                f"a GroupNorm reads {attr} = {value} to normalize the split channels in groups, "
+                f"which tp {ctx.tp} does not divide"
             )
         elif value % ctx.tp:
             # not always heads: a count of query heads per key/value head, of fused pieces
@@ -322,19 +329,29 @@ def _close(
 
 
 def _divide_counts(
-    found: Found, counts: set[tuple[str, str, int]], openers: list[str], short: dict[str, str]
+    found: Found,
+    counts: set[tuple[str, str, int]],
+    openers: list[str],
+    short: dict[str, str],
+    groups: set[tuple[str, str]],
 ) -> None:
-    """The head counts (and fused cut sizes) the span's views read are divided by tp."""
+    """The head counts (and fused cut sizes, a GroupNorm's `groups`) the span's views read
+    are divided by tp."""
     for module, attr, _ in sorted(counts):
         entries = found.attributes[module]
         by_tp = [d for d in entries if d.by is None]
         attrs = tuple(sorted({*(by_tp[0].attrs if by_tp else ()), attr}))
-        divided = Divided(
-            attrs,
-            f"its forward reads {', '.join(attrs)} to view or cut the split features of "
-            f"{join(sorted(short[o] for o in openers))} (with -1 or the rest for other "
-            "dims); each rank must use its own share, so it is divided by the tp size",
+        of = join(sorted(short[o] for o in openers))
+        why = (
+            f"its forward reads {', '.join(attrs)} to normalize the channels split by {of} "
+            "in groups; each rank holds whole groups and normalizes its own, so it is "
+            "divided by the tp size"
+            if all((module, a) in groups for a in attrs)
+            else f"its forward reads {', '.join(attrs)} to view or cut the split features of "
+            f"{of} (with -1 or the rest for other dims); each rank must use its own share, "
+            "so it is divided by the tp size"
         )
+        divided = Divided(attrs, why)
         found.attributes[module] = (divided, *(d for d in entries if d.by is not None))
 
 
@@ -354,11 +371,15 @@ def _style_param_holders(
                 if tables
                 else ("entry", "a per-head sink")
             )
+            unit = "head"
+            if all(p in ctx.trace.params.channel_vectors for p in own):
+                entry, kind, unit = "entry", "a GroupNorm's affine parameters", "channel"
+            entries = "entries" if entry == "entry" else f"{entry}s"
             found.rules[h] = decided(
                 SplitParamsRule,
                 f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one {entry} per "
-                f"head (per element of the dim split by {by}) and meets them element by "
-                f"element ({kind}); split alike, each rank holds its own heads' {entry}s",
+                f"{unit} (per element of the dim split by {by}) and meets them element by "
+                f"element ({kind}); split alike, each rank holds its own {unit}s' {entries}",
                 shard={p.rpartition(".")[2]: ctx.trace.params.vector_dims.get(p, 0) for p in own},
             )
             continue

@@ -52,8 +52,8 @@ class LayerFacts:
     linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     """Linear or linear-like module -> (in features, out features, weight stored (in, out))."""
     channels: set[str] = field(default_factory=set)
-    """Those of `linears` whose features sit on dim 1, not the last: 1x1 convolutions
-    (`pointwise_conv`), whose channels are their features."""
+    """Those of `linears` whose features sit on dim 1, not the last: convolutions of
+    one group (`channel_conv`), whose channels are their features."""
     entries: dict[str, tuple[int | str, int]] = field(default_factory=dict)
     """Module -> (positional index or keyword, id) of the first tensor its first call got."""
     attention: dict[str, int] = field(default_factory=dict)
@@ -80,6 +80,9 @@ class SpanFacts:
     """Opener -> number of heads of the first view that split its features into heads."""
     units: dict[str, int] = field(default_factory=dict)
     """Opener -> gcd of every split size its features met; tp must divide it."""
+    groups: dict[str, int] = field(default_factory=dict)
+    """Opener whose channels a GroupNorm normalized in groups -> how many of its groups the
+    split features hold (each rank must hold whole groups)."""
     kv_heads: dict[str, int] = field(default_factory=dict)
     """Opener whose heads reached grouped-query attention as its keys or values -> their
     number K, fewer than the query heads H: attention pairs query head i with key/value head
@@ -133,6 +136,9 @@ class ParamFacts:
     """Vector met element by element with split tensors, one entry per element of the split
     dim (a per-head attention sink) -> the openers of those splits: it can be split alike,
     each rank holding its own entries."""
+    channel_vectors: set[str] = field(default_factory=set)
+    """Those of `split_vectors` that a GroupNorm meets along split channels (its weight and
+    bias, one entry per channel)."""
     vector_dims: dict[str, int] = field(default_factory=dict)
     """Split vector -> the dim of the parameter holding its entries (0 for a vector; 1 for
     a table of one column per head that the forward looks rows up in, Swin's relative
@@ -147,6 +153,8 @@ class ReadFacts:
     counts: dict[str, set[AttributeRead]] = field(default_factory=dict)
     """Opener -> (module, attribute, value) of head counts (and fused cut sizes) its views
     read from attributes."""
+    groups: set[tuple[str, str]] = field(default_factory=set)
+    """(module, attribute) of those counts that are a GroupNorm's groups of split channels."""
     unsplit_sizes: set[tuple[str, str]] = field(default_factory=set)
     """(module, attribute) read to size an op on unsplit tensors: never to be divided."""
     ints: set[tuple[str, str]] = field(default_factory=set)

@@ -339,6 +339,43 @@ def _normed(st: Trackers, op: Op) -> Followed:
     return [(first, s)]
 
 
+@rule("native_group_norm")
+def _group_normed(st: Trackers, op: Op) -> Followed:
+    """A GroupNorm over split channels (dim 1): each group's statistics read its own
+    channels only, so where every rank's channels are whole groups (tp divides the group
+    count) each rank normalizes its own groups with no collective. The count, an attribute
+    the forward read (`self.num_groups`), is divided by the plan, and the per-channel weight
+    and bias are split alike (each rank holds its own channels' entries)."""
+    x, a = op.args[0], op.named
+    s = st.splits.only_split(x)
+    if s.dim != 1:
+        raise SplitEnds("it normalizes groups of channels (dim 1), and the split is elsewhere")
+    n, c, size, groups = a["N"], a["C"], a["HxW"], a["group"]
+    grouped = reshape(s, (n, c, size), (n, groups, c // groups * size))
+    if grouped.dim != 1:
+        raise SplitEnds(
+            f"it normalizes each group of {c // groups} channels over all of them, and the "
+            "split cuts inside a group"
+        )
+    count = st.reads.attribute_holding(
+        groups, "it normalizes the split channels in groups, counted"
+    )
+    for src in s.sources:
+        st.trace.reads.counts.setdefault(src, set()).add(count)
+    st.trace.reads.groups.add(count[:2])
+    st.splits.note_units(grouped)
+    for src in s.sources:
+        st.trace.spans.groups.setdefault(src, grouped.n)
+    for key in ("weight", "bias"):  # one entry per channel, met along the split dim itself
+        t = a.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        if not st.vectors.split_alike(t, s, x.dim(), at=1):
+            raise SplitEnds(f"its {key} (one entry per channel) cannot be split with the channels")
+        st.vectors.facts.channel_vectors.add(st.vectors.view_of(t)[0])  # type: ignore[index]
+    return [(op.outs[0], s)]
+
+
 # ---- products and element-wise ops --------------------------------------------------------
 @rule("mm", "bmm", "addmm", "baddbmm")
 def _multiplied(st: Trackers, op: Op) -> Followed:

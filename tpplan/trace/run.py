@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._runtime.adapters import lora_layers
-from .._runtime.facts import pointwise_conv
+from .._runtime.facts import channel_conv
 from .._runtime.inputs import example_inputs as _derived_inputs
 from .._runtime.local import outside_simulation
 from .._runtime.torch_compat import (
@@ -205,7 +205,7 @@ def _trace_pass(
 
 def _find_linears(copy_: nn.Module, fake: FakeTensorMode, trace: Trace) -> dict[str, str]:
     """The linear layers of the copy (`LayerFacts.linears`): nn.Linear modules that run its
-    own forward, 1x1 convolutions (over dim 1, `LayerFacts.channels`), and any other module
+    own forward, convolutions of one group (over dim 1, `LayerFacts.channels`), and any other module
     that computes one of its own 2-D weight. A LoRA wrapper (_runtime/adapters.py) computes
     a linear layer of its base's features, adapters included: it is one layer, named as its
     base, and its adapters are not layers of their own. Returns {wrapper: its base's name}."""
@@ -218,7 +218,7 @@ def _find_linears(copy_: nn.Module, fake: FakeTensorMode, trace: Trace) -> dict[
             continue
         if isinstance(m, nn.Linear) and plain_forward(m, nn.Linear):
             trace.layers.linears[name] = (m.in_features, m.out_features, False)
-        elif isinstance(m, ConvNd) and pointwise_conv(m):
+        elif isinstance(m, ConvNd) and channel_conv(m):
             trace.layers.linears[name] = (m.in_channels, m.out_channels, False)
             trace.layers.channels.add(name)
         elif not isinstance(m, nn.Embedding):

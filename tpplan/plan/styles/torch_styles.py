@@ -30,7 +30,7 @@ class _Layouts(Rule):
 
 
 class ColwiseRule(_Layouts):
-    """Split a layer's output features (a Linear's rows, a 1x1 convolution's output channels,
+    """Split a layer's output features (a Linear's rows, a convolution's output channels,
     an Embedding's features): each rank computes its share of the outputs from the whole
     input, which opens a split the layers after it continue."""
 
@@ -140,7 +140,7 @@ class ColwiseRule(_Layouts):
 
 
 class RowwiseRule(_Layouts):
-    """Split a layer's input features (a Linear's columns, a 1x1 convolution's input
+    """Split a layer's input features (a Linear's columns, a convolution's input
     channels): each rank contracts its share of the features, and one all-reduce sums the
     partial outputs, which closes the split the layers before it opened."""
 

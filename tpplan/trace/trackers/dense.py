@@ -57,14 +57,20 @@ class DenseSplits:
             (src,) = split.sources
             if split.n < facts.openers.get(src, 0) and src not in facts.parts:
                 facts.heads.setdefault(src, split.n)  # the first view into (heads, head_dim)
+        self.note_units(split)
         for s in split.sources:
-            facts.units[s] = math.gcd(facts.units.get(s, split.n), split.n)
             facts.ops.setdefault(s, set()).add(op)
         if len(split.sources) > 1:
             facts.links.add(split.sources)
 
+    def note_units(self, split: Split) -> None:
+        """The split's features met blocks of `split.n` per tensor (groups of channels) that
+        a rank must hold whole: tp must divide that count too."""
+        for s in split.sources:
+            self.facts.units[s] = math.gcd(self.facts.units.get(s, split.n), split.n)
+
     def open(self, name: str, out: torch.Tensor, features: int, op: str, at: int = -1) -> None:
-        """`name` made `out` from an unsplit input: its dim `at` (the last, or a 1x1
+        """`name` made `out` from an unsplit input: its dim `at` (the last, or a
         convolution's channels) holds `features` features of `name`'s own, which a tp-way
         split cuts into contiguous chunks."""
         self.facts.openers[name] = features
@@ -82,7 +88,7 @@ class DenseSplits:
 
     def arrive(self, name: str, x: Any, contracted: int = -1) -> None:
         """A Linear is called on `x`: split on the dim it contracts (`contracted`: the last,
-        or a 1x1 convolution's channels), it closes the span (row-parallel); split on
+        or a convolution's channels), it closes the span (row-parallel); split on
         another dim, the split ends there. A Linear called both ways can take neither role
         (`misfits`)."""
         facts = self.facts

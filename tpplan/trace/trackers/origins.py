@@ -190,15 +190,18 @@ class Vectors:
         self.views[id(out)] = (out, name, out.dim() - 1)
         self.dims[name] = 1
 
-    def split_alike(self, t: torch.Tensor, s: Split, nd: int) -> bool:
+    def split_alike(self, t: torch.Tensor, s: Split, nd: int, at: int | None = None) -> bool:
         """A vector (or a view of one) with one entry per element of the split dim, met
         element by element by the split tensor: a per-head attention sink. It can be split
-        alike (each rank holds its own contiguous share), so the split goes on."""
+        alike (each rank holds its own contiguous share), so the split goes on. `at`: the
+        dim of the split tensor its entries meet, where not broadcast from the right (a
+        GroupNorm's weight meets the channels, dim 1)."""
         found = self.view_of(t)
         if found is None or s.outer != 1:
             return False
         pname, vd = found
-        if vd != s.dim - (nd - t.dim()) or t.shape[vd] != s.n * s.inner:
+        lands = vd + nd - t.dim() if at is None else at
+        if lands != s.dim or t.shape[vd] != s.n * s.inner:
             return False
         if pname.rpartition(".")[0] in self.layers.linears:
             return False  # a Linear's own bias used elsewhere: not the Linear's rule to make
