@@ -68,6 +68,7 @@ STRUCTURES: dict[str, tuple[str, Callable[[Spec], bool]]] = {
     "d": ("a norm over all heads' features", lambda s: s.norm == "over_heads"),
     "e": ("attention weights averaged over heads", lambda s: s.reduce != "none"),
     "f": ("weights that are not nn.Linear", lambda s: s.proj in ("matmul", "einsum") or s.mlp_proj == "param"),
+    "g": ("convolutions wider than 1x1, a GroupNorm between", lambda s: s.mlp_proj == "conv3" and s.mlp != "moe"),
     "j": ("one kv head from its own projection", lambda s: s.kv == "mqa" and s.qkv == "separate" and s.n_head > 1),
 }  # fmt: skip
 

@@ -142,6 +142,9 @@ SPLIT_STRUCTURES = {
     "f with a: raw fused q|k|v in einsum, chunk; raw gate|up with its bias": Spec(
         proj="einsum", qkv="chunk", mlp="gated_fused", mlp_proj="param"
     ),
+    "g: a gated MLP of 3-wide convolutions, a GroupNorm on the gate's channels": Spec(
+        mlp="gated", mlp_proj="conv3"
+    ),
 }
 
 

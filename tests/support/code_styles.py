@@ -104,8 +104,10 @@ class Spec:
     mlp: Literal["plain", "gated", "gated_fused", "moe"] = "plain"
     """fc1 -> gelu -> fc2; silu(gate) * up -> down; gate|up fused and cut by chunk; or a
     mixture of 4 experts (top 2, 3-D expert weights, a loop over experts) after a router."""
-    mlp_proj: Literal["linear", "param", "conv"] = "linear"
-    """MLP weights (not the experts'): nn.Linear, raw parameters in einsum, or 1x1 nn.Conv1d."""
+    mlp_proj: Literal["linear", "param", "conv", "conv3"] = "linear"
+    """MLP weights (not the experts'): nn.Linear, raw parameters in einsum, 1x1 nn.Conv1d, or
+    3-wide nn.Conv1d over the tokens with an nn.GroupNorm of 4 groups on the first
+    projection's channels (a resnet's pair; gated_fused takes no norm)."""
 
     @property
     def n_head(self) -> int:
@@ -409,23 +411,26 @@ def _mlp(s: Spec) -> tuple[list[str], list[str]]:
             calls[name] = lambda z, n=name: f'(torch.einsum("btc,cm->btm", {z}, self.w_{n}) + self.b_{n})'  # fmt: skip
         else:
             cls = "nn.Linear" if s.mlp_proj == "linear" else "nn.Conv1d"
-            init.append(
-                f"self.{name} = {cls}({n_in}, {n_out}{', 1' if s.mlp_proj == 'conv' else ''})"
-            )
+            kernel = {"conv": ", 1", "conv3": ", 3, padding=1"}.get(s.mlp_proj, "")
+            init.append(f"self.{name} = {cls}({n_in}, {n_out}{kernel})")
             calls[name] = lambda z, n=name: f"self.{n}({z})"
-    z = "x.transpose(1, 2)" if s.mlp_proj == "conv" else "x"
-    dim = 1 if s.mlp_proj == "conv" else -1
+    convs = s.mlp_proj in ("conv", "conv3")
+    z = "x.transpose(1, 2)" if convs else "x"
+    dim = 1 if convs else -1
+    normed = (lambda t: f"self.norm({t})") if s.mlp_proj == "conv3" else (lambda t: t)
+    if s.mlp_proj == "conv3" and s.mlp != "gated_fused":
+        init.append("self.norm = nn.GroupNorm(4, cfg.mlp_width)")
     if s.mlp == "plain":
-        h = f"F.gelu({calls['fc1'](z)})"
+        h = f"F.gelu({normed(calls['fc1'](z))})"
         out = calls["fc2"]("h")
     elif s.mlp == "gated":
-        h = f"F.silu({calls['gate'](z)}) * {calls['up'](z)}"
+        h = f"F.silu({normed(calls['gate'](z))}) * {calls['up'](z)}"
         out = calls["down"]("h")
     else:
         h = "F.silu(gate) * up"
         out = calls["down"]("h")
     forward = [f"gate, up = {calls['gate_up'](z)}.chunk(2, dim={dim})"] if s.mlp == "gated_fused" else []  # fmt: skip
-    forward += [f"h = {h}", f"return {out}" + (".transpose(1, 2)" if s.mlp_proj == "conv" else "")]
+    forward += [f"h = {h}", f"return {out}" + (".transpose(1, 2)" if convs else "")]
     return init, forward
 
 
