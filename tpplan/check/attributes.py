@@ -149,7 +149,7 @@ def _groups_undivided(
     for i, name in openers:
         t = traced_name(trace, name)
         for module, attr, value in sorted(trace.reads.counts.get(t, ())):
-            if (module, attr) not in trace.reads.groups:
+            if trace.reads.groups.get((module, attr)) != "norm":
                 continue
             real = _real_name(name, t, module)
             if (real, attr) in done or (real, attr) in told:

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..plan.styles import ColwiseRule, ReplicateGradSumRule, RowwiseRule, SplitParamsRule
 from ..trace import Trace
+from ..trace.record import ChannelUse
 from .context import Context, Decided, Found
 from .decision import Divided, decided
 from .names import PLAIN_OPS, join, join_names, own_params, relative
@@ -165,10 +166,11 @@ def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]
                 "and a plan divides attributes of submodules only"
             )
         elif value % ctx.tp and (module, attr) in t.reads.groups:
-            reasons.append(
-                f"a GroupNorm reads {attr} = {value} to normalize the split channels in groups, "
-                f"which tp {ctx.tp} does not divide"
-            )
+            doing = {
+                "norm": "a GroupNorm reads {} = {} to normalize the split channels in groups",
+                "depthwise": "a depthwise convolution reads {} = {}, one group per split channel",
+            }[t.reads.groups[(module, attr)]]
+            reasons.append(f"{doing.format(attr, value)}, which tp {ctx.tp} does not divide")
         elif value % ctx.tp:
             # not always heads: a count of query heads per key/value head, of fused pieces
             reasons.append(
@@ -333,23 +335,28 @@ def _divide_counts(
     counts: set[tuple[str, str, int]],
     openers: list[str],
     short: dict[str, str],
-    groups: set[tuple[str, str]],
+    groups: dict[tuple[str, str], ChannelUse],
 ) -> None:
-    """The head counts (and fused cut sizes, a GroupNorm's `groups`) the span's views read
-    are divided by tp."""
+    """The head counts (and fused cut sizes, the groups of a GroupNorm or a depthwise
+    convolution) the span's ops read are divided by tp."""
     for module, attr, _ in sorted(counts):
         entries = found.attributes[module]
         by_tp = [d for d in entries if d.by is None]
         attrs = tuple(sorted({*(by_tp[0].attrs if by_tp else ()), attr}))
         of = join(sorted(short[o] for o in openers))
-        why = (
-            f"its forward reads {', '.join(attrs)} to normalize the channels split by {of} "
-            "in groups; each rank holds whole groups and normalizes its own, so it is "
-            "divided by the tp size"
-            if all((module, a) in groups for a in attrs)
-            else f"its forward reads {', '.join(attrs)} to view or cut the split features of "
+        uses = {groups.get((module, a)) for a in attrs}
+        why = {
+            "norm": f"its forward reads {', '.join(attrs)} to normalize the channels split by "
+            f"{of} in groups; each rank holds whole groups and normalizes its own, so it is "
+            "divided by the tp size",
+            "depthwise": f"its forward reads {', '.join(attrs)} to convolve each channel split "
+            f"by {of} alone (a depthwise convolution, one group per channel); each rank "
+            "convolves its own channels, so it is divided by the tp size",
+        }.get(
+            uses.pop() if len(uses) == 1 else None,  # type: ignore[arg-type]
+            f"its forward reads {', '.join(attrs)} to view or cut the split features of "
             f"{of} (with -1 or the rest for other dims); each rank must use its own share, "
-            "so it is divided by the tp size"
+            "so it is divided by the tp size",
         )
         divided = Divided(attrs, why)
         found.attributes[module] = (divided, *(d for d in entries if d.by is not None))
@@ -372,9 +379,14 @@ def _style_param_holders(
                 else ("entry", "a per-head sink")
             )
             unit = "head"
-            if all(p in ctx.trace.params.channel_vectors for p in own):
+            channels = {ctx.trace.params.channel_vectors.get(p) for p in own}
+            if channels == {"norm"}:
                 entry, kind, unit = "entry", "a GroupNorm's affine parameters", "channel"
-            entries = "entries" if entry == "entry" else f"{entry}s"
+            elif channels == {"depthwise"}:
+                entry, kind, unit = "kernel", "a depthwise convolution", "channel"
+                if len(own) > 1:
+                    entry, kind = "kernel (and bias entry)", "a depthwise convolution"
+            entries = {"entry": "entries", "column": "columns"}.get(entry, "kernels")
             found.rules[h] = decided(
                 SplitParamsRule,
                 f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one {entry} per "

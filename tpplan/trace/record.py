@@ -18,7 +18,7 @@ Words used throughout the tracer:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .counted import Expr
 from .split import Split
@@ -36,6 +36,9 @@ __all__ = [
 
 # (module, attribute, value) of an integer attribute a forward read
 AttributeRead = tuple[str, str, int]
+ChannelUse = Literal["norm", "depthwise"]
+"""What meets split channels one group (or one channel) at a time: a GroupNorm, a depthwise
+convolution."""
 
 
 @dataclass
@@ -136,9 +139,10 @@ class ParamFacts:
     """Vector met element by element with split tensors, one entry per element of the split
     dim (a per-head attention sink) -> the openers of those splits: it can be split alike,
     each rank holding its own entries."""
-    channel_vectors: set[str] = field(default_factory=set)
-    """Those of `split_vectors` that a GroupNorm meets along split channels (its weight and
-    bias, one entry per channel)."""
+    channel_vectors: dict[str, ChannelUse] = field(default_factory=dict)
+    """Those of `split_vectors` that split channels meet one entry (or kernel) per channel
+    -> what uses them: a GroupNorm (its weight and bias, "norm"), a depthwise convolution
+    (its kernels and bias, "depthwise")."""
     vector_dims: dict[str, int] = field(default_factory=dict)
     """Split vector -> the dim of the parameter holding its entries (0 for a vector; 1 for
     a table of one column per head that the forward looks rows up in, Swin's relative
@@ -153,8 +157,10 @@ class ReadFacts:
     counts: dict[str, set[AttributeRead]] = field(default_factory=dict)
     """Opener -> (module, attribute, value) of head counts (and fused cut sizes) its views
     read from attributes."""
-    groups: set[tuple[str, str]] = field(default_factory=set)
-    """(module, attribute) of those counts that are a GroupNorm's groups of split channels."""
+    groups: dict[tuple[str, str], ChannelUse] = field(default_factory=dict)
+    """(module, attribute) of those counts that are groups of split channels -> what counts
+    them: a GroupNorm's groups ("norm"), a depthwise convolution's, one per channel
+    ("depthwise")."""
     unsplit_sizes: set[tuple[str, str]] = field(default_factory=set)
     """(module, attribute) read to size an op on unsplit tensors: never to be divided."""
     ints: set[tuple[str, str]] = field(default_factory=set)
