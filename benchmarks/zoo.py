@@ -1,7 +1,7 @@
 """The model zoo's report card: what `infer_plan` makes of models from packages tpplan never
 saw (torchtitan 0.2.2's Llama 3, Llama 4 (mixture of experts), Qwen3 and DeepSeek-V3,
 transformers' DeepSeek-V3, timm 1.0.31's ViT, Swin and ConvNeXt, diffusers 0.42.1's Flux
-and SD3 transformers, nanoGPT's model.py).
+and SD3 transformers and UNet2DConditionModel, nanoGPT's model.py).
 
 Run: `python benchmarks/zoo.py` (2 to 3 minutes on a 2-core CPU; needs the `zoo` extra:
 `pip install -e '.[zoo]'`; `--only timm.vit,nanogpt` for a subset, `--render` to re-print
@@ -27,10 +27,11 @@ and measured:
 
 Targets, printed PASS or FAIL below the table (reported, not asserted): (a) at least 90% of
 all zoo blocks split the Megatron way, and all of torchtitan's, both DeepSeek-V3s', timm
-ViT's and ConvNeXt's, Flux's and the CLIP's; (b) every transformer holds at most 0.55 of its
-parameters per rank at tp 2 (the CLIP too), and ConvNeXt (whose 7x7 depthwise convolutions
-stay whole) at most 0.6, in the zoo's shape and at published shapes built on the meta device
-(convnext_tiny; open_clip's ViT-B-32 where open_clip_torch is installed); (c) parity in
+ViT's and ConvNeXt's, Flux's, the UNet's and the CLIP's; (b) every transformer holds at
+most 0.55 of its parameters per rank at tp 2 (the CLIP too), and ConvNeXt (whose 7x7
+depthwise convolutions stay whole) and the UNet at most 0.6, in the zoo's shape and at
+published shapes built on the meta device (convnext_tiny; Stable Diffusion 1.5's UNet;
+open_clip's ViT-B-32 where open_clip_torch is installed); (c) parity in
 every run, or a loud failure where an entry says sequence parallel does not fit.
 
 Each model runs in a subprocess of its own (this file with `--worker`), so a crash or a hang
@@ -65,11 +66,13 @@ TPS = (2, 4)
 RUNS = [(tp, sp) for tp in TPS for sp in (False, True)]
 MEGATRON_SHARE = 0.9
 PARAMS_TARGET = 0.55
-PARAMS_TARGETS = {"timm.convnext": 0.6, "timm.convnext_conv": 0.6}  # the rest: PARAMS_TARGET
+PARAMS_TARGETS = {"timm.convnext": 0.6, "timm.convnext_conv": 0.6, "diffusers.unet": 0.6}
+# (the rest: PARAMS_TARGET)
+UNET_SD15 = "diffusers UNet2DConditionModel (SD 1.5)"
 # published shapes measured on the meta device for target (b): {name: its target}; timm's
 # convnext_tiny, and open_clip's ViT-B-32 where open_clip_torch is installed (not in the zoo
 # extra: its torchvision requirement would move the pinned CPU torch)
-SHAPES = {"convnext_tiny": 0.6, "open_clip ViT-B-32": 0.55}
+SHAPES = {"convnext_tiny": 0.6, "open_clip ViT-B-32": 0.55, UNET_SD15: 0.6}
 OPTIONAL_SHAPES = {"open_clip ViT-B-32"}
 # models whose every block must be split the Megatron way (target a)
 ALL_MEGATRON = [
@@ -82,6 +85,7 @@ ALL_MEGATRON = [
     "timm.convnext",
     "timm.convnext_conv",
     "diffusers.flux",
+    "diffusers.unet",
     "torch.clip",
 ]
 PACKAGES = ["torch", "transformers", "timm", "diffusers", "torchtitan"]
@@ -209,7 +213,19 @@ def _shape_fraction(name: str) -> float | str:
 
     try:
         inputs = None
-        if name.startswith("open_clip "):
+        if name == UNET_SD15:
+            from diffusers import UNet2DConditionModel
+
+            with torch.device("meta"):
+                # the class's defaults are Stable Diffusion 1.x's UNet (860M parameters)
+                model = UNet2DConditionModel(cross_attention_dim=768)
+            inputs = {
+                "sample": torch.zeros(1, 4, 64, 64, device="meta"),
+                "timestep": torch.tensor([10], device="meta"),
+                "encoder_hidden_states": torch.zeros(1, 77, 768, device="meta"),
+                "return_dict": False,
+            }
+        elif name.startswith("open_clip "):
             try:
                 import open_clip
             except ImportError:
@@ -357,7 +373,7 @@ def _targets(rows: list[dict[str, Any]], shapes: dict[str, Any]) -> list[str]:
         line(
             not over,
             f"(b) every transformer holds at most {PARAMS_TARGET} of its parameters per rank at "
-            "tp 2 (CLIP too), ConvNeXt at most 0.6; at published shapes: "
+            "tp 2 (CLIP too), ConvNeXt and the UNet at most 0.6; at published shapes: "
             + ", ".join(f"{n} {shapes.get(n, '-')}" for n in SHAPES)
             + (f"; above: {', '.join(over)}" if over else ""),
         )

@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14"
 
 
 def _error(text: str) -> str:
@@ -144,7 +144,7 @@ def test_a_bad_layout(text: str, message: str) -> None:
         _case(
             "style: colwise, shard: {w: 0}",
             "line 3: rules[0]: style 'colwise' takes no shard; its optional fields are: "
-            "head_dim, input, local_output, output, parts, replicate_heads, transposed.",
+            "head_dim, input, local_output, output, parts, replicate_heads, transposed, uneven.",
         ),
         _case(
             "style: rowwise, head_dim: 8, replicate_heads: true",
@@ -172,6 +172,12 @@ def test_a_bad_layout(text: str, message: str) -> None:
             version=10,
         ),
         _case(
+            "style: colwise, output: replicate, uneven: true",
+            "line 1: plan: rules[0].uneven need schema version 14; change the "
+            "first line to 'tpplan: 14'.",
+            version=13,
+        ),
+        _case(
             "style: rowwise, parts: [8, 8]",
             "line 1: plan: rules[0].parts (style rowwise) need schema version 9; change the "
             "first line to 'tpplan: 9'.",
@@ -185,7 +191,7 @@ def test_a_bad_layout(text: str, message: str) -> None:
         _case(
             "style: vocab_parallel, head_dim: 8",
             "line 3: rules[0]: style 'vocab_parallel' takes no head_dim; its optional fields "
-            "are: input, local_output, output, sum_at, written.",
+            "are: input, local_output, output, sum_at, uneven, written.",
         ),
         _case(
             "style: sequence_parallel, output: replicate",
@@ -352,8 +358,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 14\nrules: []\n",
-            f"schema version 14 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 15\nrules: []\n",
+            f"schema version 15 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -371,7 +377,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 13' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 14' (the schema version) is missing.",
             id="missing",
         ),
         _case(

@@ -255,8 +255,14 @@ def _check_split(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> l
             )
         ]
     out: list[Problem] = []
-    for what, size in split_dims(rule, module):
-        out.extend(check_size(i, rule, name, what, size, tp))
+    if not rule.splits_unevenly():
+        also = (
+            ", or set uneven: true (each rank then holds DTensor's share, the last ones less)"
+            if rule.may_split_unevenly()
+            else ""
+        )
+        for what, size in split_dims(rule, module):
+            out.extend(check_size(i, rule, name, what, size, tp, also=also))
     if isinstance(rule, VocabParallelRule):
         out += _check_written(i, rule, name, module, tp)
     return out

@@ -63,9 +63,12 @@ def _legal(heads: int, shared: bool) -> str:
     return f"{legal_sizes(heads)} or a multiple of {heads} dividing the query heads"
 
 
-def check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> list[Problem]:
+def check_size(
+    i: int, rule: Rule, name: str, what: str, size: int, tp: int, also: str = ""
+) -> list[Problem]:
     """The problem of a split dim (`what`, of `size`) tp does not divide; with a head_dim
-    in the rule, the dim must be whole heads, and tp must divide their number."""
+    in the rule, the dim must be whole heads, and tp must divide their number. `also`: more
+    words for the fix of a size tp does not divide."""
     out: list[Problem] = []
     head_dim = rule.head_size()
     if head_dim is not None:
@@ -101,7 +104,7 @@ def check_size(i: int, rule: Rule, name: str, what: str, size: int, tp: int) -> 
                 rule_label(i, rule),
                 name,
                 f"{what} = {size} does not divide by tp size {tp}.",
-                f"use a tp size among {legal_sizes(size)}, or keep this module replicated.",
+                f"use a tp size among {legal_sizes(size)}, or keep this module replicated{also}.",
             )
         )
     return out

@@ -228,7 +228,7 @@ def _colwise(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:
     out = _add_adapters(self, out, inner)
     if not run.gather or run.tp == 1:
         return out
-    return _Gather.apply(out, run.group, run.rank, run.tp)
+    return _Gather.apply(out, run.group, run.rank, run.tp, int(base.weight.shape[0]))
 
 
 def _rowwise(self: Any, run: _Fused, x: torch.Tensor) -> torch.Tensor:

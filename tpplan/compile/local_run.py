@@ -69,11 +69,17 @@ def _all_reduce(t: torch.Tensor, group: str) -> torch.Tensor:
     return wait_tensor_op(out)
 
 
-def _all_gather(t: torch.Tensor, group: str, tp: int) -> torch.Tensor:
-    """The ranks' tensors joined on the last dim (gathered on dim 0, as the op does)."""
+def _all_gather(t: torch.Tensor, group: str, tp: int, total: int | None = None) -> torch.Tensor:
+    """The ranks' tensors joined on the last dim (gathered on dim 0, as the op does). With
+    `total` (the whole dim's size, split unevenly as DTensor's Shard does: the first ranks
+    ceil(total/tp) each, the last what is left), each is padded to that share first, and the
+    padding, all at the end, cut off after."""
+    if total is not None and total % tp:
+        t = F.pad(t, (0, -(-total // tp) - t.shape[-1]))
     out = all_gather_op(t.contiguous(), tp, group)
     out = wait_tensor_op(out)
-    return torch.cat(out.chunk(tp), dim=-1)
+    whole = torch.cat(out.chunk(tp), dim=-1)
+    return whole if total is None or total % tp == 0 else whole[..., :total]
 
 
 # The functions take the process group's name, not the mesh: torch.compile traces a string
@@ -108,18 +114,20 @@ class _Sum(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
-    """Each rank's equal slice of the last dim, gathered whole; the gradient (the same on
-    every rank) cut back to the rank's own slice."""
+    """Each rank's slice of the last dim (of `total` entries in all: DTensor's shares),
+    gathered whole; the gradient (the same on every rank) cut back to the rank's own slice."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str, rank: int, tp: int) -> torch.Tensor:
-        ctx.start = rank * x.shape[-1]
+    def forward(
+        ctx: Any, x: torch.Tensor, group: str, rank: int, tp: int, total: int
+    ) -> torch.Tensor:
+        ctx.start = rank * -(-total // tp)
         ctx.size = x.shape[-1]
-        return _all_gather(x, group, tp)
+        return _all_gather(x, group, tp, total)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return grad.narrow(-1, ctx.start, ctx.size), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return grad.narrow(-1, ctx.start, ctx.size), None, None, None, None
 
 
 def copy_to_ranks(x: torch.Tensor, group: str, tp: int) -> torch.Tensor:
@@ -331,9 +339,11 @@ def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = _matmul(self, run, x, _local(self._parameters.get("bias")))
     if not run.gather or run.tp == 1:
         return out
+    whole = cast(torch.Tensor, self._parameters["weight"])  # global shape, split or not
+    total = int(whole.shape[1 if isinstance(self, nn.Embedding) else 0])
     if torch.is_grad_enabled() and out.requires_grad:
-        return _Gather.apply(out, run.group, run.rank, run.tp)
-    return _all_gather(out, run.group, run.tp)
+        return _Gather.apply(out, run.group, run.rank, run.tp, total)
+    return _all_gather(out, run.group, run.tp, total)
 
 
 def _rowwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -375,7 +385,8 @@ def _lookup(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if run.tp == 1:
         return F.embedding(ids, weight, emb.padding_idx)
     # this rank's rows are [start, start + rows): others' ids look up row 0, zeroed after
-    local = ids - _start(run, weight.shape[0], ids.device)
+    vocab = int(emb.num_embeddings)
+    local = ids - _start(run, vocab, ids.device)
     outside = (local < 0) | (local >= weight.shape[0])
     found = F.embedding(local.masked_fill(outside, 0), weight)
     if emb.padding_idx is not None:
@@ -385,12 +396,12 @@ def _lookup(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _start(run: LocalRun, rows: int, device: torch.device) -> Any:
-    """The first of this rank's `rows` rows (the plan splits them evenly): on a real process
-    group a number; on simulated ranks, whose ranks differ within one process, a tensor
-    holding each rank's own (own_start)."""
+    """The first row of this rank's share of `rows` (DTensor's: ceil(rows/tp) per rank, the
+    last ranks what is left): on a real process group a number; on simulated ranks, whose
+    ranks differ within one process, a tensor holding each rank's own (own_start)."""
     if isinstance(run.rank, int):
-        return run.rank * rows
-    return own_start(rows * run.tp, run.mesh, device)
+        return run.rank * -(-rows // run.tp)
+    return own_start(rows, run.mesh, device)
 
 
 def _rank(mesh: DeviceMesh) -> int:

@@ -45,9 +45,10 @@ def decide_embeddings(ctx: Context, so_far: Decided) -> Found:
             continue
         found.rules[name] = decided(
             VocabParallelRule,
-            _vocab_parallel_why(n, module.embedding_dim, not_linear, written or ()),
+            _vocab_parallel_why(n, ctx.tp, module.embedding_dim, not_linear, written or ()),
             sum_at="lookup" if not_linear else None,
             written=list(written) if written else None,
+            uneven=bool(n % ctx.tp) or None,
         )
     return found
 
@@ -66,17 +67,19 @@ def _kept_why(ctx: Context, name: str, module: nn.Embedding, not_linear: str | N
         )
     if module.max_norm is not None:
         return "kept whole: max_norm renormalizes looked-up rows in place"
-    if module.num_embeddings % ctx.tp:
+    if module.num_embeddings % ctx.tp and (not_linear or ctx.trace.lookups.written_rows.get(name)):
+        # split unevenly only as torch's own lookup (summed at the output) runs it
         return f"kept whole: its vocab of {module.num_embeddings} does not divide by tp {ctx.tp}"
     return None
 
 
 def _vocab_parallel_why(
-    n: int, width: int, not_linear: str | None, written: tuple[str, ...]
+    n: int, tp: int, width: int, not_linear: str | None, written: tuple[str, ...]
 ) -> str:
+    how = "evenly," if n % tp == 0 else f"{uneven_words(n, tp)};"
     why = (
-        f"token lookup (its indices are the model's input ids); vocab {n} splits "
-        "evenly, each rank looks up its rows and one all-reduce sums them"
+        f"token lookup (its indices are the model's input ids); vocab {n} splits {how} each "
+        "rank looks up its rows and one all-reduce sums them"
     )
     if not_linear:
         why += (
@@ -111,6 +114,18 @@ def _written(ctx: Context, name: str, module: nn.Embedding) -> tuple[str, ...] |
     return written
 
 
+def uneven_words(n: int, tp: int) -> str:
+    """How `n` entries split over tp ranks tp does not divide (`uneven`), as DTensor's Shard
+    holds them."""
+    step = -(-n // tp)
+    sizes = [max(0, min(step, n - r * step)) for r in range(tp)]
+    shares = sorted(set(sizes), reverse=True)
+    return (
+        f"unevenly, as tp {tp} does not divide it: ranks hold {' or '.join(map(str, shares))} "
+        "entries each (uneven), the full tensor unchanged"
+    )
+
+
 def decide_head(ctx: Context, so_far: Decided) -> Found:
     """A lone opener whose split output is the model output over the vocab of a token
     lookup split over it: colwise, gathered (or left split for a parallel loss)."""
@@ -128,6 +143,8 @@ def decide_head(ctx: Context, so_far: Decided) -> Found:
         _, features, transposed = t.layers.linears[name]
         if features not in vocabs or ctx.used_outside(name):
             continue
+        if features % ctx.tp and ctx.loss_parallel:
+            continue  # a parallel loss takes no uneven split: the rest keeps it, with why
         found.unkept.add(name)
         if ctx.loss_parallel:
             found.rules[name] = decided(
@@ -139,11 +156,13 @@ def decide_head(ctx: Context, so_far: Decided) -> Found:
                 transposed=transposed or None,
             )
             continue
+        how = f" {uneven_words(features, ctx.tp)}," if features % ctx.tp else ""
         found.rules[name] = decided(
             ColwiseRule,
             f"its output ({features} features, the vocab of the token lookup) is the "
-            "model output; split over the vocab and gathered, so callers see full rows",
+            f"model output; split over the vocab{how} and gathered, so callers see full rows",
             output="replicate",
             transposed=transposed or None,
+            uneven=bool(features % ctx.tp) or None,
         )
     return found

@@ -73,6 +73,8 @@ def _gathered(ctx: Context, name: str, why: str) -> Rule | None:
         or name in t.spans.misfits
         or name not in t.layers.called
         or features % ctx.gather_tp
+        # check reads a fused layer's pieces from the model and splits each (complete.py)
+        or any(p % ctx.gather_tp for p in t.spans.parts.get(name, ()))
     ):
         return None
     reason = why.removeprefix("kept whole: ")

@@ -66,8 +66,19 @@ class ColwiseRule(_Layouts):
     transposed: bool | None = None
     """The weight is stored (in_features, out_features), as in GPT-2's Conv1D, so the split
     is of its dim 1."""
+    uneven: bool | None = None
+    """The output features need not divide by the tp size (GPT-2's vocab of 50257): the ranks hold
+    DTensor's shares of them (torch.chunk's sizes, the first ranks ceil(n/tp) each and the last ranks
+    what is left), and the full tensor is the original. Without it, a size tp does not divide
+    is refused. Only with output replicate (gathered
+    right after, so what follows sees the unsplit output)."""
 
-    field_since: ClassVar[dict[str, int]] = {"parts": 2, "transposed": 2, "replicate_heads": 11}
+    field_since: ClassVar[dict[str, int]] = {
+        "parts": 2,
+        "transposed": 2,
+        "replicate_heads": 11,
+        "uneven": 14,
+    }
     sized: ClassVar[bool] = True
 
     @model_validator(mode="after")
@@ -85,6 +96,12 @@ class ColwiseRule(_Layouts):
             raise ValueError(
                 "colwise with replicate_heads (whole key/value heads shared among ranks) takes "
                 "no parts, transposed, output or local_output: false."
+            )
+        if self.uneven and (self.output != "replicate" or self.parts or self.replicate_heads):
+            raise ValueError(
+                "colwise with uneven splits features tp need not divide, which only a layer "
+                "whose output is gathered right after can take (output: replicate, no parts "
+                "or replicate_heads): the layers after it see the unsplit output."
             )
         return self
 
@@ -236,6 +253,11 @@ class VocabParallelRule(_Layouts):
     forward of an Embedding subclass that goes on to do with the rows what is not linear in
     them (a norm, rows overwritten), so the rest of its forward sees whole rows; its output
     is then whole and plain."""
+    uneven: bool | None = None
+    """The vocab (the rows) need not divide by the tp size (GPT-2's vocab of 50257): the ranks hold
+    DTensor's shares of them (torch.chunk's sizes, the first ranks ceil(n/tp) each and the last ranks
+    what is left), and the full tensor is the original. Without it, a size tp does not divide
+    is refused."""
     written: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
     """Parameters of the module (by their own names) that its forward writes over some of the
     looked-up rows, as they are (`rows[ids == eoi] = self.eoi_embedding`). Each is split
@@ -244,7 +266,7 @@ class VocabParallelRule(_Layouts):
     zeros, so the one sum as the forward returns (an all-reduce, or a reduce-scatter with
     output shard(1)) adds up the whole parameter where it was written."""
 
-    field_since: ClassVar[dict[str, int]] = {"sum_at": 6, "written": 7}
+    field_since: ClassVar[dict[str, int]] = {"sum_at": 6, "written": 7, "uneven": 14}
 
     @model_validator(mode="after")
     def _check(self) -> VocabParallelRule:
