@@ -2,7 +2,9 @@
 forward output and gradients with the unsharded model on every rank. With no argument, the
 tiny Llama and its hand-written plan; with `written`, support/tables.py's model whose embedding
 writes a split parameter over rows, with its inferred plan (each rank finds where its
-shares of the vocab and of the parameter start on its own, without a collective). With
+shares of the vocab and of the parameter start on its own, without a collective); with
+`uneven`, a tied GPT-2 whose vocab of 257 no tp size divides, with its inferred plan (each
+rank's share of the rows as DTensor holds it, the head's output padded to gather). With
 `refuse`, each rank first has a plan refused that only the dry run finds unrunnable (its
 fake ranks beside this real group, at tp 2 and at a tp of 4 larger than the world), then
 applies the good plan."""
@@ -64,6 +66,17 @@ def main() -> None:
         assert any(getattr(r, "written", None) for r in plan.rules), plan.to_yaml()
         tpplan.apply_plan(model, mesh["tp"], plan)
         want, got = ref(x), model(x)
+    elif sys.argv[1:] == ["uneven"]:
+        from test_uneven_vocab import VOCAB, _gpt2, _ids
+
+        ref, model, x = _gpt2(), _gpt2(), _ids()  # seeded alike
+        plan = tpplan.infer_plan(model, tp_size=world, example_inputs=x)
+        assert model.lm_head.weight is model.transformer.wte.weight
+        tpplan.apply_plan(model, mesh["tp"], plan)
+        rows = model.transformer.wte.weight.to_local().shape[0]
+        step = -(-VOCAB // world)
+        assert rows == min(step, VOCAB - rank * step), rows
+        want, got = ref(x).logits, model(x).logits
     else:
         ref, model, x = tiny_llama(), tiny_llama(), token_batch()  # seeded alike
         if sys.argv[1:] == ["refuse"]:

@@ -50,6 +50,17 @@ def test_gloo_parity_of_a_table_that_writes_a_split_parameter() -> None:
 
 
 @pytest.mark.slow
+def test_gloo_parity_of_an_uneven_vocab() -> None:
+    """Three real ranks hold 86, 86 and 85 of GPT-2's 257 rows, tied to its head: the lookup
+    and the head's padded gather on a real process group, forward and backward."""
+    run = torchrun(
+        HERE / "gloo_parity.py", "--standalone", "--nproc-per-node=3", script_args=("uneven",)
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _ranks(run.stdout, "/3 worst") == [0, 1, 2], run.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "gpt2", "phi3"])
 def test_tp_and_fsdp_on_a_2x2_mesh_train_like_the_unsharded_model(model: str) -> None:
     """gpt2 and phi3 have fused layers (a 1-D bias and a weight split along dim 0 as
