@@ -170,3 +170,33 @@ def test_check_names_a_tp_size_the_kernels_do_not_split_by() -> None:
     data = plan.model_dump(exclude_none=True)
     said = [str(p) for p in check_plan(Plan.model_validate(data), model, tp_size=64)]
     assert any("groups = 32 does not divide by tp size 64" in s for s in said), said
+
+
+class _BeforeTheCut(nn.Module):
+    """The depthwise convolution on in_proj's whole output, x and gate side by side, cut
+    apart only after it: each rank holds its slice of both pieces, which one contiguous
+    share of the kernels would not match."""
+
+    def __init__(self, width: int = 16, inner: int = 32) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(width, 2 * inner)
+        self.conv1d = nn.Conv1d(2 * inner, 2 * inner, 3, padding=1, groups=2 * inner)
+        self.out_proj = nn.Linear(inner, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1d(self.in_proj(x).transpose(1, 2)).transpose(1, 2)
+        h, gate = h.chunk(2, dim=-1)
+        return x + self.out_proj(F.silu(h) * gate)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_kernels_met_before_a_fused_cut_keep_the_pair_from_pairing(tp: int) -> None:
+    """Not a silent wrong answer: the pair is not split, the reason names the pieces, and
+    the numbers hold."""
+    torch.manual_seed(0)
+    model, x = _BeforeTheCut(), torch.randn(2, 7, 16)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    rules = {r.match: r for r in plan.rules}
+    assert rules["out_proj"].style != "rowwise" and "conv1d" not in rules
+    assert "meet all of in_proj's fused pieces at once" in rules["in_proj"].why
+    assert_parity(model, plan, tp, x)

@@ -210,8 +210,28 @@ def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[
         if split and (len(split) < len(own) or any(p in t.params.whole_vectors for p in split)):
             reasons.append(f"{label}'s parameters are used both split with the heads and whole")
             continue
+        fused = sorted({o for p in split for o in _across_pieces(ctx, module, p)})
+        if fused:
+            reasons.append(
+                f"{label}'s parameters (one entry per feature) meet all of {join(fused)}'s "
+                "fused pieces at once, where each rank holds a slice of every piece, which "
+                "their contiguous share would not match"
+            )
+            continue
         out.append(owner)
     return out
+
+
+def _across_pieces(ctx: Context, module: nn.Module, param: str) -> list[str]:
+    """The openers of fused pieces (`parts`) whose whole output, every piece side by side,
+    the split vector `param` met entry by entry (before the forward cut the pieces apart)."""
+    t = ctx.trace
+    size = module.get_parameter(param.rpartition(".")[2]).shape[t.params.vector_dims.get(param, 0)]
+    return [
+        o
+        for o in t.params.split_vectors[param]
+        if len(t.spans.parts.get(o, ())) > 1 and t.spans.openers.get(o) == size
+    ]
 
 
 def _open(

@@ -393,6 +393,11 @@ def _depthwise(st: Trackers, op: Op) -> Followed:
             "channels across the split (only a depthwise convolution, one channel per group, "
             "follows a split)"
         )
+    if s.outer != 1:
+        raise SplitEnds(
+            "it convolves fused pieces of channels, each rank a slice of each, which its "
+            "kernels split in one contiguous share would not match"
+        )
     _count_channels(st, s, groups, "depthwise", "it convolves each split channel alone, counted")
     for key in ("weight", "bias"):
         t = a.get(key)
