@@ -161,7 +161,8 @@ def test_sizes_tp_does_not_divide_list_the_legal_sizes(tiny: nn.Module) -> None:
             "divisibility",
             "rules[0] (match: embed), module embed: num_embeddings (the vocab) = 12 does not "
             "divide by tp size 8. Fix: use a tp size among 1, 2, 3, 4, 6, 12, or keep this "
-            "module replicated.",
+            "module replicated, or set uneven: true (each rank then holds DTensor's share, the "
+            "last ones less).",
         ),
         (
             "divisibility",
@@ -178,7 +179,8 @@ def test_sizes_tp_does_not_divide_list_the_legal_sizes(tiny: nn.Module) -> None:
         (
             "divisibility",
             "rules[5] (match: head), module head: out_features = 12 does not divide by tp size "
-            "8. Fix: use a tp size among 1, 2, 3, 4, 6, 12, or keep this module replicated.",
+            "8. Fix: use a tp size among 1, 2, 3, 4, 6, 12, or keep this module replicated, or "
+            "set uneven: true (each rank then holds DTensor's share, the last ones less).",
         ),
     ]
 

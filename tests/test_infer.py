@@ -493,12 +493,14 @@ def test_tp_past_the_kv_heads_shares_them() -> None:
 
 
 def test_odd_tp_shards_what_it_can() -> None:
-    """tp 3 divides the MLP (96) but neither the heads nor the vocab (128)."""
+    """tp 3 divides the MLP (96) but not the heads; the vocab (128) splits unevenly (43, 43
+    and 42 rows: `uneven`)."""
     model = llama_gqa()
     plan = tpplan.infer_plan(model, tp_size=3)
     assert set(styles(plan, model)) == {
         f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")
-    }
+    } | {"model.embed_tokens", "lm_head"}
+    assert all(r.uneven for r in plan.rules if r.match in ("model.embed_tokens", "lm_head"))
     assert tpplan.check_plan(plan, model, tp_size=3) == []
     assert_parity(model, plan, 3, _tokens())
 
@@ -1360,7 +1362,8 @@ _LLAMA_TP3 = {"num_hidden_layers": 1, "vocab_size": 513, "hidden_size": 96, "hea
 @pytest.mark.parametrize(
     ("family", "config", "tp", "module", "said"),
     [
-        ("gpt2", {"n_layer": 1}, 2, "lm_head", "tp 2 does not divide its 50257 vocab entries"),
+        # a parallel loss takes no uneven head (without one, the vocab splits unevenly)
+        ("gpt2", {"n_layer": 1, "_loss_parallel": True}, 2, "lm_head", "tp 2 does not divide its 50257 vocab entries"),
         (
             "llama",
             {**_LLAMA_TP3, "num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 100},
@@ -1397,7 +1400,10 @@ def test_a_region_kept_whole_names_what_tp_does_not_divide(
 ) -> None:
     """The blocks tp must divide are named as the trace saw them: a vocab head's vocab
     entries (not heads), a key/value head count, heads, features, a fused piece's features."""
+    config = dict(config)
+    loss_parallel = bool(config.pop("_loss_parallel", False))
     model = build_model(family, config)
-    why = rule_for(tpplan.infer_plan(model, tp_size=tp), model, module).why
+    plan = tpplan.infer_plan(model, tp_size=tp, loss_parallel=loss_parallel)
+    why = rule_for(plan, model, module).why
     assert why.endswith(said), why
     assert "(heads)" not in why
