@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from .channels import depthwise, group_normed
 from .heads import heads_owners, note_grouped, note_repeat, one_head
 from .ops import (
     ELEMENTWISE,
@@ -27,7 +28,6 @@ from .ops import (
     SPLITS,
     Op,
 )
-from .record import ChannelUse
 from .split import (
     Split,
     SplitEnds,
@@ -340,85 +340,9 @@ def _normed(st: Trackers, op: Op) -> Followed:
     return [(first, s)]
 
 
-@rule("native_group_norm")
-def _group_normed(st: Trackers, op: Op) -> Followed:
-    """A GroupNorm over split channels (dim 1): each group's statistics read its own
-    channels only, so where every rank's channels are whole groups (tp divides the group
-    count) each rank normalizes its own groups with no collective. The count, an attribute
-    the forward read (`self.num_groups`), is divided by the plan, and the per-channel weight
-    and bias are split alike (each rank holds its own channels' entries)."""
-    x, a = op.args[0], op.named
-    s = st.splits.only_split(x)
-    if s.dim != 1:
-        raise SplitEnds("it normalizes groups of channels (dim 1), and the split is elsewhere")
-    n, c, size, groups = a["N"], a["C"], a["HxW"], a["group"]
-    grouped = reshape(s, (n, c, size), (n, groups, c // groups * size))
-    if grouped.dim != 1:
-        raise SplitEnds(
-            f"it normalizes each group of {c // groups} channels over all of them, and the "
-            "split cuts inside a group"
-        )
-    _count_channels(st, s, groups, "norm", "it normalizes the split channels in groups, counted")
-    st.splits.note_units(grouped)
-    for src in s.sources:
-        st.trace.spans.groups.setdefault(src, grouped.n)
-    for key in ("weight", "bias"):  # one entry per channel, met along the split dim itself
-        t = a.get(key)
-        if not isinstance(t, torch.Tensor):
-            continue
-        if not st.vectors.split_alike(t, s, x.dim(), at=1):
-            raise SplitEnds(f"its {key} (one entry per channel) cannot be split with the channels")
-        st.vectors.facts.channel_vectors[st.vectors.view_of(t)[0]] = "norm"  # type: ignore[index]
-    return [(op.outs[0], s)]
-
-
-@rule("convolution")
-def _depthwise(st: Trackers, op: Op) -> Followed:
-    """A depthwise convolution (one group per channel: Mamba's short convolution, MobileNet's
-    3x3 between its 1x1 convolutions) over split channels: each output channel reads its
-    own input channel only, so each rank convolves its own channels with their own kernels,
-    no collective. The weight (one kernel per channel) and bias are split with the channels,
-    and the group count, an attribute the forward read (`self.groups`), is divided. A
-    convolution mixing channels is a layer of its own (`channel_conv`), not an op on a
-    split."""
-    a = op.named
-    x, w = a["input"], a["weight"]
-    s = st.splits.split_of(x)
-    if s is None or st.splits.split_of(w) is not None:
-        raise SplitEnds("it convolves with a kernel computed from split features")
-    channels, groups = x.shape[1], a["groups"]
-    if s.dim != 1 or a["transposed"] or groups != channels or w.shape[0] != channels:
-        raise SplitEnds(
-            f"it convolves {channels} channels in {groups} groups into {w.shape[0]}, mixing "
-            "channels across the split (only a depthwise convolution, one channel per group, "
-            "follows a split)"
-        )
-    if s.outer != 1:
-        raise SplitEnds(
-            "it convolves fused pieces of channels, each rank a slice of each, which its "
-            "kernels split in one contiguous share would not match"
-        )
-    _count_channels(st, s, groups, "depthwise", "it convolves each split channel alone, counted")
-    for key in ("weight", "bias"):
-        t = a.get(key)
-        if not isinstance(t, torch.Tensor):
-            continue
-        name = st.origins.param_of(t)
-        if name is None or t.shape[0] != channels:
-            raise SplitEnds(f"its {key} is not a parameter of one entry per channel")
-        st.vectors.facts.split_vectors.setdefault(name, set()).update(s.sources)
-        st.vectors.facts.vector_dims[name] = 0
-        st.vectors.facts.channel_vectors[name] = "depthwise"
-    return [(op.out, s)]
-
-
-def _count_channels(st: Trackers, s: Split, count: int, use: ChannelUse, doing: str) -> None:
-    """`count`, groups of the split channels an op was given, must be an attribute the
-    forward read: the plan divides it by tp."""
-    held = st.reads.attribute_holding(count, doing)
-    for src in s.sources:
-        st.trace.reads.counts.setdefault(src, set()).add(held)
-    st.trace.reads.groups[held[:2]] = use
+# a GroupNorm and a depthwise convolution: the channels, one group (or channel) at a time
+rule("native_group_norm")(group_normed)
+rule("convolution")(depthwise)
 
 
 # ---- products and element-wise ops --------------------------------------------------------
