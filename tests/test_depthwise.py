@@ -10,19 +10,19 @@ the reason."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
-from support.parity import assert_parity, forward_collectives
+from support.parity import (
+    assert_parity,
+    assert_the_original_state,
+    forward_collectives,
+    one_counted_forward,
+)
 from torch import nn
-from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
 from tpplan import Plan, check_plan
-from tpplan._runtime.local import simulated_ranks
-from tpplan.checkpoint import full_state_dict
 
 
 class _InvertedResidual(nn.Module):
@@ -116,16 +116,10 @@ def test_a_depthwise_convolution_on_split_channels_keeps_the_split(style: str, t
     assert divided.divide == ["channels" if style == "functional" else "groups"]
     assert check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
-    with simulated_ranks(tp) as mesh:
-        sharded = copy.deepcopy(model)
-        tpplan.apply_plan(sharded, mesh, plan)
-        with CommDebugMode() as comms:
-            sharded(x)
+    with one_counted_forward(model, plan, tp, x) as (sharded, comms):
         for i in range(2):
             assert forward_collectives(comms, f"_Net.blocks.{i}") == {"all_reduce": 1}
-        whole = full_state_dict(sharded)
-    for name, t in model.state_dict().items():
-        assert torch.equal(whole[name], t), name
+        assert_the_original_state(sharded, model)
 
 
 @pytest.mark.unit

@@ -16,14 +16,17 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from support.parity import assert_parity, forward_collectives
+from support.parity import (
+    assert_parity,
+    assert_the_original_state,
+    forward_collectives,
+    one_counted_forward,
+)
 from torch import nn
-from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
 from tpplan import Plan, check_plan
 from tpplan._runtime.local import simulated_ranks
-from tpplan.checkpoint import full_state_dict
 
 CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
@@ -136,16 +139,10 @@ def test_a_resnet_pair_with_a_group_norm_is_split_the_megatron_way(style: str, t
         assert styles.get(f"{block}.norm1", "replicate") == "replicate"  # on the whole stream
     assert check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
-    with simulated_ranks(tp) as mesh:
-        sharded = copy.deepcopy(model)
-        tpplan.apply_plan(sharded, mesh, plan)
-        with CommDebugMode() as comms:
-            sharded(**x)
+    with one_counted_forward(model, plan, tp, x) as (sharded, comms):
         for i in range(2):
             assert forward_collectives(comms, f"_Net.blocks.{i}") == {"all_reduce": 1}
-        whole = full_state_dict(sharded)
-    for name, t in model.state_dict().items():
-        assert torch.equal(whole[name], t), name
+        assert_the_original_state(sharded, model)
 
 
 @pytest.mark.unit

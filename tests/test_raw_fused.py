@@ -15,13 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.models import seeded, token_batch
-from support.parity import assert_parity, forward_collectives
+from support.parity import (
+    assert_parity,
+    assert_the_original_state,
+    forward_collectives,
+    one_counted_forward,
+)
 from torch import nn
-from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
-from tpplan.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from tpplan.checkpoint import load_checkpoint, save_checkpoint
 
 WIDTH, HEADS, HIDDEN = 32, 4, 64
 
@@ -113,16 +117,10 @@ def test_a_raw_fused_weight_splits_by_its_pieces(style: str, tp: int) -> None:
     assert sorted(r.match for r in plan.regions) == ["attn", "mlp"]
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
-    with simulated_ranks(tp) as mesh:
-        sharded = copy.deepcopy(model)
-        tpplan.apply_plan(sharded, mesh, plan)
-        with CommDebugMode() as comms:
-            sharded(x)
+    with one_counted_forward(model, plan, tp, x) as (sharded, comms):
         for name in ("attn", "mlp"):
             assert forward_collectives(comms, f"_Model.{name}") == {"all_reduce": 1}
-        whole = full_state_dict(sharded)
-    for name, t in model.state_dict().items():
-        assert torch.equal(whole[name], t), name
+        assert_the_original_state(sharded, model)
 
 
 def test_the_local_weight_holds_each_ranks_slice_of_each_piece() -> None:

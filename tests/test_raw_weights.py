@@ -9,18 +9,15 @@ proof on fake ranks keeps it only where nothing is gathered inside.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from support.models import seeded, token_batch
-from support.parity import assert_parity, forward_collectives
+from support.parity import assert_parity, forward_collectives, one_counted_forward
 from torch import nn
-from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
-from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan._runtime.local import rank_values
 
 
 def _w(*shape: int) -> nn.Parameter:
@@ -126,11 +123,7 @@ def test_raw_weights_split_the_megatron_way(style: str, tp: int) -> None:
     assert "its own weights are split" in plan.regions[0].why
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
-    with simulated_ranks(tp) as mesh:
-        sharded = copy.deepcopy(model)
-        tpplan.apply_plan(sharded, mesh, plan)
-        with CommDebugMode() as comms:
-            sharded(x)
+    with one_counted_forward(model, plan, tp, x) as (sharded, comms):
         for name in ("attn", "mlp"):
             assert forward_collectives(comms, f"_Model.{name}") == {"all_reduce": 1}
         # each rank holds 1/tp of each split weight; its full tensor is the original

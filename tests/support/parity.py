@@ -9,15 +9,18 @@ and `assert_matches` are its steps, for a test that builds or applies the model 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
+from tpplan.checkpoint import full_state_dict
 from tpplan.compile.local_run import runs_locally
 from tpplan.plan import Plan
 
@@ -26,7 +29,9 @@ __all__ = [
     "ShardedRun",
     "assert_matches",
     "assert_parity",
+    "assert_the_original_state",
     "forward_collectives",
+    "one_counted_forward",
     "reference_run",
     "sharded_run",
 ]
@@ -188,3 +193,26 @@ def forward_collectives(comms: object, module: str) -> dict[str, int]:
     its forward under the CommDebugMode `comms`, named as torch's ops end (`all_reduce`)."""
     ops = comms.comm_module_counts[module]["forward"]  # type: ignore[attr-defined]
     return {str(op).split(".")[-1]: n for op, n in ops.items()}
+
+
+@contextmanager
+def one_counted_forward(
+    model: nn.Module, plan: Plan, tp: int, x: torch.Tensor | dict[str, torch.Tensor]
+) -> Iterator[tuple[nn.Module, CommDebugMode]]:
+    """`plan` applied to a copy of `model` on `tp` simulated ranks and run once on `x` (one
+    input, or keyword inputs) under CommDebugMode: (the sharded copy, its counts), while the
+    ranks exist (`forward_collectives` reads the counts)."""
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        with CommDebugMode() as comms:
+            _run(sharded, x)
+        yield sharded, comms
+
+
+def assert_the_original_state(sharded: nn.Module, model: nn.Module) -> None:
+    """The sharded copy's full state dict (gathered: call it while its ranks exist) holds
+    every tensor of `model`'s, unchanged."""
+    whole = full_state_dict(sharded)
+    for name, t in model.state_dict().items():
+        assert torch.equal(whole[name], t), name
