@@ -364,20 +364,24 @@ def _divide_counts(
         by_tp = [d for d in entries if d.by is None]
         attrs = tuple(sorted({*(by_tp[0].attrs if by_tp else ()), attr}))
         of = join(sorted(short[o] for o in openers))
+        reads = f"its forward reads {', '.join(attrs)}"
         uses = {groups.get((module, a)) for a in attrs}
-        why = {
-            "norm": f"its forward reads {', '.join(attrs)} to normalize the channels split by "
-            f"{of} in groups; each rank holds whole groups and normalizes its own, so it is "
-            "divided by the tp size",
-            "depthwise": f"its forward reads {', '.join(attrs)} to convolve each channel split "
-            f"by {of} alone (a depthwise convolution, one group per channel); each rank "
-            "convolves its own channels, so it is divided by the tp size",
-        }.get(
-            uses.pop() if len(uses) == 1 else None,  # type: ignore[arg-type]
-            f"its forward reads {', '.join(attrs)} to view or cut the split features of "
-            f"{of} (with -1 or the rest for other dims); each rank must use its own share, "
-            "so it is divided by the tp size",
-        )
+        if uses == {"norm"}:
+            why = (
+                f"{reads} to normalize the channels split by {of} in groups; each rank holds "
+                "whole groups and normalizes its own, so it is divided by the tp size"
+            )
+        elif uses == {"depthwise"}:
+            why = (
+                f"{reads} to convolve each channel split by {of} alone (a depthwise "
+                "convolution, one group per channel); each rank convolves its own channels, "
+                "so it is divided by the tp size"
+            )
+        else:
+            why = (
+                f"{reads} to view or cut the split features of {of} (with -1 or the rest for "
+                "other dims); each rank must use its own share, so it is divided by the tp size"
+            )
         divided = Divided(attrs, why)
         found.attributes[module] = (divided, *(d for d in entries if d.by is not None))
 

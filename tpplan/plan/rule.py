@@ -235,18 +235,11 @@ class Rule(Strict):
 
     def splits_unevenly(self) -> bool:
         """The ranks may hold unequal shares of the dim it splits (`uneven`)."""
-        return bool(getattr(self, "uneven", None))
+        return False
 
     def may_split_unevenly(self) -> bool:
         """It could take `uneven: true` (a vocab, or features gathered right after)."""
-        return "uneven" in type(self).model_fields and (
-            self.style != "colwise"
-            or (
-                getattr(self, "output", None) == "replicate"
-                and not self.part_sizes()
-                and not self.shares_heads()
-            )
-        )
+        return False
 
     def states_sizes(self) -> bool:
         """It states a size of the model's (a head_dim, fused parts or pieces), which the

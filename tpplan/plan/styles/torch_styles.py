@@ -112,6 +112,13 @@ class ColwiseRule(_Layouts):
             return [(12, "replicate_heads without head_dim")]
         return []
 
+    def splits_unevenly(self) -> bool:
+        return bool(self.uneven)
+
+    def may_split_unevenly(self) -> bool:
+        # only where gathered right after (its own _check refuses the rest)
+        return self.output == "replicate" and not self.parts and not self.replicate_heads
+
     def weight_dim(self, kind: WeightKind) -> int | None:
         if kind == "embedding":
             return 1
@@ -290,6 +297,12 @@ class VocabParallelRule(_Layouts):
                 "input and output partial, or drop written."
             )
         return self
+
+    def splits_unevenly(self) -> bool:
+        return bool(self.uneven)
+
+    def may_split_unevenly(self) -> bool:
+        return True
 
     def weight_dim(self, kind: WeightKind) -> int | None:
         return 0 if kind == "embedding" else None
