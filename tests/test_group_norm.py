@@ -231,3 +231,19 @@ def test_check_names_a_tp_size_that_would_cut_a_group() -> None:
         "output channels in 4 groups: tp size 8 would cut a group. Fix: use a tp size among "
         "1, 2, 4, or keep this module replicated." in said
     )
+
+
+@pytest.mark.unit
+def test_check_names_each_blocks_own_norm_in_a_stack_traced_through_its_first_blocks() -> None:
+    """Twelve blocks: the trace runs the first two and stands the rest by block 0, and the
+    fix still names each block's own module, not block 0's."""
+    torch.manual_seed(0)
+    model, x = _model("functional")
+    model.blocks = nn.ModuleList([_FunctionalNorm() for _ in range(12)])
+    plan = _infer(model, x, 2)
+    data = plan.model_dump(exclude_none=True)
+    data["attributes"] = []
+    fixes = [p.fix for p in check_plan(Plan.model_validate(data), model, tp_size=2)]
+    assert fixes == [
+        f"add an entry to attributes: match: blocks.{i}, divide: [groups]." for i in range(12)
+    ]

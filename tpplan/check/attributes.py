@@ -151,7 +151,7 @@ def _groups_undivided(
         for module, attr, value in sorted(trace.reads.counts.get(t, ())):
             if trace.reads.groups.get((module, attr)) != "norm":
                 continue
-            real = _real_name(name, t, module)
+            real = _untraced(trace, name, module)
             if (real, attr) in done or (real, attr) in told:
                 continue
             told.add((real, attr))
@@ -170,10 +170,11 @@ def _groups_undivided(
     return out
 
 
-def _real_name(name: str, traced: str, module: str) -> str:
-    """`module`, a name in the trace, as the module of the block `name` is in (the trace
-    stands a block it left out by the traced block it copies)."""
-    for k in range(len(traced) + 1):
-        if name.endswith(traced[k:]) and module.startswith(traced[:k]):
-            return name[: len(name) - len(traced) + k] + module[k:]
+def _untraced(trace: Trace, name: str, module: str) -> str:
+    """`module`, a name in the trace, as the module of the block `name` is in: the reverse of
+    `traced_name`, where the trace stands a block it left out by the traced block it copies."""
+    for block, copied in trace.stacks.untraced.items():
+        inside = name == block or name.startswith(block + ".")
+        if inside and (module == copied or module.startswith(copied + ".")):
+            return block + module[len(copied) :]
     return module
