@@ -49,6 +49,7 @@ from .._runtime.torch_compat import (
 )
 from .known_forwards import forward_of, known_base, local_class
 from .params import own_start
+from .strided import shard_step
 
 __all__ = [
     "LocalRun",
@@ -75,7 +76,7 @@ def _all_gather(t: torch.Tensor, group: str, tp: int, total: int | None = None) 
     ceil(total/tp) each, the last what is left), each is padded to that share first, and the
     padding, all at the end, cut off after."""
     if total is not None and total % tp:
-        t = F.pad(t, (0, -(-total // tp) - t.shape[-1]))
+        t = F.pad(t, (0, shard_step(total, tp) - t.shape[-1]))
     out = all_gather_op(t.contiguous(), tp, group)
     out = wait_tensor_op(out)
     whole = torch.cat(out.chunk(tp), dim=-1)
@@ -121,7 +122,7 @@ class _Gather(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, group: str, rank: int, tp: int, total: int
     ) -> torch.Tensor:
-        ctx.start = rank * -(-total // tp)
+        ctx.start = rank * shard_step(total, tp)
         ctx.size = x.shape[-1]
         return _all_gather(x, group, tp, total)
 
@@ -400,7 +401,7 @@ def _start(run: LocalRun, rows: int, device: torch.device) -> Any:
     last ranks what is left): on a real process group a number; on simulated ranks, whose
     ranks differ within one process, a tensor holding each rank's own (own_start)."""
     if isinstance(run.rank, int):
-        return run.rank * -(-rows // run.tp)
+        return run.rank * shard_step(rows, run.tp)
     return own_start(rows, run.mesh, device)
 
 

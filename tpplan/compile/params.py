@@ -19,7 +19,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tens
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._runtime.torch_compat import funcol_all_reduce, funcol_wait_tensor
-from .strided import equal_parts, split_parts, teach_checkpoint_chunks
+from .strided import equal_parts, shard_step, split_parts, teach_checkpoint_chunks
 
 __all__ = [
     "ReplicateGradSum",
@@ -43,7 +43,7 @@ def changeable(t: torch.Tensor) -> torch.Tensor:
 def own_start(n: int, mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
     """Where this rank's share of `n` entries split by `Shard` starts (a 1-element tensor;
     each rank's own without a collective, also on simulated ranks)."""
-    step = -(-n // mesh.size())
+    step = shard_step(n, mesh.size())
     starts = torch.arange(mesh.size(), device=device) * step
     return distribute_tensor(starts, mesh, [Shard(0)], src_data_rank=None).to_local()
 

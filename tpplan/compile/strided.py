@@ -48,6 +48,7 @@ __all__ = [
     "local_runs",
     "own_parts",
     "own_slices",
+    "shard_step",
     "split_parts",
     "teach_checkpoint_chunks",
 ]
@@ -155,11 +156,17 @@ def _take(runs: list[range], start: int, count: int) -> list[range]:
     return out
 
 
+def shard_step(total: int, n: int) -> int:
+    """The entries each of the first of `n` chunks holds when `total` are cut as torch.chunk
+    (and DTensor's Shard) cut them: ceil(total/n); the last chunks hold fewer, or none."""
+    return -(-total // n)
+
+
 def _chunks(runs: list[range], n: int) -> list[list[range]]:
     """torch.chunk's rule over the indices of `runs`: n chunks of ceil(len/n), the last
     ones shorter or empty."""
     total = sum(len(r) for r in runs)
-    step = -(-total // n) if total else 0
+    step = shard_step(total, n)
     return [_take(runs, i * step, min(step, max(total - i * step, 0))) for i in range(n)]
 
 

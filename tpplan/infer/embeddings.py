@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..compile.strided import shard_step
 from ..plan.styles import ColwiseRule, VocabParallelRule
 from .context import Context, Decided, Found
 from .decision import decided
@@ -117,7 +118,7 @@ def _written(ctx: Context, name: str, module: nn.Embedding) -> tuple[str, ...] |
 def uneven_words(n: int, tp: int) -> str:
     """How `n` entries split over tp ranks tp does not divide (`uneven`), as DTensor's Shard
     holds them."""
-    step = -(-n // tp)
+    step = shard_step(n, tp)
     sizes = [max(0, min(step, n - r * step)) for r in range(tp)]
     shares = sorted(set(sizes), reverse=True)
     return (
