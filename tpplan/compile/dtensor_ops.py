@@ -52,6 +52,7 @@ def teach_dtensor() -> None:
         return
     _register_cpu_sdpa()
     _teach_strided_split()
+    _teach_strided_views()
     _taught = True
 
 
@@ -209,6 +210,44 @@ def _cat_pieces(op_schema: Any) -> list[Any]:
             )
         )
     return found
+
+
+def _teach_strided_views() -> None:
+    """torch's view-like strategies (view, reshape, unflatten's view, transpose, expand...)
+    label a `_StridedShard` spec as a plain shard in a shard order of its own, where every
+    other strategy reads `_StridedShard` as the shard order itself: the same layout in two
+    labels, which the next op's strategy tells apart, and a region's backward then gathers
+    a fused output's gradient (a matmul of a viewed gradient with the fused weight) and
+    gathers it again. On a 1-D mesh the two mean one thing: the views' specs are relabelled
+    as the others write them."""
+    propagator = sharding_propagator()
+    for op, func in list(propagator.op_strategy_funcs.items()):
+        if getattr(func, "__name__", "") == "reshape_strategy" and "_view_ops" in func.__module__:
+            info = propagator.op_to_schema_info.get(op)
+            propagator.register_op_strategy(op, _relabelled(func), info)
+
+
+def _relabelled(torch_strategy: Callable[..., Any]) -> Callable[..., Any]:
+    def strategy(op_schema: Any) -> Any:
+        found = torch_strategy(op_schema)
+        for s in found.strategies:
+            s.output_specs = _one_label(s.output_specs)
+            s.input_specs = tuple(_one_label(i) for i in s.input_specs or ())
+        return found
+
+    return strategy
+
+
+def _one_label(spec: Any) -> Any:
+    """`spec` with its `_StridedShard` read as the shard order, on a 1-D mesh."""
+    if (
+        isinstance(spec, DTensorSpec)
+        and spec.mesh.ndim == 1
+        and not spec.use_strided_shard_as_shard_order
+        and any(isinstance(p, StridedShard) for p in spec.placements)
+    ):
+        return DTensorSpec(spec.mesh, spec.placements, spec.tensor_meta)
+    return spec
 
 
 def _local_split_sizes(input_specs: list[Any], schema: Any) -> Any:
