@@ -96,6 +96,39 @@ def test_a_strided_output_splits_into_its_pieces_with_no_collective() -> None:
     _close(grad, w_ref.grad)
 
 
+@pytest.mark.unit
+def test_a_strided_output_viewed_whole_then_unbound_trains_with_no_collective() -> None:
+    """q|k|v viewed whole as (3, heads, head_dim) and unbound: the backward stacks the
+    pieces and views them back, which torch's view strategy labels in a shard order of its
+    own; the weight's gradient then met it in a matmul that gathered both (on fake tensors:
+    a failure). Relabelled alike, it stays each rank's slice of each piece."""
+    teach_dtensor()
+    weight, x = _randn(48, 16), _randn(2, 3, 16, seed=1)
+    w_ref, x_ref = weight.clone().requires_grad_(), x.clone().requires_grad_()
+
+    def attend(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = F.linear(x, w).unflatten(-1, (3, -1, 4)).unbind(2)  # (B, T, heads, 4)
+        return (q * k).sum(-1, keepdim=True) * v
+
+    want = attend(w_ref, x_ref)
+    want.square().sum().backward()
+    with simulated_ranks(2) as mesh:
+        w = split_parts(weight, mesh, 0, [16, 16, 16], None).requires_grad_()
+        xd = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()  # a layer's before
+        with CommDebugMode() as comms:
+            got = attend(w, xd)
+            assert got.placements == (Shard(2),)
+            got.to_local().square().sum().backward()  # each rank's heads' share of the sum
+        assert comms.get_total_counts() == 0  # the input's gradient stays a partial sum
+        assert w.grad.placements == (_StridedShard(0, split_factor=3),)
+        whole = rank_values(got.full_tensor())[0]
+        grad = rank_values(w.grad.full_tensor())[0]
+        grad_x = rank_values(xd.grad.full_tensor())[0]
+    # sums of squares of cubes: large numbers, compared relatively
+    for g, r in ((whole, want.detach()), (grad, w_ref.grad), (grad_x, x_ref.grad)):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
 # ---- hold_dtensors ---------------------------------------------------------------------------
 class _Rotated(nn.Module):
     """Heads rotated by a plain table the module builds in forward, then merged back."""
@@ -708,3 +741,26 @@ def test_olmo2_attention_splits_by_heads_with_its_norms_over_all_heads(tp: int) 
         assert rules[f"model.layers.*.self_attn.{n}"].style == "colwise"
     assert rules["model.layers.*.self_attn.o_proj"].style == "rowwise"
     assert_parity(model, plan, tp, ids)
+
+
+@pytest.mark.unit
+def test_a_candidate_whose_way_fails_does_not_hide_another_s_proof() -> None:
+    """Candidates are proven in one run; where one of them stops that run (an MLP tried in
+    pieces it does not have), the others are proven one by one rather than all dropped."""
+    from tpplan.infer.dtensor_regions import _each_proven
+
+    runs: list[list[str]] = []
+
+    def prove(group: dict[str, Any]) -> dict[str, Any] | None:
+        runs.append(sorted(group))
+        return None if "mlp" in group else {m: f"counted {m}" for m in group}
+
+    both = {"attn": {}, "mlp": {}}
+    assert _each_proven(prove, both) == {"attn": "counted attn"}
+    assert runs == [["attn", "mlp"], ["attn"], ["mlp"]]
+    runs.clear()
+    assert _each_proven(prove, {"attn": {}, "norm": {}}) == {
+        "attn": "counted attn",
+        "norm": "counted norm",
+    }
+    assert runs == [["attn", "norm"]]  # one run when it works

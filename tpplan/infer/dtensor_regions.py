@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,7 +130,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         found: dict[str, Inside] = {}
         for again in (False, True):
             group = {m: r for m, r in made.items() if (m in raw_proven) == again}
-            found.update((prove(group) or {}) if group else {})
+            found.update(_each_proven(prove, group))
         for m in made:
             inside = found.get(m)
             if inside is None or not _clean(inside, trial[m]):
@@ -153,6 +154,25 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     if not proven and not kept:
         return plan
     return _with(plan, {**rules, **kept}, proven, names, sums)
+
+
+def _each_proven(
+    prove: Callable[[dict[str, dict[str, Rule]]], dict[str, Inside] | None],
+    group: dict[str, dict[str, Rule]],
+) -> dict[str, Inside]:
+    """What one proof run of every candidate in `group` counted; where that run fails (one
+    candidate's way stops the forward or backward), each candidate proven on its own, so a
+    way that fails in one module (an MLP tried in 3 pieces) does not hide a way that works in
+    another (its attention in 3)."""
+    if not group:
+        return {}
+    found = prove(group)
+    if found is not None or len(group) == 1:
+        return found or {}
+    out: dict[str, Inside] = {}
+    for m, rules in group.items():
+        out.update(prove({m: rules}) or {})
+    return out
 
 
 def _shared(model: nn.Module, cut: Cut) -> list[Cut]:
