@@ -661,3 +661,54 @@ def test_sequence_parallel_with_experts_is_refused_with_the_reason() -> None:
         tpplan.TpplanError, match="sequence parallel does not fit Qwen3MoeForCausalLM"
     ):
         tpplan.infer_plan(qwen3_moe(), tp_size=2, sequence_parallel=True)
+
+
+class RawHeads(nn.Module):
+    """Raw weights by heads, as einsum reads them: `w_out` is (heads, head_dim, width), a
+    3-D weight like an expert stack, but no experts."""
+
+    def __init__(self, width: int = 16, heads: int = 4, head_dim: int = 4) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(width, heads * head_dim) * 0.3)
+        self.w_out = nn.Parameter(torch.randn(heads, head_dim, width) * 0.3)
+        self.head_dim = head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x @ self.w_in).unflatten(-1, (-1, self.head_dim)).relu()  # (B, T, heads, dim)
+        return torch.einsum("bthd,hdc->btc", h, self.w_out)
+
+
+class HeadsAndExperts(nn.Module):
+    """A block whose two children hold 3-D weights: raw heads, then experts whose own
+    per-expert matmuls open and close their split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.block = nn.Module()
+        self.block.heads = RawHeads()
+        self.block.router = nn.Linear(16, 4, bias=False)
+        self.block.experts = DenseExperts()
+        self.out = nn.Linear(16, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.block.heads(x)
+        flat = x.reshape(-1, 16)
+        routed = self.block.experts(flat, self.block.router(flat).softmax(-1))
+        return self.out(x + routed.view_as(x))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_experts_beside_raw_heads_of_3d_weights_sum_their_own_split(tp: int) -> None:
+    """Two children hold 3-D weights, but the experts' matmuls open and close their split
+    in the one child: it sums its partial sums at its own output, where the block's
+    residual add would otherwise end them. The block, holding none, gets no rule."""
+    model = HeadsAndExperts()
+    plan = tpplan.infer_plan(model, tp_size=tp)
+    rule = rule_for(plan, model, "block.experts")
+    assert (rule.style, rule.mode) == ("experts", "tensor")
+    assert not [r for r in plan.rules if r.match == "block"]
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, _ids())

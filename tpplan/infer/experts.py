@@ -317,6 +317,8 @@ def keep_unsplit_experts(ctx: Context, so_far: Decided) -> Found:
     for owner in sorted(set(ctx.trace.experts.exits) | set(so_far.kept_experts)):
         if owner in so_far.decisions or any(owner.startswith(f"{d}.") for d in split):
             continue  # (a child holding the weights of experts split at their parent)
+        if _holds_none(ctx, owner) and any(d.startswith(f"{owner}.") for d in split):
+            continue  # (a parent of experts that were split, and summed, in a child)
         found.rules[owner] = decided(
             ReplicateRule,
             so_far.kept_experts.get(
@@ -325,6 +327,13 @@ def keep_unsplit_experts(ctx: Context, so_far: Decided) -> Found:
             ),
         )
     return found
+
+
+def _holds_none(ctx: Context, owner: str) -> bool:
+    """`owner` holds no 3-D weights itself, only children that do (watched as the parent
+    that might sum them)."""
+    module = ctx.modules.get(owner)
+    return module is not None and not any(p.dim() == 3 for p in module.parameters(recurse=False))
 
 
 def keep_inside_experts(ctx: Context, so_far: Decided) -> Found:

@@ -459,6 +459,11 @@ class Experts:
         self.facts.counts.setdefault(name, set()).update(
             (m, a, v) for m, a, v in frame if v in experts and m == name
         )
+        # a child whose own per-expert matmuls both open and close the split sums its output
+        # itself, though its parent holds 3-D weights in another child too (an attention's
+        # raw `w_o` of (heads, head_dim, width) beside the experts): only partial sums begun
+        # in a sibling (JetMoE's split handed from one child to the other) wait for the parent
+        sums = sums or bool(outs and all(p and p <= own for p in partial))
         if not sums:
             return
         for k, (_, sources) in list(self.partials.items()):
