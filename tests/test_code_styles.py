@@ -145,6 +145,21 @@ SPLIT_STRUCTURES = {
     "g: a gated MLP of 3-wide convolutions, a GroupNorm on the gate's channels": Spec(
         mlp="gated", mlp_proj="conv3"
     ),
+    "e: q|k|v viewed whole then unbound, beside a raw gate|up that fails 3 pieces": Spec(
+        qkv="unbind",
+        reshape="unflatten",
+        sizes="shape",
+        reduce="unused",
+        inner="wider",
+        mlp="gated_fused",
+        mlp_proj="param",
+    ),
+    "d with b: a norm over all heads, heads in the batch dim, q|k|v unbound": Spec(
+        layout="batch", norm="over_heads", qkv="unbind", reshape="unflatten", sizes="attr"
+    ),
+    "c with f: experts beside an attention whose raw w_o is (heads, dim, width)": Spec(
+        proj="einsum", qkv="chunk", reshape="unflatten", sizes="attr", reduce="used", mlp="moe"
+    ),
 }
 
 
