@@ -1,12 +1,13 @@
-"""A depthwise convolution (one group per channel) on split channels: each output channel
-reads its own input channel only, so each rank convolves its own channels with their own
-kernels, and the split goes on. The plan splits the convolution's weight and bias with the
-channels (split_params) and divides its group count (attributes). Written several ways: a
-MobileNet inverted residual (1x1 expand, 3x3 depthwise, 1x1 project), a Mamba-like mixer
-(a fused Linear cut in two, a causal depthwise Conv1d on one half, a gate, the output
-Linear), and `F.conv1d` on the block's own kernels with a count it holds. A convolution
-that mixes channels inside a split (a channel multiplier, a literal count) ends it, with
-the reason."""
+"""A grouped convolution on split channels: each group of output channels reads its own
+group of input channels only, so where each rank holds whole groups it convolves its own
+channels with their own kernels, and the split goes on. The plan splits the convolution's
+weight and bias with the channels (split_params) and divides its group count (attributes).
+Depthwise (one group per channel) written several ways: a MobileNet inverted residual (1x1
+expand, 3x3 depthwise, 1x1 project), with and without a channel multiplier, a Mamba-like
+mixer (a fused Linear cut in two, a causal depthwise Conv1d on one half, a gate, the output
+Linear), and `F.conv1d` on the block's own kernels with a count it holds; grouped in
+several channels per group, a ResNeXt bottleneck. A count tp does not divide, or a literal
+one, ends the split, with the reason."""
 
 from __future__ import annotations
 
@@ -34,6 +35,20 @@ class _InvertedResidual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.project(F.relu6(self.dw(F.relu6(self.expand(x)))))
+
+
+class _Bottleneck(nn.Module):
+    """ResNeXt's bottleneck: 1x1 reduce, a 3x3 convolution in 8 groups of 4 channels, 1x1
+    expand; `groups` of 2 when asked."""
+
+    def __init__(self, width: int = 16, inner: int = 32, groups: int = 8) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(width, inner, 1)
+        self.grouped = nn.Conv2d(inner, inner, 3, padding=1, groups=groups)
+        self.expand = nn.Conv2d(inner, width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.expand(F.relu(self.grouped(F.relu(self.reduce(x)))))
 
 
 class _Mixer(nn.Module):
@@ -81,9 +96,15 @@ class _Net(nn.Module):
         return x
 
 
+def _doubled() -> nn.Module:
+    return _InvertedResidual(multiplier=2)
+
+
 # style -> (block class, input shape, opener, closer, the module holding the kernels)
 CASES = {
     "inverted-residual": (_InvertedResidual, (2, 16, 6, 6), "expand", "project", "dw"),
+    "channel-multiplier": (_doubled, (2, 16, 6, 6), "expand", "project", "dw"),
+    "resnext": (_Bottleneck, (2, 16, 5, 5), "reduce", "expand", "grouped"),
     "mixer": (_Mixer, (2, 7, 16), "in_proj", "out_proj", "conv1d"),
     "functional": (_Functional, (2, 7, 16), "up", "down", ""),
 }
@@ -97,7 +118,7 @@ def _model(style: str) -> tuple[nn.Module, torch.Tensor]:
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("style", list(CASES))
-def test_a_depthwise_convolution_on_split_channels_keeps_the_split(style: str, tp: int) -> None:
+def test_a_grouped_convolution_on_split_channels_keeps_the_split(style: str, tp: int) -> None:
     """Opener colwise, the kernels split with the channels and `groups` divided, closer
     rowwise: one all-reduce per block, parity forward and backward on both paths, `check`
     clean, and the full state dict the original weights."""
@@ -111,7 +132,8 @@ def test_a_depthwise_convolution_on_split_channels_keeps_the_split(style: str, t
     rule = next(r for r in plan.rules if r.match == where)
     params = ("kernel", "kernel_bias") if style == "functional" else ("weight", "bias")
     assert rule.style == "split_params" and rule.shard == dict.fromkeys(params, 0)
-    assert "a depthwise convolution" in rule.why
+    kind = "a grouped convolution" if style == "resnext" else "a depthwise convolution"
+    assert kind in rule.why
     divided = next(a for a in plan.attributes if a.match == where)
     assert divided.divide == ["channels" if style == "functional" else "groups"]
     assert check_plan(plan, model, tp_size=tp) == []
@@ -123,17 +145,18 @@ def test_a_depthwise_convolution_on_split_channels_keeps_the_split(style: str, t
 
 
 @pytest.mark.unit
-def test_a_channel_multiplier_ends_the_split_with_its_reason() -> None:
-    """Two output channels per input channel: the split channels would not line up with
-    the project layer's split, so the pair is not split, and the reason says why."""
+def test_groups_tp_does_not_divide_end_the_split_with_its_reason() -> None:
+    """Two groups at tp 4: a rank would hold half a group, whose kernels read the other
+    half's channels. The pair is split then gathered, and the reason names the count."""
     torch.manual_seed(0)
-    model = _Net(lambda: _InvertedResidual(multiplier=2))  # type: ignore[arg-type, return-value]
-    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=torch.randn(2, 16, 6, 6))
+    model = _Net(lambda: _Bottleneck(groups=2))  # type: ignore[arg-type, return-value]
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=torch.randn(2, 16, 5, 5))
     rules = {r.match: r for r in plan.rules}
-    assert rules["blocks.*.project"].style != "rowwise"
+    assert rules["blocks.*.expand"].style != "rowwise"
+    assert "blocks.*.grouped" not in rules
     assert (
-        "it convolves 64 channels in 64 groups into 128, mixing channels across the split"
-        in rules["blocks.*.expand"].why
+        "a grouped convolution reads groups = 2 to convolve the split channels in groups, "
+        "which tp 4 does not divide" in rules["blocks.*.reduce"].why
     )
 
 

@@ -169,6 +169,8 @@ def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]
             doing = {
                 "norm": "a GroupNorm reads {} = {} to normalize the split channels in groups",
                 "depthwise": "a depthwise convolution reads {} = {}, one group per split channel",
+                "grouped": "a grouped convolution reads {} = {} to convolve the split channels "
+                "in groups",
             }[t.reads.groups[(module, attr)]]
             reasons.append(f"{doing.format(attr, value)}, which tp {ctx.tp} does not divide")
         elif value % ctx.tp:
@@ -377,6 +379,12 @@ def _divide_counts(
                 "convolution, one group per channel); each rank convolves its own channels, "
                 "so it is divided by the tp size"
             )
+        elif uses == {"grouped"}:
+            why = (
+                f"{reads} to convolve the channels split by {of} in groups (a grouped "
+                "convolution); each rank holds whole groups and convolves its own, so it is "
+                "divided by the tp size"
+            )
         else:
             why = (
                 f"{reads} to view or cut the split features of {of} (with -1 or the rest for "
@@ -406,10 +414,15 @@ def _style_param_holders(
             channels = {ctx.trace.params.channel_vectors.get(p) for p in own}
             if channels == {"norm"}:
                 entry, kind, unit = "entry", "a GroupNorm's affine parameters", "channel"
-            elif channels == {"depthwise"}:
-                entry, kind, unit = "kernel", "a depthwise convolution", "channel"
+            elif channels and channels <= {"depthwise", "grouped"}:
+                kind = (
+                    "a depthwise convolution"
+                    if channels == {"depthwise"}
+                    else ("a grouped convolution")
+                )
+                entry, unit = "kernel", "output channel"
                 if len(own) > 1:
-                    entry, kind = "kernel (and bias entry)", "a depthwise convolution"
+                    entry = "kernel (and bias entry)"
             entries = {"entry": "entries", "column": "columns"}.get(entry, "kernels")
             found.rules[h] = decided(
                 SplitParamsRule,

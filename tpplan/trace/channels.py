@@ -1,5 +1,5 @@
 """The ops that take split channels one group (or one channel) at a time: a GroupNorm whose
-groups each rank holds whole, and a depthwise convolution. Each keeps the split, has the
+groups each rank holds whole, and a grouped (or depthwise) convolution. Each keeps the split, has the
 plan divide its group count and split its per-channel parameters with the channels. Start at
 `group_normed`; rules.py registers both as the rules of their aten ops.
 """
@@ -50,42 +50,64 @@ def group_normed(st: Trackers, op: Op) -> Followed:
 
 
 def depthwise(st: Trackers, op: Op) -> Followed:
-    """A depthwise convolution (one group per channel: Mamba's short convolution, MobileNet's
-    3x3 between its 1x1 convolutions) over split channels: each output channel reads its
-    own input channel only, so each rank convolves its own channels with their own kernels,
-    no collective. The weight (one kernel per channel) and bias are split with the channels,
-    and the group count, an attribute the forward read (`self.groups`), is divided. A
-    convolution mixing channels is a layer of its own (`channel_conv`), not an op on a
-    split."""
+    """A grouped convolution over split channels: each group of output channels reads its
+    own group of input channels only, so where every rank holds whole groups (tp divides
+    the group count) each rank convolves its own groups with their own kernels, no
+    collective. A depthwise convolution (one group per channel: Mamba's short convolution,
+    MobileNet's 3x3 between its 1x1 convolutions) is the case of one channel per group, with
+    or without a channel multiplier; ResNeXt's 3x3 of 32 groups another. The weight (one
+    kernel per output channel) and bias are split with the channels, and the group count,
+    an attribute the forward read (`self.groups`), is divided. A convolution of one group
+    mixes every channel: a layer of its own (`channel_conv`), not an op on a split."""
     a = op.named
     x, w = a["input"], a["weight"]
     s = st.splits.split_of(x)
     if s is None or st.splits.split_of(w) is not None:
         raise SplitEnds("it convolves with a kernel computed from split features")
-    channels, groups = x.shape[1], a["groups"]
-    if s.dim != 1 or a["transposed"] or groups != channels or w.shape[0] != channels:
+    channels, groups, out_channels = x.shape[1], a["groups"], w.shape[0]
+    if s.dim != 1 or a["transposed"] or groups == 1:
         raise SplitEnds(
-            f"it convolves {channels} channels in {groups} groups into {w.shape[0]}, mixing "
-            "channels across the split (only a depthwise convolution, one channel per group, "
-            "follows a split)"
+            f"it convolves {channels} channels in {groups} groups into {out_channels}, mixing "
+            "channels across the split (only a grouped convolution, each group of channels "
+            "alone, follows a split)"
         )
     if s.outer != 1:
         raise SplitEnds(
             "it convolves fused pieces of channels, each rank a slice of each, which its "
             "kernels split in one contiguous share would not match"
         )
-    _count_channels(st, s, groups, "depthwise", "it convolves each split channel alone, counted")
+    out = _grouped(st, s, channels // groups, out_channels // groups, groups)
+    use: ChannelUse = "depthwise" if groups == channels else "grouped"
+    _count_channels(st, s, groups, use, "it convolves each group of split channels alone, counted")
     for key in ("weight", "bias"):
         t = a.get(key)
         if not isinstance(t, torch.Tensor):
             continue
         name = st.origins.param_of(t)
-        if name is None or t.shape[0] != channels:
-            raise SplitEnds(f"its {key} is not a parameter of one entry per channel")
+        if name is None or t.shape[0] != out_channels:
+            raise SplitEnds(f"its {key} is not a parameter of one entry per output channel")
         st.vectors.facts.split_vectors.setdefault(name, set()).update(s.sources)
         st.vectors.facts.vector_dims[name] = 0
-        st.vectors.facts.channel_vectors[name] = "depthwise"
-    return [(op.out, s)]
+        st.vectors.facts.channel_vectors[name] = use
+    return [(op.out, out)]
+
+
+def _grouped(st: Trackers, s: Split, group_in: int, group_out: int, groups: int) -> Split:
+    """The split of a grouped convolution's output channels, from its input's `s`: groups
+    of `group_in` channels in, `group_out` out. Where the split's units hold whole groups
+    (one channel per unit or group: depthwise) they go on, each a unit of its groups'
+    outputs; where groups hold whole units, each rank must hold whole groups (noted: tp
+    must divide their count) and the output channels go on one by one. Units and groups
+    cutting across each other end the split."""
+    if s.inner % group_in == 0:
+        return Split(s.dim, 1, s.n, s.inner // group_in * group_out, s.sources)
+    if group_in % s.inner == 0:
+        st.splits.note_units(Split(s.dim, 1, groups, group_in, s.sources))
+        return Split(s.dim, 1, groups * group_out, 1, s.sources)
+    raise SplitEnds(
+        f"it convolves groups of {group_in} channels, which the split's units of {s.inner} "
+        "channels cut across"
+    )
 
 
 def _count_channels(st: Trackers, s: Split, count: int, use: ChannelUse, doing: str) -> None:

@@ -36,9 +36,9 @@ __all__ = [
 
 # (module, attribute, value) of an integer attribute a forward read
 AttributeRead = tuple[str, str, int]
-ChannelUse = Literal["norm", "depthwise"]
+ChannelUse = Literal["norm", "depthwise", "grouped"]
 """What meets split channels one group (or one channel) at a time: a GroupNorm, a depthwise
-convolution."""
+convolution (one group per input channel), a grouped one (several channels per group)."""
 
 
 @dataclass
@@ -141,8 +141,8 @@ class ParamFacts:
     each rank holding its own entries."""
     channel_vectors: dict[str, ChannelUse] = field(default_factory=dict)
     """Those of `split_vectors` that split channels meet one entry (or kernel) per channel
-    -> what uses them: a GroupNorm (its weight and bias, "norm"), a depthwise convolution
-    (its kernels and bias, "depthwise")."""
+    -> what uses them: a GroupNorm (its weight and bias, "norm"), a depthwise or grouped
+    convolution (its kernels and bias, "depthwise", "grouped")."""
     vector_dims: dict[str, int] = field(default_factory=dict)
     """Split vector -> the dim of the parameter holding its entries (0 for a vector; 1 for
     a table of one column per head that the forward looks rows up in, Swin's relative
@@ -160,7 +160,7 @@ class ReadFacts:
     groups: dict[tuple[str, str], ChannelUse] = field(default_factory=dict)
     """(module, attribute) of those counts that are groups of split channels -> what counts
     them: a GroupNorm's groups ("norm"), a depthwise convolution's, one per channel
-    ("depthwise")."""
+    ("depthwise"), a grouped convolution's ("grouped")."""
     unsplit_sizes: set[tuple[str, str]] = field(default_factory=set)
     """(module, attribute) read to size an op on unsplit tensors: never to be divided."""
     ints: set[tuple[str, str]] = field(default_factory=set)
