@@ -44,10 +44,12 @@ class _FusedAttention(nn.Module):
         self.w_qkv = _w(3 * WIDTH, WIDTH) if style == "linear_split" else _w(WIDTH, 3 * WIDTH)
         self.b_qkv = nn.Parameter(0.1 * torch.randn(3 * WIDTH))
         self.w_o = _w(WIDTH, WIDTH)
+        if style == "talking":
+            self.mix = nn.Parameter(torch.eye(HEADS) + 0.1 * torch.randn(HEADS, HEADS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        if self.style == "einsum_split":
+        if self.style in ("einsum_split", "talking"):
             q, k, v = torch.einsum("btc,cf->btf", x, self.w_qkv).split(WIDTH, dim=-1)
         elif self.style == "matmul_chunk":  # with its bias, cut alike
             q, k, v = (x @ self.w_qkv + self.b_qkv).chunk(3, dim=-1)
@@ -61,6 +63,10 @@ class _FusedAttention(nn.Module):
             n = qkv.shape[-1] // 3
             q, k, v = qkv[..., :n], qkv[..., n : 2 * n], qkv[..., 2 * n :]
         q, k, v = (z.reshape(b, t, HEADS, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        if self.style == "talking":  # scores mixed across heads before the softmax
+            s = torch.einsum("bhqk,hg->bgqk", q @ k.transpose(-2, -1), self.mix)
+            a = (s * self.head_dim**-0.5).softmax(-1) @ v
+            return a.transpose(1, 2).reshape(b, t, WIDTH) @ self.w_o
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         return a.reshape(b, t, WIDTH) @ self.w_o
 
@@ -91,7 +97,7 @@ class _Model(nn.Module):
         return self.head(x + self.mlp(x))
 
 
-STYLES = ["einsum_split", "matmul_chunk", "linear_split", "einsum_slices"]
+STYLES = ["einsum_split", "matmul_chunk", "linear_split", "einsum_slices", "view_unbind"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -162,17 +168,17 @@ def test_a_whole_save_at_tp_2_loads_at_tp_4(tmp_path: Path) -> None:
 
 
 def test_a_raw_fused_weight_no_region_proves_stays_whole_saying_why() -> None:
-    """Cut by a view and `unbind`, the pieces' gradient comes back through a view DTensor
-    gathers by reading shard offsets off values, which the proof on fake ranks cannot run:
+    """Scores mixed across heads before the softmax (talking heads) have no Megatron
+    split: every way of splitting the raw weights gathers the heads inside the module, so
     the attention stays whole, its reason naming its weights and what was tried, and the
     numbers hold."""
-    model = seeded(_Model, style="view_unbind")
+    model = seeded(_Model, style="talking")
     x = token_batch(64)
     plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
     rules = {r.match: r for r in plan.rules}
     assert rules["attn"].style == "replicate", plan.to_yaml()
     assert rules["attn"].why == (
-        "kept whole: its own weights (w_o, w_qkv) feed its own matmul or einsum calls, and no "
+        "kept whole: its own weights (mix, w_o, w_qkv) feed its own matmul or einsum calls, and no "
         "way of splitting them in a DTensor region (on each dim they may split on, in 1, 3 or 2 "
         "equal fused pieces) passed the proof on fake ranks: each ran a collective inside the "
         "module, or failed there"
