@@ -746,21 +746,23 @@ def test_olmo2_attention_splits_by_heads_with_its_norms_over_all_heads(tp: int) 
 @pytest.mark.unit
 def test_a_candidate_whose_way_fails_does_not_hide_another_s_proof() -> None:
     """Candidates are proven in one run; where one of them stops that run (an MLP tried in
-    pieces it does not have), the others are proven one by one rather than all dropped."""
+    pieces it does not have), the candidates of each module class are proven apart rather
+    than all dropped: one run per class, not per module."""
     from tpplan.infer.dtensor_regions import _each_proven
 
     runs: list[list[str]] = []
 
     def prove(group: dict[str, Any]) -> dict[str, Any] | None:
         runs.append(sorted(group))
-        return None if "mlp" in group else {m: f"counted {m}" for m in group}
+        return None if any(m.endswith("mlp") for m in group) else {m: f"counted {m}" for m in group}
 
-    both = {"attn": {}, "mlp": {}}
-    assert _each_proven(prove, both) == {"attn": "counted attn"}
-    assert runs == [["attn", "mlp"], ["attn"], ["mlp"]]
+    def kind(m: str) -> str:
+        return m.rpartition(".")[2]
+
+    blocks = {f"{i}.{part}": {} for i in range(3) for part in ("attn", "mlp")}
+    assert _each_proven(prove, blocks, kind) == {f"{i}.attn": f"counted {i}.attn" for i in range(3)}
+    assert runs == [sorted(blocks), ["0.attn", "1.attn", "2.attn"], ["0.mlp", "1.mlp", "2.mlp"]]
     runs.clear()
-    assert _each_proven(prove, {"attn": {}, "norm": {}}) == {
-        "attn": "counted attn",
-        "norm": "counted norm",
-    }
-    assert runs == [["attn", "norm"]]  # one run when it works
+    attention = {f"{i}.attn": {} for i in range(3)}
+    assert len(_each_proven(prove, attention, kind)) == 3
+    assert runs == [sorted(attention)]  # one run when it works

@@ -130,7 +130,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         found: dict[str, Inside] = {}
         for again in (False, True):
             group = {m: r for m, r in made.items() if (m in raw_proven) == again}
-            found.update(_each_proven(prove, group))
+            found.update(_each_proven(prove, group, lambda m: type(model.get_submodule(m))))
         for m in made:
             inside = found.get(m)
             if inside is None or not _clean(inside, trial[m]):
@@ -159,19 +159,23 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
 def _each_proven(
     prove: Callable[[dict[str, dict[str, Rule]]], dict[str, Inside] | None],
     group: dict[str, dict[str, Rule]],
+    kind: Callable[[str], object],
 ) -> dict[str, Inside]:
     """What one proof run of every candidate in `group` counted; where that run fails (one
-    candidate's way stops the forward or backward), each candidate proven on its own, so a
-    way that fails in one module (an MLP tried in 3 pieces) does not hide a way that works in
-    another (its attention in 3)."""
+    candidate's way stops the forward or backward), the candidates of each `kind` (module
+    class: one code, one verdict) proven apart, so a way that fails in one module (an MLP
+    tried in 3 pieces) does not hide a way that works in another (its attention in 3)."""
     if not group:
         return {}
     found = prove(group)
-    if found is not None or len(group) == 1:
+    kinds: dict[object, dict[str, dict[str, Rule]]] = {}
+    for m, rules in group.items():
+        kinds.setdefault(kind(m), {})[m] = rules
+    if found is not None or len(kinds) == 1:
         return found or {}
     out: dict[str, Inside] = {}
-    for m, rules in group.items():
-        out.update(prove({m: rules}) or {})
+    for alike in kinds.values():
+        out.update(prove(alike) or {})
     return out
 
 
