@@ -184,13 +184,17 @@ def _first_layer_input(
 
 def _runs_on_fake(model: nn.Module, x: torch.Tensor) -> bool:
     """Whether the forward runs on `x`, computed on fake tensors (shapes only, the model's
-    own weights untouched)."""
+    own weights untouched). Its buffers are fake too: a forward that changes them in place
+    (a BatchNorm's running statistics and batch count while training) changes copies."""
     from .torch_compat import FakeTensorMode
 
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with quiet_fake_tensor_log(), torch.no_grad(), fake:
-            model(fake.from_tensor(x))
+            buffers: dict[str, torch.Tensor] = {
+                n: fake.from_tensor(b) for n, b in model.named_buffers()
+            }
+            torch.func.functional_call(model, buffers, (fake.from_tensor(x),), strict=False)
     except Exception:
         return False
     return True
