@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from torch import nn
+from torch import Tensor, nn
 
 from .._runtime.facts import channel_conv, tied_groups, weight_split
 from .._runtime.torch_compat import ConvNd
@@ -275,7 +275,9 @@ def _check_own_params(
     divides by tp."""
     # experts may name a child's parameters (`input_linear.weight`) too
     experts = isinstance(rule, ExpertsRule)
-    own = dict(module.named_parameters(recurse=experts))
+    own: dict[str, Tensor] = dict(module.named_parameters(recurse=experts))
+    if not experts:  # split_params also splits buffers (a BatchNorm's running statistics)
+        own.update(module.named_buffers(recurse=False))
     after = rule.after_sum if isinstance(rule, ExpertsRule) else None
     named = [*(rule.shard or {}), *(after or ())]
     missing = [p for p in named if p not in own]

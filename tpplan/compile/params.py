@@ -56,7 +56,7 @@ def split_param(
     parts: tuple[int, ...] | None,
     src_data_rank: int | None,
 ) -> None:
-    """Split the parameter `name` of `module` (dotted for a child's) along `dim`; with equal
+    """Split the parameter (or buffer) `name` of `module` (dotted for a child's) along `dim`; with equal
     fused `parts`, as each rank's slice of each part (a `_StridedShard`, see strided.py),
     with unequal ones as a plain Shard. Either way the parameter's full tensor is the
     original one, so state dicts and checkpoints see the unsharded model's layout."""
@@ -68,6 +68,12 @@ def split_param(
         data = split_parts(param, mesh, dim, parts, src_data_rank)
     else:
         data = distribute_tensor(param, mesh, [Shard(dim)], src_data_rank=src_data_rank)
+    if name in module._buffers:
+        # a BatchNorm's running statistics: split with the channels, still a buffer (and
+        # persistent as it was), so the state dict sees it whole
+        persistent = name not in module._non_persistent_buffers_set
+        module.register_buffer(name, data, persistent=persistent)
+        return
     module.register_parameter(name, nn.Parameter(data, param.requires_grad))
 
 
@@ -150,8 +156,10 @@ def local_during_calls(
         if getattr(mod, REGION_FLAG, False):
             return  # a DTensor region's own code takes its parameters as DTensors
         for name in names:
-            p = mod._parameters.get(name)
+            p = mod._parameters.get(name, mod._buffers.get(name))
             if isinstance(p, DTensor):
+                # a buffer's local tensor is its storage: in-place updates (running
+                # statistics while training) land in the rank's shard
                 mod.__dict__[name] = local(p)
 
     def after(mod: nn.Module, args: Any, out: Any) -> None:

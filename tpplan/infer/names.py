@@ -5,6 +5,8 @@ their common prefix, joined into a list, repeated blocks written once as a patte
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from torch import nn
 
 from .._runtime.facts import tied_groups
@@ -16,6 +18,7 @@ __all__ = [
     "join",
     "join_names",
     "own_params",
+    "own_split_state",
     "relative",
     "shared_params",
     "tied_outside",
@@ -85,3 +88,11 @@ def shared_params(model: nn.Module) -> dict[str, list[str]]:
 def own_params(module: nn.Module, name: str) -> list[str]:
     prefix = f"{name}." if name else ""
     return [prefix + n for n, _ in module.named_parameters(recurse=False)]
+
+
+def own_split_state(module: nn.Module, name: str, split: Collection[str]) -> list[str]:
+    """The module's own parameters, and its own buffers among `split` (a BatchNorm's running
+    statistics, split with the channels)."""
+    prefix = f"{name}." if name else ""
+    buffers = [prefix + n for n, _ in module.named_buffers(recurse=False)]
+    return own_params(module, name) + [b for b in buffers if b in split]

@@ -15,7 +15,7 @@ from ..trace import Trace
 from ..trace.record import ChannelUse
 from .context import Context, Decided, Found
 from .decision import Divided, decided
-from .names import PLAIN_OPS, join, join_names, own_params, relative
+from .names import PLAIN_OPS, join, join_names, own_split_state, relative
 from .shared_heads import Sharing, kv_sharing
 
 __all__ = ["decide_span", "find_spans", "split_unit"]
@@ -187,6 +187,8 @@ def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[
     cannot follow the split add their reason to `reasons` instead."""
     t = ctx.trace
     owners = {p.rpartition(".")[0] for p, srcs in t.params.in_span.items() if srcs & openers}
+    # buffers split with the channels (a BatchNorm's running statistics, affine or not)
+    owners |= {p.rpartition(".")[0] for p, srcs in t.params.split_vectors.items() if srcs & openers}
     out = []
     for owner in sorted(owners):
         module = ctx.modules.get(owner)
@@ -202,7 +204,7 @@ def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[
         if module is None or owner in t.layers.linears or isinstance(module, nn.Embedding):
             reasons.append(f"the weight of {label} is used inside the region outside its own call")
             continue
-        own = own_params(module, owner)
+        own = own_split_state(module, owner, t.params.split_vectors)
         if any(
             p in t.params.outside or not (t.params.in_span.get(p, openers) <= openers) for p in own
         ):
@@ -228,7 +230,9 @@ def _across_pieces(ctx: Context, module: nn.Module, param: str) -> list[str]:
     """The openers of fused pieces (`parts`) whose whole output, every piece side by side,
     the split vector `param` met entry by entry (before the forward cut the pieces apart)."""
     t = ctx.trace
-    size = module.get_parameter(param.rpartition(".")[2]).shape[t.params.vector_dims.get(param, 0)]
+    own = param.rpartition(".")[2]
+    held = module.get_buffer(own) if own in module._buffers else module.get_parameter(own)
+    size = held.shape[t.params.vector_dims.get(param, 0)]
     return [
         o
         for o in t.params.split_vectors[param]
@@ -400,7 +404,7 @@ def _style_param_holders(
     """Modules whose parameters meet the split tensors: split one entry per head (a per-head
     sink), or replicated with their gradient summed over the tp axis (a per-head norm)."""
     for h in holders:
-        own = own_params(ctx.modules[h], h)
+        own = own_split_state(ctx.modules[h], h, ctx.trace.params.split_vectors)
         by = join_names([short[o] for o in openers])
         if any(p in ctx.trace.params.split_vectors for p in own):
             names = [p.rpartition(".")[2] for p in own]
@@ -414,6 +418,8 @@ def _style_param_holders(
             channels = {ctx.trace.params.channel_vectors.get(p) for p in own}
             if channels == {"norm"}:
                 entry, kind, unit = "entry", "a GroupNorm's affine parameters", "channel"
+            elif channels == {"batch"}:
+                entry, kind, unit = "entry", "a BatchNorm, one channel at a time", "channel"
             elif channels and channels <= {"depthwise", "grouped"}:
                 kind = (
                     "a depthwise convolution"

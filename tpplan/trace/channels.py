@@ -13,7 +13,7 @@ from .record import ChannelUse
 from .split import Split, SplitEnds, reshape
 from .trackers import Trackers
 
-__all__ = ["depthwise", "group_normed"]
+__all__ = ["batch_normed", "depthwise", "group_normed"]
 
 Followed = list[tuple[torch.Tensor, Split]]
 
@@ -46,6 +46,41 @@ def group_normed(st: Trackers, op: Op) -> Followed:
         if not st.vectors.split_alike(t, s, x.dim(), at=1):
             raise SplitEnds(f"its {key} (one entry per channel) cannot be split with the channels")
         st.vectors.facts.channel_vectors[st.vectors.view_of(t)[0]] = "norm"  # type: ignore[index]
+    return [(op.outs[0], s)]
+
+
+def batch_normed(st: Trackers, op: Op) -> Followed:
+    """A BatchNorm over split channels (dim 1): each channel is normalized alone, by its own
+    statistics over the batch and positions (training) or its own running ones (eval), so
+    each rank normalizes its own channels with no collective. Its weight and bias and its
+    running mean and variance (buffers, updated in place while training) hold one entry per
+    channel: the plan splits them alike, each rank its own channels' entries."""
+    x, a = op.named["input"], op.named
+    s = st.splits.only_split(x)
+    if s.dim != 1:
+        raise SplitEnds("it normalizes each channel (dim 1), and the split is elsewhere")
+    if s.outer != 1:
+        raise SplitEnds(
+            "it normalizes fused pieces of channels, each rank a slice of each, which its "
+            "per-channel entries split in one contiguous share would not match"
+        )
+    for key in ("weight", "bias"):
+        t = a.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        if not st.vectors.split_alike(t, s, x.dim(), at=1):
+            raise SplitEnds(f"its {key} (one entry per channel) cannot be split with the channels")
+        st.vectors.facts.channel_vectors[st.vectors.view_of(t)[0]] = "batch"  # type: ignore[index]
+    for key in ("running_mean", "running_var"):
+        t = a.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        name = st.origins.buffers.get(id(t))
+        if name is None or t.shape != (x.shape[1],):
+            raise SplitEnds(f"its {key} is not a buffer of one entry per channel")
+        st.vectors.facts.split_vectors.setdefault(name, set()).update(s.sources)
+        st.vectors.facts.vector_dims[name] = 0
+        st.vectors.facts.channel_vectors[name] = "batch"
     return [(op.outs[0], s)]
 
 

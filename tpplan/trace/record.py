@@ -36,9 +36,10 @@ __all__ = [
 
 # (module, attribute, value) of an integer attribute a forward read
 AttributeRead = tuple[str, str, int]
-ChannelUse = Literal["norm", "depthwise", "grouped"]
-"""What meets split channels one group (or one channel) at a time: a GroupNorm, a depthwise
-convolution (one group per input channel), a grouped one (several channels per group)."""
+ChannelUse = Literal["norm", "batch", "depthwise", "grouped"]
+"""What meets split channels one group (or one channel) at a time: a GroupNorm, a BatchNorm
+(one channel at a time), a depthwise convolution (one group per input channel), a grouped
+one (several channels per group)."""
 
 
 @dataclass
@@ -141,8 +142,9 @@ class ParamFacts:
     each rank holding its own entries."""
     channel_vectors: dict[str, ChannelUse] = field(default_factory=dict)
     """Those of `split_vectors` that split channels meet one entry (or kernel) per channel
-    -> what uses them: a GroupNorm (its weight and bias, "norm"), a depthwise or grouped
-    convolution (its kernels and bias, "depthwise", "grouped")."""
+    -> what uses them: a GroupNorm (its weight and bias, "norm"), a BatchNorm (its weight,
+    bias and running statistics, buffers, "batch"), a depthwise or grouped convolution (its
+    kernels and bias, "depthwise", "grouped")."""
     vector_dims: dict[str, int] = field(default_factory=dict)
     """Split vector -> the dim of the parameter holding its entries (0 for a vector; 1 for
     a table of one column per head that the forward looks rows up in, Swin's relative

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .channels import depthwise, group_normed
+from .channels import batch_normed, depthwise, group_normed
 from .heads import heads_owners, note_grouped, note_repeat, one_head
 from .ops import (
     ELEMENTWISE,
@@ -340,8 +340,14 @@ def _normed(st: Trackers, op: Op) -> Followed:
     return [(first, s)]
 
 
-# a GroupNorm and a depthwise convolution: the channels, one group (or channel) at a time
+# a GroupNorm, a BatchNorm and a grouped convolution: the channels, a group (or channel) at a time
 rule("native_group_norm")(group_normed)
+rule(
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional",
+)(batch_normed)
 rule("convolution")(depthwise)
 
 

@@ -164,6 +164,7 @@ def _trace_pass(
     copy_.eval()
     params = {id(p): n for n, p in copy_.named_parameters(remove_duplicate=False)}
     st = Trackers.start(trace, params, kept_whole=kept)
+    st.origins.buffers = {id(b): n for n, b in copy_.named_buffers(remove_duplicate=False)}
     wrappers = _find_linears(copy_, fake, trace)
     # after the probes: reads made by a probe's forward are no evidence of the traced one
     watch_reads(copy_, st)

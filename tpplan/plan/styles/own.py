@@ -127,7 +127,8 @@ class SplitParamsRule(Rule):
 
     style: Literal["split_params"] = "split_params"
     shard: _Shard | None = None
-    """Parameter of the matched module (by its own name) -> the dim it is split on."""
+    """Parameter (or buffer: a BatchNorm's running statistics) of the matched module, by its
+    own name -> the dim it is split on."""
     fused: _Fused | None = None
     """Parameter -> sizes of the pieces of one size laid end to end along its split dim (a
     raw q|k|v weight used in the module's own einsum): each rank holds its slice of every

@@ -36,6 +36,9 @@ class Origins:
         # tracker follows them, so they are nobody else's.
         self.expert_params: set[str] = set()
         self.held: list[torch.Tensor] = []  # tensors whose ids the trace records
+        # id -> name of each buffer of the traced copy (a BatchNorm's running statistics),
+        # looked up by the rules that may split them; no other tracker reads them
+        self.buffers: dict[int, str] = {}
 
     def param_of(self, t: Any) -> str | None:
         """The parameter `t` is (or is a view, copy or function of alone)."""
