@@ -90,7 +90,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         ways.extend(_shared(model, ways[0]))
     proven: dict[str, dict[str, Rule]] = {}
     sums: dict[str, int] = {}  # {region: the all-reduces its forward ran, a reduction's}
-    raw_proven: set[str] = set()  # raw weights' regions: another dim may cost fewer sums
+    improvable: set[str] = set()  # regions another way may prove with fewer all-reduces
     # a cut whose openers' outputs leave the module is tried apart, after the others: a
     # use outside that fails on a DTensor fails the whole run, not only its module's
     attempts = range(max(len(_PIECES), len(RAW_WAYS)))
@@ -98,7 +98,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         trial = {
             m: c[variant]
             for m, c in candidates.items()
-            if (m not in proven or m in raw_proven)
+            if (m not in proven or m in improvable)
             and len(c) > variant
             and c[variant].leaky == leaky
         }
@@ -129,19 +129,21 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         # first tries, whose proofs it would hide
         found: dict[str, Inside] = {}
         for again in (False, True):
-            group = {m: r for m, r in made.items() if (m in raw_proven) == again}
+            group = {m: r for m, r in made.items() if (m in improvable) == again}
             found.update(_each_proven(prove, group, lambda m: type(model.get_submodule(m))))
         for m in made:
             inside = found.get(m)
             if inside is None or not _clean(inside, trial[m]):
                 continue
             count = sum(inside.forward.values())
-            if m in raw_proven and sums[m] <= count:
+            if m in improvable and sums[m] <= count:
                 continue
             proven[m], sums[m] = made[m], count
-            if raw & {*trial[m].opens, *trial[m].closes}:
-                # another dim may split with fewer all-reduces (heads, not a head's features)
-                raw_proven.add(m)
+            if count or raw & {*trial[m].opens, *trial[m].closes}:
+                # another way may split with fewer all-reduces: raw weights on another dim
+                # (heads, not a head's features), a key/value layer kept whole for every head
+                # rather than cut inside its one head (whose scores the all-reduce summed)
+                improvable.add(m)
     # a region whose proof ran all-reduces may have split inside a head (one head's
     # features, the all-reduce summing its scores), and one with layers kept whole must
     # pass apply's checks on what reads them: the checks apply_plan runs say so

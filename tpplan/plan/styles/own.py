@@ -125,10 +125,12 @@ class SplitParamsRule(Rule):
     """Split parameters a module uses element by element on split features (one attention
     sink per head): each rank holds, and its forward uses, its own contiguous share."""
 
+    # `shard` may also name the module's own buffers (a BatchNorm's running statistics):
+    # they split alike and stay buffers
+
     style: Literal["split_params"] = "split_params"
     shard: _Shard | None = None
-    """Parameter (or buffer: a BatchNorm's running statistics) of the matched module, by its
-    own name -> the dim it is split on."""
+    """Parameter of the matched module (by its own name) -> the dim it is split on."""
     fused: _Fused | None = None
     """Parameter -> sizes of the pieces of one size laid end to end along its split dim (a
     raw q|k|v weight used in the module's own einsum): each rank holds its slice of every
