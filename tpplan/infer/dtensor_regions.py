@@ -90,7 +90,7 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         ways.extend(_shared(model, ways[0]))
     proven: dict[str, dict[str, Rule]] = {}
     sums: dict[str, int] = {}  # {region: the all-reduces its forward ran, a reduction's}
-    improvable: set[str] = set()  # regions another way may prove with fewer all-reduces
+    improvable: set[str] = set()  # raw weights' regions: another dim may cost fewer sums
     # a cut whose openers' outputs leave the module is tried apart, after the others: a
     # use outside that fails on a DTensor fails the whole run, not only its module's
     attempts = range(max(len(_PIECES), len(RAW_WAYS)))
@@ -138,11 +138,15 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
             count = sum(inside.forward.values())
             if m in improvable and sums[m] <= count:
                 continue
+            if count and _in_common_pieces(attempt, raw, trial[m]):
+                # every layer cut in pieces of the width they all share, with all-reduces of
+                # its own: the cut went inside heads (a multi-query attention's one key/value
+                # head cut in two), the all-reduce summing each head's scores; another way
+                # (its key/value layers whole) keeps its heads
+                continue
             proven[m], sums[m] = made[m], count
-            if count or raw & {*trial[m].opens, *trial[m].closes}:
-                # another way may split with fewer all-reduces: raw weights on another dim
-                # (heads, not a head's features), a key/value layer kept whole for every head
-                # rather than cut inside its one head (whose scores the all-reduce summed)
+            if raw & {*trial[m].opens, *trial[m].closes}:
+                # another dim may split with fewer all-reduces (heads, not a head's features)
                 improvable.add(m)
     # a region whose proof ran all-reduces may have split inside a head (one head's
     # features, the all-reduce summing its scores), and one with layers kept whole must
@@ -179,6 +183,14 @@ def _each_proven(
     for alike in kinds.values():
         out.update(prove(alike) or {})
     return out
+
+
+def _in_common_pieces(attempt: int, raw: set[str], cut: Cut) -> bool:
+    """Whether `attempt` cut the layers of `cut` (not raw weights) in pieces of the width
+    every opener shares (`_PIECES`' 0)."""
+    if raw & {*cut.opens, *cut.closes}:
+        return False
+    return attempt < len(_PIECES) and _PIECES[attempt] == 0
 
 
 def _shared(model: nn.Module, cut: Cut) -> list[Cut]:
