@@ -56,9 +56,9 @@ def split_param(
     parts: tuple[int, ...] | None,
     src_data_rank: int | None,
 ) -> None:
-    """Split the parameter (or buffer) `name` of `module` (dotted for a child's) along `dim`; with equal
-    fused `parts`, as each rank's slice of each part (a `_StridedShard`, see strided.py),
-    with unequal ones as a plain Shard. Either way the parameter's full tensor is the
+    """Split the parameter (or buffer) `name` of `module` (dotted for a child's) along
+    `dim`; with equal fused `parts`, as each rank's slice of each part (a `_StridedShard`,
+    see strided.py), with unequal ones as a plain Shard. Either way the parameter's full tensor is the
     original one, so state dicts and checkpoints see the unsharded model's layout."""
     path, _, name = name.rpartition(".")
     module = module.get_submodule(path)

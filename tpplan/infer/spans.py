@@ -421,11 +421,8 @@ def _style_param_holders(
             elif channels == {"batch"}:
                 entry, kind, unit = "entry", "a BatchNorm, one channel at a time", "channel"
             elif channels and channels <= {"depthwise", "grouped"}:
-                kind = (
-                    "a depthwise convolution"
-                    if channels == {"depthwise"}
-                    else ("a grouped convolution")
-                )
+                grouped = channels != {"depthwise"}
+                kind = "a grouped convolution" if grouped else "a depthwise convolution"
                 entry, unit = "kernel", "output channel"
                 if len(own) > 1:
                     entry = "kernel (and bias entry)"

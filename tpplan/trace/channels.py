@@ -1,7 +1,8 @@
 """The ops that take split channels one group (or one channel) at a time: a GroupNorm whose
-groups each rank holds whole, and a grouped (or depthwise) convolution. Each keeps the split, has the
-plan divide its group count and split its per-channel parameters with the channels. Start at
-`group_normed`; rules.py registers both as the rules of their aten ops.
+groups each rank holds whole, a BatchNorm, and a grouped (or depthwise) convolution. Each
+keeps the split and has the plan split its per-channel parameters (and a BatchNorm's running
+statistics) with the channels; the GroupNorm and the convolution also have it divide their
+group count. Start at `group_normed`; rules.py registers all three as rules of aten ops.
 """
 
 from __future__ import annotations
@@ -39,13 +40,7 @@ def group_normed(st: Trackers, op: Op) -> Followed:
     st.splits.note_units(grouped)
     for src in s.sources:
         st.trace.spans.groups.setdefault(src, grouped.n)
-    for key in ("weight", "bias"):  # one entry per channel, met along the split dim itself
-        t = a.get(key)
-        if not isinstance(t, torch.Tensor):
-            continue
-        if not st.vectors.split_alike(t, s, x.dim(), at=1):
-            raise SplitEnds(f"its {key} (one entry per channel) cannot be split with the channels")
-        st.vectors.facts.channel_vectors[st.vectors.view_of(t)[0]] = "norm"  # type: ignore[index]
+    _affine_alike(st, a, s, x, "norm")
     return [(op.outs[0], s)]
 
 
@@ -64,13 +59,7 @@ def batch_normed(st: Trackers, op: Op) -> Followed:
             "it normalizes fused pieces of channels, each rank a slice of each, which its "
             "per-channel entries split in one contiguous share would not match"
         )
-    for key in ("weight", "bias"):
-        t = a.get(key)
-        if not isinstance(t, torch.Tensor):
-            continue
-        if not st.vectors.split_alike(t, s, x.dim(), at=1):
-            raise SplitEnds(f"its {key} (one entry per channel) cannot be split with the channels")
-        st.vectors.facts.channel_vectors[st.vectors.view_of(t)[0]] = "batch"  # type: ignore[index]
+    _affine_alike(st, a, s, x, "batch")
     for key in ("running_mean", "running_var"):
         t = a.get(key)
         if not isinstance(t, torch.Tensor):
@@ -78,9 +67,7 @@ def batch_normed(st: Trackers, op: Op) -> Followed:
         name = st.origins.buffers.get(id(t))
         if name is None or t.shape != (x.shape[1],):
             raise SplitEnds(f"its {key} is not a buffer of one entry per channel")
-        st.vectors.facts.split_vectors.setdefault(name, set()).update(s.sources)
-        st.vectors.facts.vector_dims[name] = 0
-        st.vectors.facts.channel_vectors[name] = "batch"
+        _split_with_channels(st, name, s, "batch")
     return [(op.outs[0], s)]
 
 
@@ -121,9 +108,7 @@ def depthwise(st: Trackers, op: Op) -> Followed:
         name = st.origins.param_of(t)
         if name is None or t.shape[0] != out_channels:
             raise SplitEnds(f"its {key} is not a parameter of one entry per output channel")
-        st.vectors.facts.split_vectors.setdefault(name, set()).update(s.sources)
-        st.vectors.facts.vector_dims[name] = 0
-        st.vectors.facts.channel_vectors[name] = use
+        _split_with_channels(st, name, s, use)
     return [(op.out, out)]
 
 
@@ -143,6 +128,28 @@ def _grouped(st: Trackers, s: Split, group_in: int, group_out: int, groups: int)
         f"it convolves groups of {group_in} channels, which the split's units of {s.inner} "
         "channels cut across"
     )
+
+
+def _affine_alike(
+    st: Trackers, a: dict[str, object], s: Split, x: torch.Tensor, use: ChannelUse
+) -> None:
+    """A norm's weight and bias (`a`'s, where given), one entry per channel met along the
+    split dim itself, split alike with the channels."""
+    for key in ("weight", "bias"):
+        t = a.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        if not st.vectors.split_alike(t, s, x.dim(), at=1):
+            raise SplitEnds(f"its {key} (one entry per channel) cannot be split with the channels")
+        st.vectors.facts.channel_vectors[st.vectors.view_of(t)[0]] = use  # type: ignore[index]
+
+
+def _split_with_channels(st: Trackers, name: str, s: Split, use: ChannelUse) -> None:
+    """The parameter or buffer `name`, one entry per channel along its dim 0, is split with
+    the channels of `s`."""
+    st.vectors.facts.split_vectors.setdefault(name, set()).update(s.sources)
+    st.vectors.facts.vector_dims[name] = 0
+    st.vectors.facts.channel_vectors[name] = use
 
 
 def _count_channels(st: Trackers, s: Split, count: int, use: ChannelUse, doing: str) -> None:
