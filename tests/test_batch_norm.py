@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from support.models import TwoBlocks
 from support.parity import (
     assert_parity,
     assert_the_original_state,
@@ -62,17 +63,6 @@ class _TokenMlp(nn.Module):
         return x + self.down(F.hardswish(h))
 
 
-class _Net(nn.Module):
-    def __init__(self, make: type[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([make(), make()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
 # style -> (block, input shape, opener, closer, the norms)
 CASES = {
     "resnext": (_Bottleneck, (4, 16, 5, 5), "reduce", "expand", ("bn1", "bn2")),
@@ -84,7 +74,7 @@ CASES = {
 def _model(style: str) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     make, shape, *_ = CASES[style]
-    model = _Net(make)
+    model = TwoBlocks(make)
     with torch.no_grad():  # running statistics that matter in eval
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -118,7 +108,7 @@ def test_a_batch_norm_on_split_channels_keeps_the_split(style: str, tp: int, mod
     assert_parity(model, plan, tp, x)
     with one_counted_forward(model, plan, tp, x) as (sharded, comms):
         for i in range(2):
-            assert forward_collectives(comms, f"_Net.blocks.{i}") == {"all_reduce": 1}
+            assert forward_collectives(comms, f"TwoBlocks.blocks.{i}") == {"all_reduce": 1}
         if mode == "eval":
             assert_the_original_state(sharded, model)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support.models import TwoBlocks
 from support.parity import (
     assert_parity,
     assert_the_original_state,
@@ -85,17 +86,6 @@ class _Functional(nn.Module):
         return x + self.down(F.gelu(h.transpose(1, 2)))
 
 
-class _Net(nn.Module):
-    def __init__(self, make: type[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([make(), make()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
 def _doubled() -> nn.Module:
     return _InvertedResidual(multiplier=2)
 
@@ -113,7 +103,7 @@ CASES = {
 def _model(style: str) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     make, shape, *_ = CASES[style]
-    return _Net(make), torch.randn(*shape)
+    return TwoBlocks(make), torch.randn(*shape)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -140,7 +130,7 @@ def test_a_grouped_convolution_on_split_channels_keeps_the_split(style: str, tp:
     assert_parity(model, plan, tp, x)
     with one_counted_forward(model, plan, tp, x) as (sharded, comms):
         for i in range(2):
-            assert forward_collectives(comms, f"_Net.blocks.{i}") == {"all_reduce": 1}
+            assert forward_collectives(comms, f"TwoBlocks.blocks.{i}") == {"all_reduce": 1}
         assert_the_original_state(sharded, model)
 
 
@@ -149,7 +139,7 @@ def test_groups_tp_does_not_divide_end_the_split_with_its_reason() -> None:
     """Two groups at tp 4: a rank would hold half a group, whose kernels read the other
     half's channels. The pair is split then gathered, and the reason names the count."""
     torch.manual_seed(0)
-    model = _Net(lambda: _Bottleneck(groups=2))  # type: ignore[arg-type, return-value]
+    model = TwoBlocks(lambda: _Bottleneck(groups=2))
     plan = tpplan.infer_plan(model, tp_size=4, example_inputs=torch.randn(2, 16, 5, 5))
     rules = {r.match: r for r in plan.rules}
     assert rules["blocks.*.expand"].style != "rowwise"

@@ -5,6 +5,7 @@ by hand, with its `images`; `seeded` builds any of them from a seed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,6 +125,20 @@ class SeqParallelNet(nn.Module):
         h = self.embed(tokens)
         h = h + self.mlp(self.norm1(h))
         return self.head(self.norm2(h))
+
+
+class TwoBlocks(nn.Module):
+    """Two blocks of one class (`make()` each), run in turn: a pattern in the plan matches
+    both, and each block's collectives are counted under `TwoBlocks.blocks.<i>`."""
+
+    def __init__(self, make: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([make(), make()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
 
 
 def tiny_tokenizer(vocab: int = 128) -> Any:
