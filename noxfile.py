@@ -1,5 +1,5 @@
-"""Developer sessions. `nox` alone runs the default ones, tests, zoo, lint and typecheck: what
-CI and the README run. `nox -s unit` is the tier that answers in under a minute; `nox` alone
+"""Developer sessions. `nox` alone runs the default ones, tests, zoo, lint, typecheck and docs:
+what CI and the README run. `nox -s unit` is the tier that answers in under a minute; `nox` alone
 runs it first inside `tests` and logs its time, so that CI's log shows it drift.
 
 torch is pinned first in every session that installs it: 2.13.0 is the CPU build the
@@ -14,7 +14,7 @@ import time
 
 import nox
 
-nox.options.sessions = ["tests", "zoo", "lint", "typecheck"]
+nox.options.sessions = ["tests", "zoo", "lint", "typecheck", "docs"]
 nox.options.reuse_venv = "yes"
 
 TORCH = "torch==2.13.0"
@@ -94,6 +94,15 @@ def zoo(session: nox.Session) -> None:
     workers = _workers(session.posargs)
     workers = [w if w != "loadfile" else "loadgroup" for w in workers]
     session.run("pytest", "-m", "zoo", *workers, *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The docs site (docs/, mkdocs.yml) built into site/ with `mkdocs build --strict`: any
+    warning, a broken link or anchor, a reference that does not resolve, fails it. Its
+    reference pages are generated from the code (docs/hooks.py imports tpplan, hence torch)."""
+    _install(session, "docs")
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(default=False)

@@ -59,7 +59,8 @@ def from_pretrained(
         model_class: a transformers model class (`LlamaForCausalLM`) or auto class
             (`AutoModelForSequenceClassification`); default the config's `architectures`.
         device: where the shards live; default the mesh's device (this rank's GPU on CUDA).
-        local_shards, check_inputs: as for `apply_plan`.
+        local_shards: as for `apply_plan`.
+        check_inputs: as for `apply_plan`.
         trust_remote_code: passed to transformers for models whose code is in the folder.
 
     Returns:
