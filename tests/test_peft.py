@@ -209,10 +209,11 @@ def test_a_lora_variant_peft_computes_otherwise_is_traced_op_by_op() -> None:
 
 # torchrun, two gloo processes that import torch, transformers and peft: ~15 s on 2 cores
 @pytest.mark.slow
-def test_the_readme_lora_snippet_runs_as_written(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("\n## Adapters (LoRA)\n", 1)[1].split("\n## ", 1)[0]
-    script = section.split("```python\n", 1)[1].split("```", 1)[0]
+def test_the_docs_lora_snippet_runs_as_written(tmp_path: Path) -> None:
+    """docs/guides/lora.md's script, saved and run with the torchrun command it gives."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "lora.md").read_text()
+    script = page.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "`torchrun --nproc-per-node 2 lora_tp.py`" in page
     (tmp_path / "lora_tp.py").write_text(script)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.pretrained import run_pretrained_line
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 
 def _one_line(text: str) -> str:
@@ -35,8 +37,9 @@ def test_the_no_plan_bar_count_is_the_saved_results() -> None:
 
 
 def _shipped_table() -> dict[str, str]:
-    """{name: class} from the README's shipped-plans table (the rows of `| `name` | Class |`)."""
-    section = README.split("\n## Shipped plans\n", 1)[1].split("\n## ", 1)[0]
+    """{name: class} from the docs' shipped-plans table (the rows of `| `name` | Class |`)."""
+    page = (DOCS / "guides" / "plans-as-code.md").read_text()
+    section = page.split("\n## Shipped plans\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([^`]+)` \| (\w+) \|", section, flags=re.M)
     assert rows, "no rows found in the README's shipped-plans table"
     table = dict(rows)
@@ -55,19 +58,22 @@ def test_the_shipped_plans_table_lists_every_plan_file_and_its_class() -> None:
 
 def test_the_shipped_plan_count_is_the_number_of_files() -> None:
     count = len(list((ROOT / "plans").rglob("*.yaml")))
-    assert f"holds a plan for each of {count} popular families" in _one_line(README)
+    page = (DOCS / "guides" / "plans-as-code.md").read_text()
+    for text in (README, page):
+        assert f"holds a plan for each of {count} popular families" in _one_line(text)
 
 
 def test_the_benchmark_scripts_nox_runs_are_the_ones_named() -> None:
-    """`nox -s benchmarks` runs the default list in noxfile.py's benchmarks session; the README
-    names those scripts, and every other script in benchmarks/ as run by hand."""
+    """`nox -s benchmarks` runs the default list in noxfile.py's benchmarks session; the docs'
+    development page names those scripts, and every other script in benchmarks/ as run by hand."""
     tree = ast.parse((ROOT / "noxfile.py").read_text())
     [session] = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "benchmarks"]
     [default] = [n for n in ast.walk(session) if isinstance(n, ast.BoolOp)]
     # `session.posargs or [...]`: the list is what runs when no script is named
     by_nox = [ast.literal_eval(e) for e in default.values[1].elts]
     assert by_nox
-    text = _one_line(README.split("\n## Tests\n", 1)[1])
+    page = (DOCS / "development.md").read_text()
+    text = _one_line(page.split("\n## Benchmarks\n", 1)[1].split("\n## ", 1)[0])
     named = ", ".join(f"`{name}`" for name in by_nox)
     assert (
         f"`nox -s benchmarks` runs {_count(len(by_nox))} of the CPU benchmark scripts ({named};"
@@ -218,33 +224,19 @@ def test_the_first_example_runs_as_written(tmp_path: Path) -> None:
     """The one line on the README's first screen, saved and run with the torchrun command it
     gives, loads its model id from the Hugging Face cache (a tiny Llama saved there under
     that id: tpplan never downloads) split over 2 gloo ranks."""
-    script, model_id, command = _first_example()
+    script, _, command = _first_example()
     assert script.count("\n") <= 3, "the first example is meant to be one line"
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    repo = tmp_path / "hub" / ("models--" + model_id.replace("/", "--"))
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=8,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(repo / "snapshots" / ("0" * 40))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0" * 40)
-    name = command.split()[-1]
-    check = "\nq = model.model.layers[0].self_attn.q_proj.weight\nprint(type(q).__name__, tuple(q.to_local().shape))\n"
-    (tmp_path / name).write_text(script + check)
-    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "OMP_NUM_THREADS": "1"}
-    run = _torchrun_as_written(command, tmp_path, env)
+    run = run_pretrained_line(script, command, tmp_path)
     assert run.stdout.count("DTensor (32, 64)") == 2, run.stdout
 
 
 def _map_section() -> str:
-    return README.split("\n## How it works\n", 1)[1].split("\n## ", 1)[0]
+    return (DOCS / "concepts" / "codebase.md").read_text()
 
 
 @pytest.mark.unit
 def test_the_map_names_every_stage_and_only_files_that_exist() -> None:
-    """The "How it works" map lists each subpackage of tpplan/ (and only those), and every
+    """The docs' map of the code lists each subpackage of tpplan/ (and only those), and every
     file its question table points to exists: a module moved or renamed fails here."""
     section = _map_section()
     drawn = set(re.findall(r"^  (\w+)/ ", section, flags=re.M))
@@ -254,4 +246,4 @@ def test_the_map_names_every_stage_and_only_files_that_exist() -> None:
     files = re.findall(r"`([\w/]+\.py|[\w/]+/)`", table)
     assert len(files) > 20, "the question table names too few files to be the map"
     missing = [f for f in files if not (ROOT / "tpplan" / f).exists()]
-    assert not missing, f"the README map names files tpplan/ does not have: {missing}"
+    assert not missing, f"the docs' map names files tpplan/ does not have: {missing}"
