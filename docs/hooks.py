@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 import textwrap
@@ -147,6 +148,7 @@ def styles() -> str:
 def cli() -> str:
     from tpplan.cli import _parser
 
+    os.environ["COLUMNS"] = "100"  # argparse wraps help to the terminal: one width for every build
     top = _parser()
     [sub] = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
     out = ["```text", top.format_help().rstrip(), "```", ""]
