@@ -30,10 +30,12 @@ def picture_format(path: str | Path) -> Callable[[Picture], str]:
         given = f"'{path.suffix}'" if path.suffix else "no suffix"
         raise PictureFileError(
             f"-o {path}: {given} is not a picture format tpplan show writes; end the file "
-            f"name in .svg or .html, e.g. -o {path.with_suffix('.svg').name}."
+            f"name in .svg or .html, e.g. -o {path.with_suffix('.svg')}."
         )
     if path.is_dir():
-        raise PictureFileError(f"-o {path} is a folder; name the file, e.g. -o {path / 'plan.svg'}.")
+        raise PictureFileError(
+            f"-o {path} is a folder; name the file, e.g. -o {path / 'plan.svg'}."
+        )
     if not path.parent.is_dir():
         raise PictureFileError(
             f"-o {path}: the folder {path.parent} does not exist; create it first, or write "

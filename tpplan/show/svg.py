@@ -98,9 +98,11 @@ def render_svg(picture: Picture) -> str:
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{height}" '
         f'viewBox="0 0 {_WIDTH} {height}" role="img" aria-labelledby="tpplan-title">\n'
-        f"<title id=\"tpplan-title\">{_esc(_heading(picture))}</title>\n"
+        f'<title id="tpplan-title">{_esc(_heading(picture))}</title>\n'
         f"<style>{_STYLE}</style>\n"
-        f'<rect width="{_WIDTH}" height="{height}" fill="#ffffff"/>\n' + "\n".join(body) + "\n</svg>\n"
+        f'<rect width="{_WIDTH}" height="{height}" fill="#ffffff"/>\n'
+        + "\n".join(body)
+        + "\n</svg>\n"
     )
 
 
@@ -259,8 +261,6 @@ def _box(layer: Layer, y: float) -> str:
         out.append(_text(_REASON_X, y + 13 + i * 13, line, "reason"))
     if layer.collectives:
         text = _collectives_text(layer.collectives)
-        out.append(
-            _pill(_BOX_X + 12, y + _BOX_H + 4, text, f"{layer.name}'s forward runs {text}")
-        )
+        out.append(_pill(_BOX_X + 12, y + _BOX_H + 4, text, f"{layer.name}'s forward runs {text}"))
     out.append("</g>")
     return "".join(out)
