@@ -25,6 +25,7 @@ STAGES = [
     "apply",
     "checkpoint",
     "diagnose",
+    "show",
     "cli",
 ]
 # the package's lazy loader imports every stage by name on first use, by design

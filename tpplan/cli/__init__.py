@@ -1,4 +1,4 @@
-"""The `tpplan` command line: infer, check, diff, verify, stats and schema.
+"""The `tpplan` command line: infer, check, diff, verify, stats, show and schema.
 
 Each command is a `_cmd_*` function here, or `cmd_*` in a module of its own (check.py,
 verify.py) imported when it runs; `main` parses arguments and maps the errors a user can
@@ -58,6 +58,8 @@ _EXAMPLES = {
     "verify": "example:\n  tpplan verify llama --plan llama.yaml --tp 2 --backward --set num_hidden_layers=2 "
     "--set hidden_size=256 --set intermediate_size=512 --set vocab_size=1024",
     "stats": "example:\n  tpplan stats llama --tp 8 --backward --set num_hidden_layers=2",
+    "show": "examples:\n  tpplan show llama --tp 2 --set num_hidden_layers=2 -o llama.svg\n"
+    "  tpplan show plans/llama.yaml --tp 8 -o llama.html",
 }
 
 
@@ -219,6 +221,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(func=_cmd_stats)
 
+    p = command(
+        "show",
+        "Draw how a plan splits a model: its blocks' layers coloured by style, the collectives "
+        "of one forward, each rule's reason and the parameters per rank (SVG or HTML).",
+    )
+    p.add_argument(
+        "target",
+        metavar="MODEL|PLAN",
+        help="a MODEL (as for infer; its inferred plan is drawn) or a plan file (drawn on the "
+        "model its `model.command` names, or on MODEL)",
+    )
+    p.add_argument(
+        "model", metavar="MODEL", nargs="?", help="with a plan file: the model to draw it on"
+    )
+    overrides(p)
+    p.add_argument("--tp", type=_TP, required=True, help="tensor-parallel size")
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        required=True,
+        help="the picture to write; its suffix picks the format: .svg, or .html (the SVG in a "
+        "page of its own, nothing fetched)",
+    )
+    p.set_defaults(func=_cmd_show)
+
     p = command("schema", "Print the JSON Schema of plan files.")
     p.set_defaults(func=_cmd_schema)
     return top
@@ -337,15 +365,18 @@ def _check_output(path: Path) -> None:
         )
 
 
-def _cmd_diff(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _is_plan_file(spec: str) -> bool:
+    """A MODEL|PLAN argument names a plan file (a model's config.json is a MODEL)."""
+    return Path(spec).is_file() and not spec.endswith("config.json")
 
+
+def _cmd_diff(args: argparse.Namespace) -> int:
     from ..plan.diff import diff_plans
     from ..plan.load import load_plan
 
     plans, names, model = [], None, None
     for spec in (args.a, args.b):
-        if Path(spec).is_file() and not spec.endswith("config.json"):
+        if _is_plan_file(spec):
             plans.append(load_plan(spec))
         else:
             model = _build(args, spec)
@@ -398,6 +429,58 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         if how.startswith("DTensor: "):
             print(f"  on DTensors: {pattern}: {how.removeprefix('DTensor: ')}")
     return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from ..show import picture_format
+
+    picture_format(args.output)  # a wrong -o is told before torch is imported
+    from .._runtime.models import build_model, parse_overrides
+    from ..plan.load import load_plan
+
+    plan, spec, pairs = None, args.target, list(args.overrides)
+    if _is_plan_file(args.target):
+        plan = load_plan(args.target)
+        if args.model is None:
+            spec, named = _model_of_plan(args.target, plan, args.tp, args.output)
+            pairs = named + pairs  # the user's --set after the plan's own
+        else:
+            spec = args.model
+    elif args.model is not None:
+        raise _UsageError(
+            f"{args.target} is not a plan file, so show takes no second MODEL ({args.model}); "
+            f"give a plan file first: tpplan show PLAN {args.model} --tp {args.tp} -o {args.output}."
+        )
+    model = build_model(spec, parse_overrides(pairs))
+    if plan is None:
+        from ..infer import infer_plan
+
+        _progress(args, f"inferring the plan of {spec} at tp {args.tp} ...")
+        plan = infer_plan(model, tp_size=args.tp)
+    from ..show import picture_of, write_picture
+
+    _progress(args, f"measuring the plan at tp {args.tp} ...")
+    picture = picture_of(model, plan, tp_size=args.tp)
+    write_picture(picture, args.output)
+    print(
+        f"wrote {args.output} ({picture.model} at tp {args.tp}: {len(picture.groups)} groups, "
+        f"parameters per rank {picture.fraction:.1%} of the unsharded model)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _model_of_plan(path: str, plan: Any, tp: int, output: str) -> tuple[str, list[str]]:
+    """The MODEL and --set pairs of the `tpplan infer` command a plan records."""
+    command = plan.model.command if plan.model is not None else None
+    words = shlex.split(command) if command else []
+    if words[:2] == ["tpplan", "infer"] and len(words) > 2:
+        recorded = _parser().parse_known_args(words[1:])[0]
+        return recorded.model, list(recorded.overrides)
+    raise _UsageError(
+        f"{path} records no `tpplan infer` command (model.command) naming its model; name the "
+        f"model after the plan: tpplan show {path} MODEL --tp {tp} -o {output}."
+    )
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
