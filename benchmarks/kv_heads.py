@@ -22,6 +22,7 @@ import tpplan
 from tpplan._runtime.local import fake_ranks
 from tpplan._runtime.models import build_model
 from tpplan._runtime.tree import local_bytes
+from tpplan.plan.styles import ColwiseRule
 
 LAYERS = 2
 CASES: dict[str, tuple[str, dict[str, Any], int]] = {
@@ -82,7 +83,12 @@ def measure(label: str) -> dict[str, Any]:
     model = model.to(torch.bfloat16)  # the meta grouped matmul of experts runs in bf16 only
     plan = tpplan.infer_plan(model, tp_size=tp)
     shared = any(getattr(r, "replicate_heads", None) for r in plan.rules)
-    gathered = any(r.output == "replicate" and ".self_attn." in r.match for r in plan.rules)
+    # gathered: split and gathered right after (colwise with output replicate; only colwise
+    # rules can gather, and the other styles' rules have no `output` or sum it)
+    gathered = any(
+        isinstance(r, ColwiseRule) and r.output == "replicate" and ".self_attn." in r.match
+        for r in plan.rules
+    )
     sides = _attention(model)
     params = dict(model.named_parameters())
     total = {k: sum(local_bytes(params[n]) for n in v) for k, v in sides.items()}

@@ -26,6 +26,7 @@ from tpplan._runtime.local import fake_ranks
 from tpplan._runtime.models import build_model, parse_overrides
 from tpplan.check.run import _comm_counting
 from tpplan.plan.shipped import shipped_plans
+from tpplan.plan.styles import ColwiseRule
 
 TP = 2
 LAYERS = {"num_hidden_layers": 2}
@@ -40,7 +41,12 @@ def measure(name: str, path: Path) -> dict[str, object]:
     layers = {**LAYERS, **EXTRA.get(name, {})}
     model = build_model(args.model, {**parse_overrides(args.overrides), **layers}, device="meta")
     model = model.to(torch.bfloat16)  # the experts' meta grouped matmul runs in bf16 only
-    gathered = sorted(r.match for r in plan.rules if r.output == "replicate" and "*" in r.match)
+    # colwise with output replicate; only colwise rules can gather (rowwise sums its output)
+    gathered = sorted(
+        r.match
+        for r in plan.rules
+        if isinstance(r, ColwiseRule) and r.output == "replicate" and "*" in r.match
+    )
     inputs = example_inputs(model, batch=1, seq=32, device="meta")
     with fake_ranks(TP) as mesh:
         tpplan.apply_plan(model, mesh, plan)
