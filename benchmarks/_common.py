@@ -4,7 +4,9 @@ table, plot and provenance helpers.
 
 Used by infer_time.py, memory_tp.py, collectives.py, forward_gloo.py, gpu_overhead.py and
 checkpoint_memory.py. Nothing here downloads anything: models are built from config fields
-written below, on the meta device when they are big.
+written below, on the meta device when they are big. `fold` and `rendered` are for every
+script whose tables are too long for benchmarks/README.md: it shows a short render, and
+results/NAME.md every table.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -202,6 +205,42 @@ def save(name: str, data: dict[str, Any]) -> Path:
 
 def load(name: str) -> dict[str, Any]:
     return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+# ---- short renders for benchmarks/README.md, every table in results/NAME.md --------------------
+def render_flags(parser: Any) -> None:
+    parser.add_argument(
+        "--render", action="store_true", help="re-print the saved results (short, as README.md)"
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="with --render: every table, as results/NAME.md"
+    )
+
+
+def fold(summary: str, lines: list[str]) -> list[str]:
+    """A long table folded under `summary` (GitHub renders <details>): results/NAME.md holds
+    it, and the short render a line that links there."""
+    return [f"<details><summary>{summary}</summary>", "", *lines, "", "</details>"]
+
+
+_FOLD = re.compile(r"<details><summary>(.*?)</summary>\n.*?\n</details>", re.S)
+
+
+def rendered(text: str, name: str, *, full: bool = False) -> str:
+    """What `--render` prints of a render `text` that has folds: short, each fold a link to
+    results/NAME.md (what benchmarks/README.md shows); with `full`, that file's text."""
+    if full:
+        head = f"# {name}: every table\n\nThe results in `{name}.json`, as the script's "
+        head += "`--render --full` prints them; benchmarks/README.md shows the short form.\n\n"
+        return head + text
+    return _FOLD.sub(lambda m: f"{m.group(1)}: in [results/{name}.md](results/{name}.md).", text)
+
+
+def save_tables(text: str, name: str) -> Path:
+    """results/NAME.md: every table of a render that has folds, beside results/NAME.json."""
+    path = RESULTS / f"{name}.md"
+    path.write_text(rendered(text, name, full=True).rstrip() + "\n")
+    return path
 
 
 def pyplot() -> Any:

@@ -6,7 +6,8 @@ size on 2 busy cores: 20 minutes; `--n 20 --tp 2` for fewer, `--seed 1` for othe
 `--depart 0.7` for cases further from the common forms, `--only qkv=split,kv=gqa` to fix
 choices, `--single` for the common form and each other value of a choice on its own (29
 cases, results in code_styles_single.json), `--render` to re-print
-benchmarks/results/code_styles.json without running).
+benchmarks/results/code_styles.json without running, `--render --full` with every table, as a
+run writes them to results/code_styles.md).
 
 The cases are tests/support/code_styles.py's: a `Spec` of independent choices (projection
 kind, how a fused q|k|v is cut, head reshapes, where sizes come from, ...), each choice left
@@ -235,21 +236,23 @@ def single_table(rows: list[dict[str, Any]]) -> str:
     return _common.markdown(["case", "Megatron exists", *heads, "first reason of a miss"], lines)
 
 
-def render(data: dict[str, Any]) -> None:
+def render(data: dict[str, Any]) -> str:
+    """The headline; the tables folded (results/NAME.md holds them); any parity failure."""
     rows, meta = data["rows"], data["meta"]
-    print(f"{meta['command']}\n{meta['date']}; {meta['provenance']}\n")
-    print(headline(rows) + "\n")
+    parts = [f"{meta['command']}\n{meta['date']}; {meta['provenance']}", headline(rows)]
     if meta.get("single"):
-        print(single_table(rows))
-        return
-    print(axis_table(rows) + "\n")
-    print(
-        "Runs with a Megatron split, by structure (issue 35's letters; a case may hold several):\n"
-    )
-    print(structures(rows) + "\n")
+        table = single_table(rows).splitlines()
+        parts.append("\n".join(_common.fold(f"Every case ({len(table) - 2} rows)", table)))
+        return "\n\n".join(parts)
+    table = axis_table(rows).splitlines()
+    by_structure = structures(rows).splitlines()
+    caption = "Runs with a Megatron split, by structure (issue 35's letters; a case may hold several):"  # fmt: skip
+    folded = [*table, "", caption, "", *by_structure]
+    summary = f"Every choice ({len(table) - 2} rows), and the misses by structure"
+    parts.append("\n".join(_common.fold(summary, folded)))
     if any(map(_failed, rows)):
-        print("Parity failures:\n")
-        print(failures(rows))
+        parts += ["Parity failures:", failures(rows)]
+    return "\n\n".join(parts)
 
 
 def main() -> None:
@@ -269,11 +272,11 @@ def main() -> None:
         action="store_true",
         help="instead of drawn cases, the common form and each other value on its own",
     )
-    parser.add_argument("--render", action="store_true", help="re-print the saved results")
+    _common.render_flags(parser)
     args = parser.parse_args()
     name = NAME + ("_single" if args.single else "")
     if args.render:
-        render(_common.load(name))
+        print(_common.rendered(render(_common.load(name)), name, full=args.full))
         return
     only = dict(kv.partition("=")[::2] for kv in args.only.split(",") if kv)
     try:
@@ -295,8 +298,9 @@ def main() -> None:
     }
     data = {"meta": meta, "rows": rows}
     path = _common.save(name, data)
-    render(data)
-    print(f"\nsaved {path.relative_to(HERE.parent)}")
+    tables = _common.save_tables(render(data), name)
+    print(_common.rendered(render(data), name))
+    print(f"\nsaved {path.relative_to(HERE.parent)} and {tables.relative_to(HERE.parent)}")
 
 
 if __name__ == "__main__":

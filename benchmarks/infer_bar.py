@@ -2,7 +2,9 @@
 
 Run: `python benchmarks/infer_bar.py` (all of it, about 20 minutes on 2 cores; `--only
 llama,gpt2` for a subset, `--part plan|noplan|time`, `--render` to re-print the last results
-from benchmarks/results/infer_bar.json without running anything).
+from benchmarks/results/infer_bar.json without running anything, short as
+benchmarks/README.md shows them; `--render --full` prints every table, as the run writes them
+to benchmarks/results/infer_bar.md).
 
 The bar comes from the issue "Tracer", and this script reports it rather than asserting it:
 
@@ -43,8 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import _common
+
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "infer_bar.json"
+NAME = "infer_bar"
+RESULTS = HERE / "results" / f"{NAME}.json"
 MARK = "INFER_BAR_RESULT "
 
 # fp32 forward of a two-layer model: a sharded run sums the same products in another order,
@@ -1142,17 +1147,6 @@ def _summary(rows: list[dict[str, Any]], part: str) -> str:
     return text + "."
 
 
-def _details(summary: str, table: list[str]) -> list[str]:
-    """A long table folded away (GitHub renders <details>); plain text keeps it readable."""
-    return [
-        f"<details><summary>{summary} ({len(table) - 2} rows)</summary>",
-        "",
-        *table,
-        "",
-        "</details>",
-    ]
-
-
 def render(results: dict[str, Any]) -> str:
     lines = [
         f"tpplan {results.get('tpplan', '?')}; transformers {results.get('transformers', '?')}, "
@@ -1170,14 +1164,14 @@ def render(results: dict[str, Any]) -> str:
         ]
     if plan:
         lines += ["### 1. Architectures with a hand-written plan", "", _summary(plan, "plan"), ""]
-        lines += [*_details("Every architecture", _render_plan(plan)), ""]
-        lines += ["Disagreements by kind (theirs → ours):", "", *_render_pairs(plan), ""]
-        lines += [
-            *_details(
-                "Every disagreement (module patterns; n = modules)", _render_disagreements(plan)
-            ),
-            "",
-        ]
+        every, kinds, each = _render_plan(plan), _render_pairs(plan), _render_disagreements(plan)
+        summary = (
+            f"Every architecture ({len(every) - 2} rows), the disagreements by kind "
+            f"({len(kinds) - 2} rows) and every disagreement ({len(each) - 2} rows)"
+        )
+        tables = [*every, "", "Disagreements by kind (theirs → ours):", "", *kinds, ""]
+        tables += ["Every disagreement (module patterns; n = modules):", "", *each]
+        lines += [*_common.fold(summary, tables), ""]
     if noplan:
         lines += [
             "### 2. Architectures without a hand-written plan",
@@ -1185,7 +1179,8 @@ def render(results: dict[str, Any]) -> str:
             _summary(noplan, "noplan"),
             "",
         ]
-        lines += [*_render_noplan(noplan), ""]
+        table = _render_noplan(noplan)
+        lines += [*_common.fold(f"Every architecture ({len(table) - 2} rows)", table), ""]
     if plan or noplan:
         lines += ["### Failure classes (both tables)", "", *_render_failures(plan + noplan), ""]
     if results.get("time"):
@@ -1219,14 +1214,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="workers at a time (default 2)")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds per architecture")
     parser.add_argument("--depths", default="8,32,64,126", help="layers for the timing part")
-    parser.add_argument("--render", action="store_true", help="re-print the saved results")
+    _common.render_flags(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         _worker(argparse.Namespace(worker=args.worker, part=args.part[0]))
         return
     if args.render:
-        print(render(json.loads(RESULTS.read_text())))
+        print(_common.rendered(render(json.loads(RESULTS.read_text())), NAME, full=args.full))
         return
 
     import torch
@@ -1264,7 +1259,8 @@ def main() -> None:
         results["time"] = [_spawn((d, "time"), 600) for d in args.depths.split(",")]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    print(render(results))
+    _common.save_tables(render(results), NAME)
+    print(_common.rendered(render(results), NAME))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Parameter memory per rank against the tp size, tpplan's plan next to transformers' own.
 
 Run: `python benchmarks/memory_tp.py` (about 2 minutes on 2 cores; `--models Llama-3-8B`,
-`--tp 1 2 4 8`, `--render` re-prints benchmarks/results/memory_tp.json and redraws the plot).
+`--tp 1 2 4 8`, `--render` re-prints benchmarks/results/memory_tp.json and redraws the plot;
+`--render --full` adds every model's table per tp size, which a run writes to
+results/memory_tp.md).
 
 Each model is built at its published shape in bf16 on the meta device and sharded on a fake
 process group of each tp size (one process, no memory, no numbers: shapes only):
@@ -127,56 +129,87 @@ def _fwd_cell(status: str | None) -> str:
     return "runs" if status == "ok" else f"fails: {status[:90]}"
 
 
-def render(results: dict[str, Any], plot: bool) -> str:
-    out = [
-        "Parameter GiB per rank (bf16), rank 0; ideal = model / tp. "
-        + _common.provenance_line(results["meta"]),
-        "",
-    ]
+def _at(rows: list[dict[str, Any]], holds: Any) -> str:
+    """The tp sizes of `rows` where `holds(row)`, as "1, 2, 4" ("none" where none)."""
+    return ", ".join(str(r["tp"]) for r in rows if holds(r)) or "none"
+
+
+def _summary(results: dict[str, Any]) -> list[str]:
+    """One row per model: tpplan's bytes per rank against the ideal, and the tp sizes where
+    each plan's forward runs and where the tp-free plan is accepted."""
+    table = []
     for spec in results["models"]:
         rows = [r for r in results["rows"] if r["model"] == spec]
         if not rows:
             continue
-        out += [f"**{spec}** ({rows[0]['total'] / GIB:.1f} GiB in bf16)", ""]
-        table = []
-        for r in rows:
-            kept = _kept_summary(r["kept"])
-            check = "accepted" if not r["check"] else f"refused ({len(r['check'])} problems)"
-            theirs = (
-                f"{r['theirs'] / GIB:.2f}" if "theirs" in r else "(its tp plan: see tensor row)"
-            )
-            table.append(
-                [
-                    r["tp"],
-                    f"{r['total'] / r['tp'] / GIB:.2f}",
-                    f"{r['ours'] / GIB:.2f}",
-                    _fwd_cell(r["ours_fwd"]),
-                    theirs,
-                    _fwd_cell(r.get("theirs_fwd")),
-                    check,
-                    kept,
-                ]
-            )
-        out.append(
-            _common.markdown(
-                [
-                    "tp",
-                    "ideal",
-                    "tpplan",
-                    "tpplan fwd",
-                    "transformers",
-                    "transformers fwd",
-                    "tp-free plan at this tp",
-                    "tpplan keeps whole (its reason)",
-                ],
-                table,
-            )
+        over = max(r["ours"] * r["tp"] / r["total"] for r in rows)
+        theirs = (
+            _at(rows, lambda r: r.get("theirs_fwd") == "ok")
+            if all("theirs" in r for r in rows)
+            else "(its tp plan: see the tensor row)"
         )
-        refused = next((r for r in rows if r["check"]), None)
-        if refused:
-            out += ["", f"First problem `check_plan` reports at tp {refused['tp']}: "
-                    f"{refused['check'][0][:300]}"]  # fmt: skip
-        out.append("")
+        table.append(
+            [
+                spec,
+                f"{rows[0]['total'] / GIB:.1f}",
+                f"{over:.3f}",
+                _at(rows, lambda r: r["ours_fwd"] == "ok"),
+                theirs,
+                _at(rows, lambda r: not r["check"]),
+            ]
+        )
+    headers = ["model", "GiB (bf16)", "tpplan / ideal, at most", "tpplan's forward runs at tp"]
+    headers += ["transformers' forward runs at tp", "tp-free plan accepted at tp"]
+    return _common.markdown(headers, table).splitlines()
+
+
+def _model_table(spec: str, rows: list[dict[str, Any]]) -> list[str]:
+    """A model's row per tp size, and the first problem `check_plan` reports."""
+    out = [f"**{spec}** ({rows[0]['total'] / GIB:.1f} GiB in bf16)", ""]
+    table = []
+    for r in rows:
+        kept = _kept_summary(r["kept"])
+        check = "accepted" if not r["check"] else f"refused ({len(r['check'])} problems)"
+        theirs = f"{r['theirs'] / GIB:.2f}" if "theirs" in r else "(its tp plan: see tensor row)"
+        table.append(
+            [
+                r["tp"],
+                f"{r['total'] / r['tp'] / GIB:.2f}",
+                f"{r['ours'] / GIB:.2f}",
+                _fwd_cell(r["ours_fwd"]),
+                theirs,
+                _fwd_cell(r.get("theirs_fwd")),
+                check,
+                kept,
+            ]
+        )
+    headers = ["tp", "ideal", "tpplan", "tpplan fwd", "transformers", "transformers fwd"]
+    headers += ["tp-free plan at this tp", "tpplan keeps whole (its reason)"]
+    out.append(_common.markdown(headers, table))
+    refused = next((r for r in rows if r["check"]), None)
+    if refused:
+        out += ["", f"First problem `check_plan` reports at tp {refused['tp']}: "
+                f"{refused['check'][0][:300]}"]  # fmt: skip
+    return out
+
+
+def render(results: dict[str, Any], plot: bool) -> str:
+    """The summary per model; each model's table per tp size folded (results/memory_tp.md)."""
+    out = [
+        "Parameter GiB per rank (bf16), rank 0; ideal = model / tp. "
+        + _common.provenance_line(results["meta"]),
+        "",
+        *_summary(results),
+        "",
+    ]
+    tables = []
+    for spec in results["models"]:
+        rows = [r for r in results["rows"] if r["model"] == spec]
+        if rows:
+            tables += [*_model_table(spec, rows), ""]
+    out += _common.fold(
+        f"Every model at every tp size ({len(results['models'])} tables)", tables[:-1]
+    )
     if plot:
         _plot(results)
     return "\n".join(out)
@@ -214,11 +247,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=MODELS, help="NAME or NAME:expert")
     parser.add_argument("--tp", type=int, nargs="+", default=TPS)
-    parser.add_argument("--render", action="store_true", help="re-print the saved results")
+    _common.render_flags(parser)
     parser.add_argument("--no-plot", action="store_true", help="print the tables only")
     args = parser.parse_args()
     if args.render:
-        print(render(_common.load("memory_tp"), plot=not args.no_plot))
+        text = render(_common.load("memory_tp"), plot=not args.no_plot)
+        print(_common.rendered(text, "memory_tp", full=args.full))
         return
     rows = []
     for spec in args.models:
@@ -227,7 +261,9 @@ def main() -> None:
             print(f"{spec} tp {tp}: {rows[-1]['ours'] / GIB:.2f} GiB", file=sys.stderr)
     results = {"meta": _common.versions(), "models": args.models, "rows": rows}
     _common.save("memory_tp", results)
-    print(render(results, plot=not args.no_plot))
+    text = render(results, plot=not args.no_plot)
+    _common.save_tables(text, "memory_tp")
+    print(_common.rendered(text, "memory_tp"))
 
 
 if __name__ == "__main__":

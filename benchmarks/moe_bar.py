@@ -1,7 +1,8 @@
 """Mixture-of-experts table: tpplan's experts against transformers' hand-written plans.
 
 Run: `python benchmarks/moe_bar.py` (about 15 minutes on 2 cores; `--only qwen3_moe,gpt_oss`
-for a subset, `--render` to re-print benchmarks/results/moe_bar.json without running).
+for a subset, `--render` to re-print benchmarks/results/moe_bar.json without running;
+`--render --full` adds the table of every model, which a run writes to results/moe_bar.md).
 
 For every model type of the installed transformers whose default config has experts (the
 same small configs as `infer_bar.py`: hidden 64, 2 layers, 4 experts, 2 per token), at tp 2:
@@ -38,9 +39,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import _common  # noqa: E402
 import infer_bar  # noqa: E402  (the small configs and helpers are shared)
 
-RESULTS = HERE / "results" / "moe_bar.json"
+NAME = "moe_bar"
+RESULTS = HERE / "results" / f"{NAME}.json"
 MARK = "MOE_BAR_RESULT "
 TOL = 1e-4
 TP = 2
@@ -284,10 +287,10 @@ def render(results: dict[str, Any]) -> str:
     head = "| arch | experts split (tensor / expert / modules) "
     for side in ("ours tensor", "ours expert", "transformers"):
         head += f"| {side}: fwd Δ | params/rank | collectives "
-    lines += [head + "| note |", "|---" * 12 + "|"]
+    table = [head + "| note |", "|---" * 12 + "|"]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(
+            table.append(
                 f"| {r['arch']} | {r.get('status')} "
                 + "| " * 9
                 + f"| {r.get('reason', '')[:120]} |"
@@ -296,9 +299,10 @@ def render(results: dict[str, Any]) -> str:
         t, e = r.get("tensor", {}), r.get("expert", {})
         split = f"{t.get('experts_in_mode', '?')} / {e.get('experts_in_mode', '?')} / {t.get('experts_modules', '?')}"
         note = t.get("kept", "") or e.get("kept", "")
-        lines.append(
+        table.append(
             f"| {r['arch']} | {split} {_cell(t)}{_cell(e)}{_cell(r.get('theirs'))}| {note[:160]} |"
         )
+    lines += _common.fold(f"Every model ({len(rows)} rows)", table)
     return "\n".join(lines)
 
 
@@ -317,7 +321,7 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated model types")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=240.0)
-    parser.add_argument("--render", action="store_true")
+    _common.render_flags(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--theirs", help=argparse.SUPPRESS)
     parser.add_argument("--class", dest="cls", help=argparse.SUPPRESS)
@@ -329,7 +333,7 @@ def main() -> None:
         print(MARK + json.dumps(_run_one(args.worker)), flush=True)
         return
     if args.render:
-        print(render(json.loads(RESULTS.read_text())))
+        print(_common.rendered(render(json.loads(RESULTS.read_text())), NAME, full=args.full))
         return
     import torch
     import transformers
@@ -356,7 +360,8 @@ def main() -> None:
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    print(render(results))
+    _common.save_tables(render(results), NAME)
+    print(_common.rendered(render(results), NAME))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ model, the methods taking turns in the same processes.
 
 Run: `python benchmarks/runtime.py` (about 5 minutes on 2 cores; `--rounds 20`, `--tp 1 2`,
 `--only decode train`, `--methods plain transformers`, `--render` re-prints
-benchmarks/results/runtime.json and redraws benchmarks/plots/runtime.png). `--gpu` runs the
+benchmarks/results/runtime.json and redraws benchmarks/plots/runtime.png; `--render --full`
+adds the targets, logits differences and notes, which a run writes to results/runtime.md). `--gpu` runs the
 same cases at tp 1 on one CUDA GPU instead (NCCL, world size 1, bf16, a wider model,
 CUDA-event times, the compiled rows with `mode="reduce-overhead"`: CUDA graphs), saved to
 runtime_gpu.json. Needs `pip install -e '.[bench]'` (accelerate for transformers' loading).
@@ -711,13 +712,15 @@ def render(results: dict[str, Any]) -> str:
         "",
         _common.markdown(headers, rows),
     ]
-    parts += ["", "Targets (issue 22):", *lines] if lines else []
-    parts += [
-        "",
+    # the rest folded (the bold cells say which target is met): results/NAME.md holds it
+    folded = ["Targets (issue 22):", *lines, ""] if lines else []
+    folded += [
         "Largest logits difference from the plain model (generate: over its steps' logits):",
+        "",
+        _common.markdown(["case", "tp", *names[1:]], diff_rows),
     ]
-    parts += ["", _common.markdown(["case", "tp", *names[1:]], diff_rows)]
-    parts += ["", "Notes:", *notes] if notes else []
+    folded += ["", "Notes:", *notes] if notes else []
+    parts += ["", *_common.fold("The targets, the logits differences and notes", folded)]
     return "\n".join(parts)
 
 
@@ -768,7 +771,7 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--gpu", action="store_true", help="tp 1 on one CUDA GPU, bf16")
     parser.add_argument("--out", help="results name (default runtime, or runtime_gpu)")
-    parser.add_argument("--render", action="store_true", help="re-print the saved results")
+    _common.render_flags(parser)
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
@@ -788,7 +791,8 @@ def main() -> None:
     else:
         results = measure_gpu(args, name) if args.gpu else measure_cpu(args)
         _common.save(name, results)
-    print(render(results))
+        _common.save_tables(render(results), name)
+    print(_common.rendered(render(results), name, full=args.full))
     if not args.no_plot:
         plot(results, name)
 

@@ -3,8 +3,9 @@ step within 1.05x of the plain model's): at tp 1 nothing is communicated, so any
 is tpplan's own host work (split layers' local forwards, regions, hooks).
 
 Run: `python benchmarks/tp1_overhead.py` (about 4 minutes on 2 cores; `--rounds 40`,
-`--plans llama t5`, `--render` re-prints benchmarks/results/tp1_overhead.json). One process,
-one thread, a gloo process group of one rank.
+`--plans llama t5`, `--render` re-prints benchmarks/results/tp1_overhead.json, `--render
+--full` with the table of every plan, which a run writes to results/tp1_overhead.md). One
+process, one thread, a gloo process group of one rank.
 
 Each plan's model is the small one of its family the tests run (tests/support/shipped.py:
 SMALL, the plan's own widths kept where it names them, 1-2 layers, vocab 512), random
@@ -29,7 +30,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from _common import load, markdown, median, provenance_line, save, versions  # noqa: E402
+from _common import (  # noqa: E402
+    fold,
+    load,
+    markdown,
+    median,
+    provenance_line,
+    render_flags,
+    rendered,
+    save,
+    save_tables,
+    versions,
+)
 from region_decode import decode_step  # noqa: E402
 
 TARGET = 1.05
@@ -102,7 +114,7 @@ def render(results: dict[str, Any]) -> str:
         f"{meta['warmup']} warm-up; median (min-max) ms.",
         "",
     ]
-    rows = []
+    rows, medians = [], []
     for stem, entry in results["plans"].items():
         cells = []
         for method in ("plain", "tpplan"):
@@ -112,13 +124,19 @@ def render(results: dict[str, Any]) -> str:
         ratios = sorted(a / b for a, b in pairs)
         ratio, q = median(ratios), len(ratios) // 4
         verdict = "met" if ratio <= TARGET else "MISSED"
+        medians.append(ratio)
         spread = f"({ratios[q]:.2f}-{ratios[-1 - q]:.2f})"
         rows.append([stem, *cells, f"{ratio:.3f}x {spread} {verdict}", f"{entry['max_diff']:.1e}"])
-    lines.append(
-        markdown(
-            ["plan", "plain ms", "tpplan ms", f"tpplan / plain (target <= {TARGET})", "diff"], rows
-        )
-    )
+    met = sum(r <= TARGET for r in medians)
+    diff = max(e["max_diff"] for e in results["plans"].values())
+    lines += [
+        f"{met} of {len(rows)} plans meet the target of {TARGET}x (tpplan / plain from "
+        f"{min(medians):.3f}x to {max(medians):.3f}x); the largest logits difference is {diff:.1e}.",
+        "",
+    ]
+    headers = ["plan", "plain ms", "tpplan ms", f"tpplan / plain (target <= {TARGET})", "diff"]
+    table = markdown(headers, rows).splitlines()
+    lines += fold(f"Every plan ({len(rows)} rows)", table)
     return "\n".join(lines)
 
 
@@ -127,12 +145,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--plans", nargs="*", default=[], help="plan stems (default: all)")
-    parser.add_argument("--render", action="store_true")
+    render_flags(parser)
     parser.add_argument("--out", default="tp1_overhead", help="results name (benchmarks/results/)")
     args = parser.parse_args()
     if not args.render:
         save(args.out, run(args.plans, args.rounds, args.warmup))
-    print(render(load(args.out)))
+        save_tables(render(load(args.out)), args.out)
+    print(rendered(render(load(args.out)), args.out, full=args.full))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ and SD3 transformers and UNet2DConditionModel, nanoGPT's model.py).
 
 Run: `python benchmarks/zoo.py` (2 to 3 minutes on a 2-core CPU; needs the `zoo` extra:
 `pip install -e '.[zoo]'`; `--only timm.vit,nanogpt` for a subset, `--render` to re-print
-the last results from benchmarks/results/zoo.json without running anything).
+the last results from benchmarks/results/zoo.json without running anything, `--render
+--full` with the table of every model, which a run writes to results/zoo.md).
 
 The models are tests/model_zoo's: each built tiny from its own package's classes, random
 weights, no download (tests/test_zoo.py holds the same models to parity). For each, at tp 2
@@ -418,7 +419,10 @@ def render(results: dict[str, Any]) -> str:
         + ", ".join(f"{p} {meta[p]}" for p in PACKAGES)
         + f", Python {meta['python']}, {meta['cpus']} CPUs.",
         "",
-        _common.markdown(headers, [_row(r) for r in rows]),
+        *_common.fold(
+            f"Every model ({len(rows)} rows)",
+            _common.markdown(headers, [_row(r) for r in rows]).splitlines(),
+        ),
         "",
     ]
     sources = sorted({r.get("source", "?") for r in rows})
@@ -450,14 +454,14 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated zoo names (e.g. timm.vit,nanogpt)")
     parser.add_argument("--jobs", type=int, default=2, help="workers at a time (default 2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
-    parser.add_argument("--render", action="store_true", help="re-print the saved results")
+    _common.render_flags(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker)
         return
     if args.render:
-        print(render(_common.load("zoo")))
+        print(_common.rendered(render(_common.load("zoo")), "zoo", full=args.full))
         return
 
     sys.path.insert(0, str(TESTS))
@@ -482,7 +486,8 @@ def main() -> None:
         shapes.update({n: _shape_fraction(n) for n in SHAPES})
     results["shapes"] = shapes
     _common.save("zoo", results)
-    print(render(results))
+    _common.save_tables(render(results), "zoo")
+    print(_common.rendered(render(results), "zoo"))
 
 
 if __name__ == "__main__":

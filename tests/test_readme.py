@@ -90,39 +90,66 @@ def _count(n: int) -> str:
 
 
 BENCHMARKS_README = (ROOT / "benchmarks" / "README.md").read_text()
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Every script with `--render`: how to make it print without redrawing its plot, and the
+# results/NAME.md that holds its full render (None where the render folds nothing away).
+RENDERS = [
+    ("checkpoint_memory", [], None),
+    ("code_styles", [], "code_styles"),
+    ("code_styles", ["--single"], "code_styles_single"),
+    ("collectives", ["--no-plot"], None),
+    ("forward_gloo", ["--no-plot"], None),
+    ("infer_bar", [], "infer_bar"),
+    ("infer_time", ["--no-plot"], None),
+    ("memory_tp", ["--no-plot"], "memory_tp"),
+    ("moe_bar", [], "moe_bar"),
+    ("region_cost", [], None),
+    ("region_decode", [], None),
+    ("runtime", ["--no-plot"], "runtime"),
+    ("runtime", ["--gpu", "--no-plot"], "runtime_gpu"),
+    ("tp1_overhead", [], "tp1_overhead"),
+    ("zoo", [], "zoo"),
+]
 
 
-# Every script with `--render`, and how to make it print without redrawing its plot.
-@pytest.mark.parametrize(
-    ("script", "argv"),
-    [
-        ("checkpoint_memory", []),
-        ("collectives", ["--no-plot"]),
-        ("forward_gloo", ["--no-plot"]),
-        ("infer_bar", []),
-        ("infer_time", ["--no-plot"]),
-        ("memory_tp", ["--no-plot"]),
-        ("moe_bar", []),
-        ("region_cost", []),
-        ("region_decode", []),
-        ("runtime", ["--no-plot"]),
-        ("runtime", ["--gpu", "--no-plot"]),
-        ("tp1_overhead", []),
-        ("zoo", []),
-    ],
-)
-def test_a_benchmark_table_is_the_saved_results(script: str, argv: list[str]) -> None:
-    """benchmarks/README.md shows the table `SCRIPT --render` prints from
-    benchmarks/results/SCRIPT.json: a rerun whose table was not pasted, or a table edited by
-    hand, fails here. (`--render` imports neither torch nor transformers.)"""
+def _render(script: str, argv: list[str]) -> str:
+    """What `benchmarks/SCRIPT.py --render ARGV` prints. It imports neither torch nor
+    transformers, but for code_styles.py, whose cases are the tests' own."""
     run = subprocess.run(
         [sys.executable, f"benchmarks/{script}.py", "--render", *argv],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    table = run.stdout.strip()
-    assert "\n|---|" in table
+    return run.stdout.strip()
+
+
+@pytest.mark.parametrize(("script", "argv", "full"), RENDERS)
+def test_a_benchmark_table_is_the_saved_results(
+    script: str, argv: list[str], full: str | None
+) -> None:
+    """benchmarks/README.md shows what `SCRIPT --render` prints from
+    benchmarks/results/SCRIPT.json, the short render where the tables are long: a rerun
+    whose render was not pasted, or a table edited by hand, fails here."""
+    table = _render(script, argv)
+    assert "\n|---|" in table or f"](results/{full}.md)" in table
     assert table in BENCHMARKS_README
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "full"), [r for r in RENDERS if r[2]], ids=[r[2] for r in RENDERS if r[2]]
+)
+def test_a_full_tables_file_is_the_full_render(script: str, argv: list[str], full: str) -> None:
+    """benchmarks/results/NAME.md, which the short render links to, is what `SCRIPT --render
+    --full` prints: a file a rerun did not rewrite, or one edited by hand, fails here."""
+    page = (RESULTS / f"{full}.md").read_text()
+    assert page.strip() == _render(script, [*argv, "--full"])
+
+
+def test_every_full_tables_file_is_a_render() -> None:
+    """No benchmarks/results/*.md stays behind that no script renders (a renamed results
+    name), and none is missing."""
+    assert {p.stem for p in RESULTS.glob("*.md")} == {r[2] for r in RENDERS if r[2]}
 
 
 def test_the_forward_gloo_command_shown_is_the_one_that_made_its_table() -> None:
