@@ -152,6 +152,12 @@ def test_every_full_tables_file_is_a_render() -> None:
     assert {p.stem for p in RESULTS.glob("*.md")} == {r[2] for r in RENDERS if r[2]}
 
 
+def test_the_benchmarks_readme_holds_at_most_400_lines() -> None:
+    """The current results only: each short render with its command, machine and date; the
+    long tables are in results/NAME.md, and history stays in git."""
+    assert BENCHMARKS_README.count("\n") <= 400
+
+
 def test_the_forward_gloo_command_shown_is_the_one_that_made_its_table() -> None:
     """The settings benchmarks/results/forward_gloo.json records (rounds, warm-up, tokens,
     models) are what the command benchmarks/README.md shows parses to."""
