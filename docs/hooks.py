@@ -6,7 +6,8 @@ A page asks for a generated part with a marker line; `on_page_markdown` replaces
   docstrings and the schema version each came in, and a YAML example: the first rule of that
   style in a shipped plan (plans/), else the one docs/reference/style_examples.yaml holds;
 - `<!-- tpplan:cli -->`: every command's usage and options, from the argparse parser;
-- `<!-- tpplan:errors -->`: every error class a user can meet, with its docstring.
+- `<!-- tpplan:errors -->`: every error class a user can meet, with its docstring (read from
+  the source: the build imports tpplan's plan and CLI modules only, never torch).
 Nothing here is written by hand twice: a field, style, option or error added to the code shows
 up in the docs at the next build (and tests/test_docs.py checks the build names each one).
 """
@@ -14,10 +15,9 @@ up in the docs at the next build (and tests/test_docs.py checks the build names 
 from __future__ import annotations
 
 import argparse
-import importlib
+import ast
 import inspect
 import os
-import pkgutil
 import re
 import textwrap
 import types
@@ -159,34 +159,36 @@ def cli() -> str:
 
 
 # ---- errors ----------------------------------------------------------------------------------
+def _error_classes() -> dict[str, tuple[str, list[str], str]]:
+    """Every class under tpplan/ that derives from TpplanError, read from the source (so the
+    build imports no torch): name -> (module, bases, docstring)."""
+    found: dict[str, tuple[str, list[str], str]] = {}
+    for path in sorted((ROOT / "tpplan").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases]
+                found[node.name] = (module, bases, ast.get_docstring(node) or "")
+    errors = {"TpplanError": found["TpplanError"]}
+    grew = True
+    while grew:
+        grew = False
+        for name, (module, bases, doc) in found.items():
+            if name not in errors and any(b in errors for b in bases):
+                errors[name] = (module, bases, doc)
+                grew = True
+    return {n: v for n, v in errors.items() if not n.startswith("_")}
+
+
 def errors() -> str:
     import tpplan
-    from tpplan.errors import TpplanError
 
-    for info in pkgutil.walk_packages(tpplan.__path__, "tpplan."):
-        if ".cli" not in info.name:
-            importlib.import_module(info.name)
-    seen: dict[str, type] = {}
-    todo = [TpplanError]
-    while todo:
-        cls = todo.pop()
-        if not cls.__name__.startswith("_"):
-            seen[cls.__name__] = cls
-        todo += cls.__subclasses__()
     out = []
-    for name in sorted(seen, key=lambda n: (n != "TpplanError", n)):
-        cls = seen[name]
-        public = name in tpplan.__all__
-        where = f"`tpplan.{name}`" if public else f"`{cls.__module__}.{name}`"
-        bases = ", ".join(b.__name__ for b in cls.__bases__)
-        out += [
-            f"### {name}",
-            "",
-            f"{where} ({bases})",
-            "",
-            inspect.cleandoc(cls.__doc__ or ""),
-            "",
-        ]
+    classes = _error_classes()
+    for name in sorted(classes, key=lambda n: (n != "TpplanError", n)):
+        module, bases, doc = classes[name]
+        where = f"`tpplan.{name}`" if name in tpplan.__all__ else f"`{module}.{name}`"
+        out += [f"### {name}", "", f"{where} ({', '.join(bases)})", "", doc, ""]
     return "\n".join(out)
 
 
