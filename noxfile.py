@@ -53,7 +53,7 @@ def _workers(posargs: list[str]) -> list[str]:
 
 
 def _unit_tier(session: nox.Session) -> None:
-    """`pytest -m unit`, the README's command for the tier, then its wall time (startup and
+    """`pytest -m unit`, the docs' command for the tier (docs/development.md), then its wall time (startup and
     collection included) as a line of the log. One process: a second xdist worker imports
     torch and collects the tier again, and beside other jobs on 2 cores two workers took 49 s
     where one took 38 (issue 34)."""

@@ -3,7 +3,7 @@
 Start with `apply_plan(model, mesh)`. The package is the pipeline, one subpackage per stage,
 each importing only those before it: plan/ (the plan file, no torch) -> _runtime/ (ranks,
 inputs, model facts) -> trace/ -> compile/ (rules to torch styles) -> check/ -> infer/ ->
-apply/ -> checkpoint/ -> diagnose/ -> cli/; README.md's "How it works" is the map.
+apply/ -> checkpoint/ -> diagnose/ -> cli/; docs/concepts/codebase.md is the map.
 Importing tpplan does not import torch: the names that need it load it on first use, so
 reading and validating plan files stays instant.
 """
