@@ -23,8 +23,19 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def match_names(pattern: str, names: Iterable[str]) -> list[str]:
-    """The names matched by `pattern`, in the order given."""
-    return [n for n in names if matches(pattern, n)]
+    """The names matched by `pattern`, in the order given. The pattern is taken apart once:
+    a segment without a wildcard is compared as a string (`inference` matches every rule
+    against every module name of a 126-layer model, where fnmatch per segment cost 0.2 s)."""
+    segments = [(i, p, any(c in p for c in "*?[")) for i, p in enumerate(pattern.split("."))]
+    count = len(segments)
+    out = []
+    for name in names:
+        parts = name.split(".")
+        if len(parts) == count and all(
+            fnmatchcase(parts[i], p) if wild else parts[i] == p for i, p, wild in segments
+        ):
+            out.append(name)
+    return out
 
 
 def wildcard(name: str) -> str:
