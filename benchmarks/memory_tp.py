@@ -84,13 +84,21 @@ def measure(spec: str, tp: int) -> dict[str, Any]:
     plan = tpplan.infer_plan(model, tp_size=tp, experts=experts)
     row["kept"] = _kept_whole(plan, tp)
     with fake_ranks(tp) as mesh:
-        tpplan.apply_plan(model, mesh, plan)
-        row["ours"] = _common.local_param_bytes(model)
+        try:
+            tpplan.apply_plan(model, mesh, plan)
+        except tpplan.PlanProblemsError as e:
+            # apply_plan's dry run refuses what would crash in torch: no bytes per rank then,
+            # and the forward is recorded as refused with apply's own message
+            row["ours"], row["ours_fwd"] = None, f"refused by apply_plan: {e.problems[0]}"[:200]
+            model = None
+        if model is not None:
+            row["ours"] = _common.local_param_bytes(model)
 
     def ours(m: Any, mesh: Any) -> None:
         tpplan.apply_plan(m, mesh, tpplan.infer_plan(m, tp_size=tp, experts=experts))
 
-    row["ours_fwd"] = _forward_runs(spec, tp, ours)
+    if row["ours"] is not None:
+        row["ours_fwd"] = _forward_runs(spec, tp, ours)
 
     # the tp-free plan, checked at this tp size
     problems = tpplan.check_plan(
@@ -142,7 +150,7 @@ def _summary(results: dict[str, Any]) -> list[str]:
         rows = [r for r in results["rows"] if r["model"] == spec]
         if not rows:
             continue
-        over = max(r["ours"] * r["tp"] / r["total"] for r in rows)
+        over = max(r["ours"] * r["tp"] / r["total"] for r in rows if r["ours"] is not None)
         theirs = (
             _at(rows, lambda r: r.get("theirs_fwd") == "ok")
             if all("theirs" in r for r in rows)
@@ -175,7 +183,7 @@ def _model_table(spec: str, rows: list[dict[str, Any]]) -> list[str]:
             [
                 r["tp"],
                 f"{r['total'] / r['tp'] / GIB:.2f}",
-                f"{r['ours'] / GIB:.2f}",
+                f"{r['ours'] / GIB:.2f}" if r["ours"] is not None else "refused",
                 _fwd_cell(r["ours_fwd"]),
                 theirs,
                 _fwd_cell(r.get("theirs_fwd")),
@@ -223,13 +231,14 @@ def _plot(results: dict[str, Any]) -> None:
         rows = sorted((r for r in results["rows"] if r["model"] == spec), key=lambda r: r["tp"])
         tps = [r["tp"] for r in rows]
         ax.plot(tps, [r["total"] / r["tp"] / GIB for r in rows], "k:", label="ideal (model / tp)")
-        ax.plot(tps, [r["ours"] / GIB for r in rows], "o-", label="tpplan")
+        ours = [r for r in rows if r["ours"] is not None]
+        ax.plot([r["tp"] for r in ours], [r["ours"] / GIB for r in ours], "o-", label="tpplan")
         theirs = [r for r in rows if "theirs" in r]
         if theirs:
             ax.plot([r["tp"] for r in theirs], [r["theirs"] / GIB for r in theirs], "s--",
                     label="transformers' plan", alpha=0.8)  # fmt: skip
         bad = [(r["tp"], r[side] / GIB) for r in rows for side in ("ours", "theirs")
-               if r.get(f"{side}_fwd", "ok") != "ok"]  # fmt: skip
+               if r.get(f"{side}_fwd", "ok") != "ok" and r.get(side) is not None]  # fmt: skip
         if bad:
             ax.plot(*zip(*bad, strict=True), "rx", markersize=10, label="its forward fails")
         ax.set_xscale("log", base=2)
@@ -258,7 +267,9 @@ def main() -> None:
     for spec in args.models:
         for tp in args.tp:
             rows.append(measure(spec, tp))
-            print(f"{spec} tp {tp}: {rows[-1]['ours'] / GIB:.2f} GiB", file=sys.stderr)
+            ours = rows[-1]["ours"]
+            shown = f"{ours / GIB:.2f} GiB" if ours is not None else rows[-1]["ours_fwd"]
+            print(f"{spec} tp {tp}: {shown}", file=sys.stderr)
     results = {"meta": _common.versions(), "models": args.models, "rows": rows}
     _common.save("memory_tp", results)
     text = render(results, plot=not args.no_plot)
