@@ -363,6 +363,33 @@ def test_qwen3_moe_experts_are_split_like_a_dense_mlp(implementation: str, tp: i
     assert_parity(model, plan, tp, token_batch())
 
 
+def test_fp32_experts_split_into_rows_a_bf16_grouped_matmul_would_refuse() -> None:
+    """Each rank's 12 of every 24 features: 48-byte rows in fp32, which CPU's grouped matmul
+    runs; the dry run sizes the matmul without the bf16 meta kernel, whose 16-byte rule is
+    bf16's (12 values: 24 bytes), so infer, check and the numbers agree."""
+    model = qwen3_moe("grouped_mm", width=24)
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rule = rule_for(plan, model, "model.layers.0.mlp.experts")
+    assert (rule.style, rule.mode) == ("experts", "tensor")
+    assert tpplan.check_plan(plan, model, tp_size=2) == []
+    assert_parity(model, plan, 2, token_batch())
+
+
+def test_16_bit_experts_whose_rows_per_rank_are_not_16_byte_runs_stay_whole() -> None:
+    """torch's grouped matmul takes bf16 rows of whole 16-byte runs only: 24 features split
+    over 2 ranks are 12 (24 bytes), so the experts stay whole with that reason, and the plan
+    passes its own check; 32 features (16 a rank, 32 bytes) split."""
+    model = qwen3_moe("grouped_mm", width=24).to(torch.bfloat16)
+    plan = tpplan.infer_plan(model, tp_size=2)
+    rule = rule_for(plan, model, "model.layers.0.mlp.experts")
+    assert rule.style == "replicate"
+    assert "grouped matmul" in rule.why and "would be 12 (24 bytes) at tp 2" in rule.why
+    assert tpplan.check_plan(plan, model, tp_size=2) == []
+    wide = qwen3_moe("grouped_mm").to(torch.bfloat16)
+    plan = tpplan.infer_plan(wide, tp_size=2)
+    assert rule_for(plan, wide, "model.layers.0.mlp.experts").style == "experts"
+
+
 def test_gpt_oss_biases_and_interleaved_gate_up() -> None:
     """The down bias is added after the partial sum (1/tp per rank); the gate_up bias is split
     with its weight; the interleaved gate/up (`[..., ::2]`) needs no reordering."""

@@ -399,13 +399,14 @@ def deepseek_v3(seed: int = 0) -> nn.Module:
     return _build(DeepseekV3ForCausalLM, cfg, seed)
 
 
-def qwen3_moe(implementation: str | None = None, *, seed: int = 0) -> nn.Module:
-    """Qwen3's mixture of experts (4 experts, 2 per token), its experts' forward chosen by
-    `implementation` (transformers' `_experts_implementation`: "eager", "grouped_mm", ...)."""
+def qwen3_moe(implementation: str | None = None, *, seed: int = 0, width: int = 32) -> nn.Module:
+    """Qwen3's mixture of experts (4 experts, 2 per token, each `width` features wide), its
+    experts' forward chosen by `implementation` (transformers' `_experts_implementation`:
+    "eager", "grouped_mm", ...)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=width,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, num_experts=4,
         num_experts_per_tok=2, head_dim=8, max_position_embeddings=64,
     )  # fmt: skip

@@ -84,9 +84,33 @@ def decide_experts(ctx: Context, members: list[str], mode: str) -> Found:
     )
     if mode == "expert" and not refused:
         _split_by_experts(ctx, found, r, own, path)
-    else:
-        _split_per_expert(ctx, found, r, added_whole, path, refused)
+        return found
+    narrow = _narrow_rows(ctx, r)
+    if narrow:
+        found.kept_experts[r.owner] = f"kept whole: {narrow}{'; ' + refused if refused else ''}"
+        return found
+    _split_per_expert(ctx, found, r, added_whole, path, refused)
     return found
+
+
+def _narrow_rows(ctx: Context, r: _ExpertSpan) -> str:
+    """Why each rank's slice of the experts' features would be too narrow for torch's
+    grouped matmul ("" when it is not): its kernel takes 16-bit operands only with rows of
+    whole 16-byte runs, and a split makes a rank's rows 1/tp as long (fp32 runs any width)."""
+    units = split_unit(ctx.trace, r.openers)
+    for m in r.members:
+        if m not in ctx.trace.experts.grouped_mm:
+            continue
+        holder, _, pname = m.rpartition(".")
+        size = getattr(ctx.modules[holder], pname).dtype.itemsize
+        share = units // ctx.tp
+        if size < 4 and share * size % 16:
+            return (
+                f"torch's grouped matmul takes {8 * size}-bit rows of whole 16-byte runs only, "
+                f"and each rank's share of its blocks of {units} features would be {share} "
+                f"({share * size} bytes) at tp {ctx.tp}"
+            )
+    return ""
 
 
 def _reasons(ctx: Context, r: _ExpertSpan, alike: list[str], added_whole: list[str]) -> list[str]:

@@ -170,7 +170,9 @@ class Op:
 def run_op(func: Any, args: Any, kwargs: Any) -> Any:
     """The op, on fake or meta tensors too. The meta kernel of the grouped matmul
     (mixture-of-experts layers) takes bf16 only, though CPU runs it in fp32: its shapes are
-    the same, so it is asked in bf16 and the result given the dtype the real op would have."""
+    the same, so it is asked in bf16 and the result given the dtype the real op would have.
+    bf16 rows must also be whole 16-byte runs, which fp32 rows need not be on CPU: where only
+    that stands in the way, the output is made at the shape the real op gives."""
     if (
         func is grouped_mm
         and args[0].dtype == torch.float32
@@ -180,8 +182,31 @@ def run_op(func: Any, args: Any, kwargs: Any) -> Any:
             a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
             for a in args
         ]
-        return func(*half, **kwargs).to(torch.float32)
+        try:
+            return func(*half, **kwargs).to(torch.float32)
+        except RuntimeError as e:
+            if "16 bytes" not in str(e):
+                raise
+            return _grouped_mm_like(args, kwargs)
     return func(*args, **kwargs)
+
+
+def _grouped_mm_like(args: Any, kwargs: Any) -> torch.Tensor:
+    """An empty fp32 output of `torch._grouped_mm(a, b, offs=...)`: (M, N) for tokens (M, K)
+    by stacked weights (G, K, N); (G, M, N) for batches by batches, or for (M, K) by (K, N)
+    grouped along K."""
+    a, b = args[0], args[1]
+    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+    shape: tuple[int, ...]
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[-1])
+    else:
+        raise RuntimeError(f"grouped matmul of shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    return a.new_empty(shape, dtype=torch.float32)
 
 
 def linear_in(

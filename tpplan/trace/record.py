@@ -206,6 +206,9 @@ class ExpertFacts:
     biases: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Per-expert bias added to an opening expert matmul's output -> (that weight, the
     bias's dim that holds the features)."""
+    grouped_mm: set[str] = field(default_factory=set)
+    """3-D expert weights multiplied by torch's grouped matmul, whose kernel takes 16-bit
+    operands only with rows of whole 16-byte runs (a rank's share of the features too)."""
     after_sum: dict[str, str] = field(default_factory=dict)
     """Per-expert bias added to the closing matmul's partial sums -> its module."""
     after_weighting: set[str] = field(default_factory=set)

@@ -246,6 +246,8 @@ class Experts:
         if found is None or w.dim() != (2 if name == "mm" else 3):
             return False
         pname, dims = found
+        if name == "_grouped_mm":
+            self.facts.grouped_mm.add(pname)
         stored_in, stored_out = dims[w_in], dims[w_out]
         if stored_in in (None, 0) or stored_out in (None, 0):
             return False
