@@ -86,6 +86,12 @@ def decide_experts(ctx: Context, members: list[str], mode: str) -> Found:
         _split_by_experts(ctx, found, r, own, path)
         return found
     narrow = _narrow_rows(ctx, r)
+    if narrow and mode == "tensor":
+        # each expert cannot be split: whole experts on each rank, where that is proven
+        refused = _expert_parallel_refusal(ctx, r.owner, n_experts, added_whole)
+        if not refused:
+            _split_by_experts(ctx, found, r, own, path, instead=narrow)
+            return found
     if narrow:
         found.kept_experts[r.owner] = f"kept whole: {narrow}{'; ' + refused if refused else ''}"
         return found
@@ -185,10 +191,16 @@ def _expert_parallel_refusal(
 
 
 def _split_by_experts(
-    ctx: Context, found: Found, r: _ExpertSpan, own: dict[str, nn.Parameter], path: str
+    ctx: Context,
+    found: Found,
+    r: _ExpertSpan,
+    own: dict[str, nn.Parameter],
+    path: str,
+    *,
+    instead: str = "",
 ) -> None:
     """Mode expert: each rank keeps num_experts/tp whole experts; the attribute holding the
-    number of experts is divided."""
+    number of experts is divided. `instead`: why tensor mode, asked for, cannot split them."""
     counts = ctx.trace.experts.counts.get(r.owner)
     by_counts = r.owner in ctx.trace.experts.by_counts
     if counts:
@@ -207,7 +219,8 @@ def _split_by_experts(
     )
     found.rules[r.owner] = decided(
         ExpertsRule,
-        f"{join(sorted(r.short(o) for o in r.openers))} and {join(sorted(r.short(c) for c in r.closers))} "
+        (f"split by whole experts, not each expert: {instead}; " if instead else "")
+        + f"{join(sorted(r.short(o) for o in r.openers))} and {join(sorted(r.short(c) for c in r.closers))} "
         f"hold {value} experts, used by per-expert matmuls{path}; "
         + (
             "its forward takes the tokens grouped by expert and the count of each group, so "
