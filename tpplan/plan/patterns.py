@@ -15,27 +15,28 @@ __all__ = ["collapse", "match_names", "matches", "wildcard"]
 
 def matches(pattern: str, name: str) -> bool:
     """True when the full module name `name` is matched by `pattern`."""
-    p_parts = pattern.split(".")
-    n_parts = name.split(".")
-    return len(p_parts) == len(n_parts) and all(
-        fnmatchcase(n, p) for p, n in zip(p_parts, n_parts, strict=False)
-    )
+    return _fits(_segments(pattern), name)
 
 
 def match_names(pattern: str, names: Iterable[str]) -> list[str]:
-    """The names matched by `pattern`, in the order given. The pattern is taken apart once:
-    a segment without a wildcard is compared as a string (`inference` matches every rule
-    against every module name of a 126-layer model, where fnmatch per segment cost 0.2 s)."""
-    segments = [(i, p, any(c in p for c in "*?[")) for i, p in enumerate(pattern.split("."))]
-    count = len(segments)
-    out = []
-    for name in names:
-        parts = name.split(".")
-        if len(parts) == count and all(
-            fnmatchcase(parts[i], p) if wild else parts[i] == p for i, p, wild in segments
-        ):
-            out.append(name)
-    return out
+    """The names matched by `pattern`, in the order given. The pattern is taken apart once
+    (inference matches every rule against every module name of a 126-layer model, where
+    fnmatch per segment cost 0.2 s)."""
+    segments = _segments(pattern)
+    return [n for n in names if _fits(segments, n)]
+
+
+def _segments(pattern: str) -> list[tuple[str, bool]]:
+    """Each segment of `pattern`, and whether it holds a wildcard (else it is compared as a
+    string, which is what fnmatch would answer, at a fraction of the cost)."""
+    return [(p, any(c in p for c in "*?[")) for p in pattern.split(".")]
+
+
+def _fits(segments: list[tuple[str, bool]], name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == len(segments) and all(
+        fnmatchcase(n, p) if wild else n == p for (p, wild), n in zip(segments, parts, strict=True)
+    )
 
 
 def wildcard(name: str) -> str:
