@@ -220,7 +220,7 @@ class _Mixed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.up = _OwnForward(8, 16)
-        self.fused = nn.Linear(8, 12)  # pieces 4 | 8: no local layout
+        self.fused = nn.Linear(8, 12)  # pieces 4 | 8, gathered whole
         self.down = nn.Linear(16, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +240,7 @@ def test_stats_name_the_layers_left_on_dtensors_and_why() -> None:
     got = plan_stats(_Mixed(), _MIXED, tp_size=4).execution
     assert got["down"] == "local shards"
     assert got["up"].startswith("DTensor: its forward (_OwnForward.forward) is not one")
-    assert got["fused"] == "DTensor: its fused pieces are of unequal sizes (no local layout)"
+    assert got["fused"] == "DTensor: its fused output is gathered whole"
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -98,6 +98,7 @@ __all__ = [
     "mha_shape_check",
     "none_or_dtype",
     "normalize_dim",
+    "reduce_scatter_op",
     "register_process_group",
     "resolve_group_name",
     "rowwise_prepare_output",
@@ -158,6 +159,8 @@ def decomposition(op: Any) -> Any:
 # (compile/local_run.py); registered with torch; 2.13.
 all_reduce_op = torch.ops._c10d_functional.all_reduce
 all_gather_op = torch.ops._c10d_functional.all_gather_into_tensor
+# reduce_scatter_op: a fused layer's working rows' gradient back to its Shard (own_rows.py)
+reduce_scatter_op = torch.ops._c10d_functional.reduce_scatter_tensor
 wait_tensor_op = torch.ops._c10d_functional.wait_tensor
 # funcol_all_reduce / funcol_all_gather / funcol_wait_tensor: a gradient summed or averaged
 # over the ranks, a tensor gathered for a guard (apply/, compile/); resolve_group_name: the

@@ -5,8 +5,9 @@ Start at `Colwise`:
 - fused layers (`parts`, q|k|v or gate|up laid end to end in one weight): each rank gets
   its slice of every part, so its output is its own q, k and v (or gate and up) in order.
   Parts of equal sizes make the weight a `_StridedShard` (strided.py) and cost nothing at
-  run time; unequal ones are no DTensor layout, so the weight is a plain Shard and each
-  rank gathers the output and picks its own slices;
+  run time; unequal ones are no DTensor layout, so the weight is a plain Shard: on local
+  shards the layer computes with a working copy of the rank's rows (own_rows.py), on the
+  DTensor path each rank gathers the output and picks its own slices;
 - weights stored (in, out) (`transposed`, GPT-2's Conv1D): the other dim of the weight is
   split.
 `Rowwise` splits (in, out) weights too, takes equal `parts` (its input is several tensors
@@ -132,7 +133,15 @@ class Colwise(ColwiseParallel):
         if self.local_shards and self.local_run_reason(module, device_mesh.size()) is None:
             distribute_module(module, device_mesh, self._partition)
             gather = isinstance(self.output_layouts[0], Replicate)
-            run = LocalRun("colwise", device_mesh, self.transposed, gather, input_fn, output_fn)
+            run = LocalRun(
+                "colwise",
+                device_mesh,
+                self.transposed,
+                gather,
+                input_fn,
+                output_fn,
+                parts=self.parts,
+            )
             install(module, run)
             return module
         if isinstance(module, nn.Embedding):

@@ -9,6 +9,8 @@ nothing inside the layer needs DTensor: rank r's output is its weight shard time
 and the only communication is the one Megatron's layers make (the f and g of its paper):
 
 - colwise: the input passes as it is; its gradient is summed over the tp ranks (`_Copy`);
+  a fused layer of unequal pieces computes with a working copy of its own rows, gathered
+  once per change of its weight (own_rows.py);
   an output gathered whole (`output: replicate`) is all-gathered on its last dim (`_Gather`);
   an embedding split on its features (T5's relative position bias, split by heads) looks up
   the rank's columns;
@@ -48,6 +50,7 @@ from .._runtime.torch_compat import (
     wait_tensor_op,
 )
 from .known_forwards import forward_of, known_base, local_class
+from .own_rows import OwnRows, own_rows
 from .params import own_start
 from .strided import shard_step
 
@@ -179,6 +182,11 @@ class LocalRun:
     base_forward: Any = None
     """The known forward (nn.Linear's, ...) the layer's own is or extends (set by `install`):
     what a call handed a DTensor runs."""
+    parts: tuple[int, ...] | None = None
+    """A colwise layer's fused pieces of unequal sizes (q|k|v of grouped-query attention):
+    it computes with a working copy of its own rows (own_rows.py)."""
+    own: OwnRows | None = None
+    """Those working copies (set by `install` where `parts` are unequal)."""
 
 
 def _forward_reason(module: nn.Module, kind: Kind, transposed: bool) -> str | None:
@@ -227,7 +235,10 @@ def local_run_reason(
     if forward == "embedding" and (module.scale_grad_by_freq or module.sparse):
         return "its gradient is scaled by id counts or sparse"
     if parts is not None and len(set(parts)) > 1:
-        return "its fused pieces are of unequal sizes (no local layout)"
+        if kind != "colwise" or not local_output:
+            return "its fused pieces are of unequal sizes (no local layout)"
+        if any(n % tp for n in parts):
+            return f"its fused pieces {list(parts)} do not all split {tp} ways"
     if not local_output:
         return "its output stays a DTensor (a DTensor region)"
     want_in = Shard(-1) if kind == "rowwise" else Replicate()
@@ -259,6 +270,8 @@ def install(module: nn.Module, run: LocalRun) -> None:
         tp=run.mesh.size(),
         base_forward=base_forward,
     )
+    if run.parts is not None and len(set(run.parts)) > 1 and run.tp > 1:
+        run = replace(run, own=OwnRows(run.parts, run.mesh, run.group))
     module._tpplan_local_run = run  # type: ignore[assignment]
     for p in module.parameters(recurse=False):
         if isinstance(p, DTensor):
@@ -328,6 +341,14 @@ def _matmul(module: nn.Module, run: LocalRun, x: torch.Tensor, bias: Any) -> tor
     return F.linear(x, w.t() if run.transposed else w, bias)
 
 
+def _own_matmul(module: nn.Module, run: LocalRun, own: OwnRows, x: torch.Tensor) -> Any:
+    """A fused layer of unequal pieces: its output features are this rank's slice of each
+    piece, computed with the working copy of those rows (own_rows.py)."""
+    w = own_rows(own, "weight", module._parameters["weight"], 1 if run.transposed else 0)
+    bias = own_rows(own, "bias", module._parameters.get("bias"), 0)
+    return F.linear(x, w.t() if run.transposed else w, bias)
+
+
 def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     run = _run_of(self)
     x = args[0] if len(args) == 1 and not kwargs else None
@@ -337,6 +358,8 @@ def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = F.embedding(x, _local(self._parameters["weight"]), self.padding_idx)
     else:
         x = copy_to_ranks(x, run.group, run.tp)
+        if run.own is not None:
+            return _own_matmul(self, run, run.own, x)
         out = _matmul(self, run, x, _local(self._parameters.get("bias")))
     if not run.gather or run.tp == 1:
         return out

@@ -1,0 +1,126 @@
+"""A fused layer of unequal pieces on its local shards: each rank computes with a working
+copy of its own rows, while the parameter stays a plain Shard of the original.
+
+Start at `own_rows`. A q|k|v weight whose pieces differ in size (grouped-query attention in
+one Linear: q of H*d rows, k and v of K*d) has no DTensor layout in which rank r holds its
+slice of every piece (`_StridedShard` cuts equal pieces only). The parameter is therefore a
+contiguous `Shard` of the original weight, which is what state dicts, optimizers, DCP and
+FSDP see (its full tensor is the original, never a reordering). The rank's forward needs
+other rows: [q_r | k_r | v_r], its slice of each piece (strided.py's `fused_order`). Those
+are copied out of the shards by one all-gather when the parameter changes and kept beside
+it (`_Cache`): at inference they are built once, in training once per optimizer step; a
+decode step pays no collective for them, where the DTensor path gathers the layer's whole
+output at every call (strided.py's `own_slices`).
+
+The copy is keyed on the parameter's and its local tensor's version counters (an optimizer
+step bumps the parameter's, a write into the local tensor its own) and on the local tensor
+itself (a load into new storage, `.to()`), so it is never read stale. Its gradient goes
+back to the Shard layout: scattered into a zero weight of the whole size at the rows'
+places and reduce-scattered (`_OwnRows`); every row's gradient comes from exactly one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DeviceMesh, DTensor
+
+from .._runtime.torch_compat import all_gather_op, reduce_scatter_op, wait_tensor_op
+from .strided import own_parts
+
+__all__ = ["OwnRows", "own_rows"]
+
+
+def _gather(shard: torch.Tensor, dim: int, group: str, tp: int) -> torch.Tensor:
+    """The whole tensor from each rank's contiguous shard of `dim` (equal shards)."""
+    moved = shard.movedim(dim, 0).contiguous()
+    whole = wait_tensor_op(all_gather_op(moved, tp, group))  # (tp * rows, ...)
+    return whole.movedim(0, dim)
+
+
+def _scatter_sum(whole: torch.Tensor, dim: int, group: str, tp: int) -> torch.Tensor:
+    """Each rank's contiguous shard of `dim` of the ranks' `whole` tensors summed."""
+    moved = whole.movedim(dim, 0).contiguous()
+    shard = wait_tensor_op(reduce_scatter_op(moved, "sum", tp, group))  # (rows / tp, ...)
+    return shard.movedim(0, dim)
+
+
+class _OwnRows(torch.autograd.Function):
+    """The cached rows, tied to the shard they were copied from: forward hands them on; the
+    gradient of the rows is put at their places in a zero weight and reduce-scattered back
+    to the shard (the Shard layout of the parameter)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        shard: torch.Tensor,
+        rows: torch.Tensor,
+        index: torch.Tensor,
+        dim: int,
+        group: str,
+        tp: int,
+    ) -> torch.Tensor:
+        ctx.index, ctx.dim, ctx.group, ctx.tp = index, dim, group, tp
+        ctx.whole = list(shard.shape)
+        ctx.whole[dim] *= tp
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        whole = grad.new_zeros(ctx.whole).index_copy(ctx.dim, ctx.index, grad)
+        return _scatter_sum(whole, ctx.dim, ctx.group, ctx.tp), None, None, None, None, None
+
+
+@dataclass
+class _Cache:
+    local: torch.Tensor
+    """The local tensor the rows were copied from (kept: compared by identity)."""
+    versions: tuple[int, int]
+    rows: torch.Tensor
+
+
+class OwnRows:
+    """The working copies of one layer's fused parameters (weight, bias): per parameter name,
+    the rank's slice of each of `parts` along `dim`, rebuilt when the parameter changes."""
+
+    def __init__(self, parts: Sequence[int], mesh: DeviceMesh, group: str) -> None:
+        self.parts = tuple(parts)
+        self.mesh = mesh
+        self.group = group
+        self.tp = mesh.size()
+        self._index: torch.Tensor | None = None
+        self._cache: dict[str, _Cache] = {}
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """The whole tensor's rows that are this rank's own, in order (each rank's own, also
+        on simulated ranks)."""
+        if self._index is None or self._index.device != device:
+            self._index = own_parts(self.parts, self.mesh, device)
+        return self._index
+
+    def rows(self, name: str, p: DTensor, dim: int) -> torch.Tensor:
+        """The rank's own rows of parameter `p`: cached, rebuilt where `p` changed; while
+        grad is recorded, tied to `p`'s shard so its gradient reaches the Shard layout."""
+        local = p._local_tensor
+        versions = (p._version, local._version)
+        index = self.index(local.device)
+        found = self._cache.get(name)
+        if found is None or found.local is not local or found.versions != versions:
+            with torch.no_grad():
+                whole = _gather(local, dim, self.group, self.tp)
+                rows = whole.index_select(dim, index)
+            found = self._cache[name] = _Cache(local, versions, rows)
+        if torch.is_grad_enabled() and p.requires_grad:
+            return _OwnRows.apply(p.to_local(), found.rows, index, dim, self.group, self.tp)
+        return found.rows
+
+
+def own_rows(holder: OwnRows, name: str, p: Any, dim: int) -> Any:
+    """`p`'s rows this rank computes with: its own slice of each piece (a plain tensor), or
+    `p` itself where it is no DTensor (None, a bias the layer lacks)."""
+    if not isinstance(p, DTensor):
+        return p
+    return holder.rows(name, p, dim)
