@@ -11,12 +11,14 @@ import torch
 from support.infer_models import fused_gqa
 from support.models import token_batch
 from support.parity import assert_parity, forward_collectives
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
 from tpplan._runtime.local import own_replicas, rank_values, simulated_ranks
-from tpplan.compile.local_run import local_run_reason, runs_locally
+from tpplan.compile.local_run import group_name, local_run_reason, runs_locally
+from tpplan.compile.own_rows import OwnRows, own_order
+from tpplan.compile.strided import fused_order
 
 # fp32, a few layers: a sharded run sums the same products in another order (~1e-7 off);
 # a stale working copy is off by the learning rate times a gradient, O(1e-2)
@@ -115,9 +117,7 @@ def test_a_write_into_the_local_shard_refreshes_the_working_rows() -> None:
             for name in ("weight", "bias"):
                 p = model.attn.qkv.get_parameter(name)
                 new = getattr(other.attn.qkv, name)
-                p._local_tensor.copy_(
-                    torch.distributed.tensor.distribute_tensor(new, mesh, [Shard(0)]).to_local()
-                )
+                p._local_tensor.copy_(distribute_tensor(new, mesh, [Shard(0)]).to_local())
             got = model(x)
         for v in rank_values(got):
             assert (v - want(x)).abs().max().item() <= TOL
@@ -137,3 +137,45 @@ def test_pieces_that_do_not_split_tp_ways_stay_on_dtensors() -> None:
         tp=2,
     )
     assert got == "its fused pieces [6, 3, 3] do not all split 2 ways"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("parts", "tp"), [((64, 32, 32), 2), ((64, 32, 32), 4), ((8, 8), 2)])
+def test_own_order_is_each_ranks_slice_of_each_piece(parts: tuple[int, ...], tp: int) -> None:
+    order = own_order(parts, tp)
+    assert [i for rows in order for i in rows] == fused_order(parts, tp)
+
+
+@pytest.mark.unit
+def test_own_order_gives_pieces_of_fewer_heads_than_ranks_one_whole_head() -> None:
+    """Multi-query attention at tp 4 (4 query heads of 2, one key/value head): each rank its
+    query head and the one k and v head; grouped-query (2 key/value heads) the head its
+    query heads read."""
+    assert own_order((8, 2, 2), 4, unit=2) == [[0, 1, 8, 9, 10, 11], [2, 3, 8, 9, 10, 11],
+                                               [4, 5, 8, 9, 10, 11], [6, 7, 8, 9, 10, 11]]  # fmt: skip
+    assert own_order((8, 4, 4), 4, unit=2)[2] == [4, 5, 10, 11, 14, 15]
+    with pytest.raises(ValueError, match="splits neither 4 ways nor by heads"):
+        own_order((8, 6, 6), 4, unit=2)  # 3 key/value heads over 4 ranks
+
+
+@pytest.mark.parametrize(("parts", "tp"), [((32, 8, 8), 4), ((32, 16, 16), 4), ((32, 16, 16), 2)])
+def test_shared_head_rows_forward_and_gradient(parts: tuple[int, ...], tp: int) -> None:
+    """A fused q|k|v Linear whose k and v may have fewer heads (of 8) than ranks: each
+    rank's output is its own rows' (a shared head whole), and the Shard parameter's
+    gradient is the sum of every rank's, a shared head's gradient summed over its ranks."""
+    ref = torch.nn.Linear(16, sum(parts))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    order = own_order(parts, tp, unit=8)
+    want_grad = torch.zeros_like(ref.weight)
+    for rows in order:  # each rank's loss: its own outputs squared, summed
+        out = x @ ref.weight[rows].T
+        want_grad.index_add_(0, torch.tensor(rows), 2 * out.T @ x)
+    with simulated_ranks(tp) as mesh:
+        w = torch.nn.Parameter(distribute_tensor(ref.weight.detach(), mesh, [Shard(0)]))
+        own = OwnRows(parts, mesh, group_name(mesh), unit=8)
+        out = x @ own.rows("weight", w, 0).T
+        for r, v in enumerate(rank_values(out)):
+            assert (v - x @ ref.weight[order[r]].T).abs().max().item() <= TOL
+        out.square().sum().backward()
+        for v in rank_values(w.grad.full_tensor()):
+            assert (v - want_grad).abs().max().item() <= TOL

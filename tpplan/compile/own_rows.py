@@ -29,9 +29,31 @@ import torch
 from torch.distributed.tensor import DeviceMesh, DTensor
 
 from .._runtime.torch_compat import all_gather_op, reduce_scatter_op, wait_tensor_op
-from .strided import own_parts
 
-__all__ = ["OwnRows", "own_rows"]
+__all__ = ["OwnRows", "own_order", "own_rows"]
+
+
+def own_order(parts: Sequence[int], tp: int, unit: int | None = None) -> list[list[int]]:
+    """Per rank, the rows of the whole fused tensor it computes with, in order: its slice of
+    each piece whose size splits `tp` ways; with `unit` (head_dim), a piece of fewer heads
+    than ranks (grouped-query attention's k and v at tp above their head count, multi-query
+    attention's single head) gives each rank one whole head, head r // (tp / heads): the
+    head its query heads read, as Megatron's layout for shared key/value heads."""
+    out: list[list[int]] = [[] for _ in range(tp)]
+    start = 0
+    for size in parts:
+        heads = size // unit if unit else 0
+        for r in range(tp):
+            if size % (tp * (unit or 1)) == 0:  # whole heads to each rank
+                step = size // tp
+                out[r].extend(range(start + r * step, start + (r + 1) * step))
+            elif unit and size % unit == 0 and tp % heads == 0:
+                head = r // (tp // heads)
+                out[r].extend(range(start + head * unit, start + (head + 1) * unit))
+            else:
+                raise ValueError(f"a piece of {size} rows splits neither {tp} ways nor by heads")
+        start += size
+    return out
 
 
 def _gather(shard: torch.Tensor, dim: int, group: str, tp: int) -> torch.Tensor:
@@ -70,6 +92,8 @@ class _OwnRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # a row held by several ranks (a shared key/value head) gets each one's gradient,
+        # summed by the reduce-scatter
         whole = grad.new_zeros(ctx.whole).index_copy(ctx.dim, ctx.index, grad)
         return _scatter_sum(whole, ctx.dim, ctx.group, ctx.tp), None, None, None, None, None
 
@@ -86,8 +110,11 @@ class OwnRows:
     """The working copies of one layer's fused parameters (weight, bias): per parameter name,
     the rank's slice of each of `parts` along `dim`, rebuilt when the parameter changes."""
 
-    def __init__(self, parts: Sequence[int], mesh: DeviceMesh, group: str) -> None:
+    def __init__(
+        self, parts: Sequence[int], mesh: DeviceMesh, group: str, *, unit: int | None = None
+    ) -> None:
         self.parts = tuple(parts)
+        self.unit = unit
         self.mesh = mesh
         self.group = group
         self.tp = mesh.size()
@@ -98,7 +125,14 @@ class OwnRows:
         """The whole tensor's rows that are this rank's own, in order (each rank's own, also
         on simulated ranks)."""
         if self._index is None or self._index.device != device:
-            self._index = own_parts(self.parts, self.mesh, device)
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            order = own_order(self.parts, self.tp, self.unit)
+            every = torch.tensor([i for rows in order for i in rows], device=device)
+            # each rank its own list (all of one length), also on simulated ranks
+            self._index = distribute_tensor(
+                every, self.mesh, [Shard(0)], src_data_rank=None
+            ).to_local()
         return self._index
 
     def rows(self, name: str, p: DTensor, dim: int) -> torch.Tensor:
