@@ -3,7 +3,9 @@ parameters each rank holds, the forward output against the unsharded model's, an
 collectives each attention and MLP block runs in its forward.
 
 A block is split the Megatron way when its forward runs no all-gather (the split it opens
-is closed by a reduction, never by gathering the activations back) and at least one of its
+is closed by a reduction, never by gathering the activations back; counted on a second
+call, after any weight rows a fused layer of unequal pieces copies once, which are
+reported apart) and at least one of its
 Linear weights (or 1x1 convolutions', ConvNeXt's MLP) is sharded (a block kept whole also gathers nothing). Judged without sequence
 parallel, where the only all-gathers are the ones a plan chose. A block that is attention
 and MLP at once (Flux's single-stream block) leaves out the collectives of what its entry
@@ -43,7 +45,12 @@ class Measured:
     forward_error: float
     """Max abs difference of the output from the unsharded model's, over the ranks."""
     collectives: dict[str, dict[str, int]]
-    """{block: {kind: count}} of each block's forward ("all_reduce", "all_gather_into_tensor")."""
+    """{block: {kind: count}} of each block's forward ("all_reduce", "all_gather_into_tensor"),
+    counted on the second call: what every call pays."""
+    weight_gathers: dict[str, int]
+    """{block: all-gathers its first call made and its second did not}: a fused layer of
+    unequal pieces gathers its own rows of the weight once per change of the weight
+    (compile/own_rows.py), at inference once, in training once per optimizer step."""
     sharded: frozenset[str]
     """The blocks with at least one sharded Linear weight."""
 
@@ -132,9 +139,12 @@ def measure(
         sharded = copy.deepcopy(model)
         tpplan.apply_plan(sharded, mesh, plan)
         fraction = _bytes_per_rank(sharded) / whole
-        # gradients on, as in training: the forward a plan is judged by is that one
-        with _comm_mode() as comms:
+        # gradients on, as in training: the forward a plan is judged by is that one; the
+        # first call may copy weight rows once (own_rows.py), the second is every call's
+        with _comm_mode() as first:
             got = rank_values(_run(sharded, x))
+        with _comm_mode() as comms:
+            _run(sharded, x)
         split = frozenset(
             name
             for name in names
@@ -143,14 +153,28 @@ def measure(
                 for m in sharded.get_submodule(name).modules()
             )
         )
+    others = [n for n, _ in model.named_modules() if apart and re.fullmatch(apart, n)]
+    collectives = _per_block(comms, type(model).__name__, names, others)
+    once = _per_block(first, type(model).__name__, names, others)
+    weight_gathers = {
+        name: sum(n for k, n in once[name].items() if k.startswith("all_gather"))
+        - sum(n for k, n in collectives[name].items() if k.startswith("all_gather"))
+        for name in names
+    }
+    error = max((v.detach() - want).abs().max().item() for v in got)
+    return Measured(names, fraction, error, collectives, weight_gathers, split)
+
+
+def _per_block(
+    comms: CommDebugMode, root: str, names: dict[str, str], others: list[str]
+) -> dict[str, dict[str, int]]:
+    """{block: {kind: count}} of one forward, less those of the modules in `others`."""
     # CommDebugMode names a module by its path under the root class's name and counts a
     # collective in every module around it; a block that did not run is missing
-    root = type(model).__name__
     counts = {
         fqn.removeprefix(f"{root}."): per.get("forward", {})
         for fqn, per in comms.comm_module_counts.items()
     }
-    others = [n for n, _ in model.named_modules() if apart and re.fullmatch(apart, n)]
     collectives = {}
     for name in names:
         kinds: dict[str, int] = {}
@@ -159,5 +183,4 @@ def measure(
             if n - less:
                 kinds[str(op).rpartition(".")[2]] = n - less
         collectives[name] = kinds
-    error = max((v.detach() - want).abs().max().item() for v in got)
-    return Measured(names, fraction, error, collectives, split)
+    return collectives

@@ -591,7 +591,10 @@ class Outcome:
     fraction: dict[str, float] = field(default_factory=dict)
     """{block: elements the most loaded rank holds, over a Megatron split's}."""
     gathers: dict[str, int] = field(default_factory=dict)
-    """{block: all-gathers in its forward}."""
+    """{block: all-gathers in its forward} (every call's: counted on a second call)."""
+    weight_gathers: dict[str, int] = field(default_factory=dict)
+    """{block: all-gathers of weight rows its first call made once} (a fused layer of
+    unequal pieces, compile/own_rows.py; again after each change of the weight)."""
     whys: list[str] = field(default_factory=list)
     """"module (style): why" of the blocks' modules kept whole or gathered."""
     seconds: float = 0.0
@@ -672,6 +675,7 @@ def measure_case(spec: Spec, tp: int) -> Outcome:
             n for k, n in counted.collectives[block].items() if k.startswith("all_gather")
         )
         got.gathers[block], got.fraction[block] = gathers, round(mine / megatron, 3)
+        got.weight_gathers[block] = counted.weight_gathers[block]
         got.megatron[block] = gathers == 0 and mine <= _SLACK * megatron and mine < whole
     not_split = [b for b, ok in got.megatron.items() if not ok]
     got.whys = _whys(model, plan, not_split)
