@@ -160,6 +160,12 @@ def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]
                 f"{attr} = {value} sizes the split features and also tensors that are not "
                 "split, so it cannot be divided"
             )
+        elif (module, attr) in t.reads.cut_terms & t.reads.beside_sizes:
+            reasons.append(
+                f"{attr} = {value} is a term of a size the fused features are cut at, and also "
+                "sizes the dims beside the split features, which each rank keeps whole, so it "
+                "cannot be divided"
+            )
         elif not module:
             reasons.append(
                 f"the model's own forward reads {attr} = {value} to size the split features, "

@@ -30,6 +30,8 @@ _VIEWS_AS = (torch.Tensor.view_as, torch.Tensor.reshape_as)
 _UNFLATTENS = (torch.Tensor.unflatten, torch.unflatten)
 _SHAPES = (torch.Tensor.size, torch.Tensor.shape.__get__)  # type: ignore[attr-defined]
 _REPEATS = (torch.Tensor.repeat_interleave, torch.repeat_interleave)
+# Cuts by sizes or bounds: dispatch sees them as plain ints, the Python call as written.
+_CUTS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes, torch.Tensor.__getitem__)
 
 
 def _unflattened(x: torch.Tensor, dim: int, sizes: Any) -> tuple[Any, ...]:
@@ -72,6 +74,8 @@ class AttentionMode(TorchFunctionMode):
                 self.st.reads.unflattening -= 1
         if func in _REPEATS or func is torch.Tensor.expand:
             return self._given(func, args, kwargs)
+        if func in _CUTS and not quiet:
+            return self._cut(func, args, kwargs)
         if func in _CHUNKS:
             self.st.reads.chunking += 1
             try:
@@ -119,6 +123,18 @@ class AttentionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             self.st.reads.given.pop()
+
+    def _cut(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Run a split or an index with its sizes or bounds as written at hand
+        (`AttributeReads.cutting`)."""
+        written = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections")
+        if written is None:
+            written = kwargs.get("split_size", kwargs.get("split_sizes"))
+        self.st.reads.cutting.append(written)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.st.reads.cutting.pop()
 
     def _asked(self, sizes: tuple[Any, ...], func: Any, args: Any, kwargs: Any) -> Any:
         """Run a view with the sizes it was written with at hand (`AttributeReads.asked`)."""

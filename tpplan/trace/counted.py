@@ -17,7 +17,15 @@ import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Counted", "Expr", "attributes_in", "evaluate", "render", "values_read"]
+__all__ = [
+    "Counted",
+    "Expr",
+    "attributes_in",
+    "evaluate",
+    "render",
+    "scaled_reads",
+    "values_read",
+]
 
 # ("attr", module, attribute, value as read) | ("const", value) | (operator, left, right)
 Expr = tuple[Any, ...]
@@ -92,6 +100,24 @@ def values_read(expr: Expr) -> dict[tuple[str, str], int]:
     if expr[0] == "const":
         return {}
     return {**values_read(expr[1]), **values_read(expr[2])}
+
+
+def scaled_reads(expr: Expr) -> list[tuple[str, str, int]] | None:
+    """(module, attribute, value) of each attribute of a formula that is a sum of attributes,
+    each maybe times a positive constant (`self.q_size + 2 * self.kv_size`): dividing every
+    one of them by tp divides the whole by tp. None for any other formula (a product of two
+    attributes, a constant added), which no division of its attributes shrinks so."""
+    kind = expr[0]
+    if kind == "attr":
+        return [(expr[1], expr[2], expr[3])]
+    if kind == "+":
+        left, right = scaled_reads(expr[1]), scaled_reads(expr[2])
+        return None if left is None or right is None else left + right
+    if kind == "*":
+        for const, other in ((expr[1], expr[2]), (expr[2], expr[1])):
+            if const[0] == "const" and const[1] > 0:
+                return scaled_reads(other)
+    return None
 
 
 def attributes_in(expr: Expr) -> set[tuple[str, str]]:

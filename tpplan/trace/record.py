@@ -167,6 +167,12 @@ class ReadFacts:
     """(module, attribute) read to size an op on unsplit tensors: never to be divided."""
     ints: set[tuple[str, str]] = field(default_factory=set)
     """(module, attribute) of every integer attribute a module's forward read."""
+    beside_sizes: set[tuple[str, str]] = field(default_factory=set)
+    """(module, attribute) a view of split features read to size a dim beside the split one
+    (`self.head_dim` in `view(B, T, -1, self.head_dim)`): each rank keeps that size whole."""
+    cut_terms: set[tuple[str, str]] = field(default_factory=set)
+    """(module, attribute) divided as a term of a fused cut's size or bound written as a sum
+    of attributes (`4 * self.head_dim`): right only where nothing keeps it whole."""
 
 
 @dataclass

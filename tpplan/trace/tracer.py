@@ -12,13 +12,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .._runtime.torch_compat import TorchDispatchMode, decomposition
-from .ops import METADATA, NEW_FROM, Op, run_op
+from .ops import ELEMENTWISE, METADATA, NEW_FROM, Op, run_op
 from .rules import follow, has_rule, sized_by_a_shard
 from .split import SplitEnds
 from .trackers import Trackers
 
 __all__ = ["Tracer"]
+
+# Ops that read a tensor's features without caring in which order they lie along the split
+# dim (each feature on its own, or dims moved whole): a piece they read may still be cut
+# finer (dense.py's `use_pieces`).
+_MOVES = {"t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "clone", "contiguous"}
+_MOVES |= {"_to_copy", "alias", "detach", "lift_fresh"}
+
+
+def _order_blind(op: Op) -> bool:
+    return op.name in _MOVES or op.name in ELEMENTWISE or torch.Tag.pointwise in op.func.tags
 
 
 class Tracer(TorchDispatchMode):
@@ -90,8 +102,14 @@ class Tracer(TorchDispatchMode):
                     sources, f"{op.name} turns the split tensor into a plain value"
                 )
             return
+        read = [p for t in op.ins if (p := st.splits.piece_of(t)) is not False]
+        for t in op.outs:
+            st.splits.pieces.pop(id(t), None)  # a rule says which piece its outputs hold
+        carved = st.splits.use_pieces(op.ins, _order_blind(op))
         try:
             results = follow(st, op)
+            if carved - st.splits.cut_here:
+                raise SplitEnds(st.splits.carved_reason(carved - st.splits.cut_here))
         except SplitEnds as e:
             st.trace.spans.break_(sources, f"{op.name}: {e}")
             if st.origins.expert_params:
@@ -99,3 +117,6 @@ class Tracer(TorchDispatchMode):
             return
         for t, s in results:
             st.splits.mark(t, s, op.name)
+            if read and id(t) not in st.splits.pieces:
+                # computed from one piece, it holds that piece; from several, none known
+                st.splits.hold_piece(t, read[0] if len(set(read)) == 1 else None)

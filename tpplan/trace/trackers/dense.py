@@ -9,14 +9,17 @@ goes to the trace's `SpanFacts`.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ..record import SpanFacts
 from ..split import Split, SplitEnds
 
-__all__ = ["DenseSplits"]
+__all__ = ["DenseSplits", "Piece"]
+
+# A fused layer's piece: (layer, offset, size) along its output features.
+Piece = tuple[str, int, int]
 
 
 class DenseSplits:
@@ -29,6 +32,19 @@ class DenseSplits:
         # Layers an earlier pass found could not stay split (see run.py's `_trace_once`):
         # their outputs are whole from the start, with the reasons that pass gave.
         self.kept_whole = kept_whole
+        # Tensors holding one piece of a fused layer's features, cut out along the split dim
+        # (`_cut`, slices): id -> (layer, offset, size) in the layer's output features, or
+        # None where the features held are not one known piece (pieces met). Tensors
+        # computed from one piece hold that piece too (tracer.py's `on_op`); a tensor not
+        # here holds all of its layers' features.
+        self.pieces: dict[int, Piece | None] = {}
+        # Ops other than element-wise ones that read each piece so far (`used`), and the
+        # pieces a later cut carved into finer ones (`carved`): the layer then holds its
+        # slice of each finer piece, so a piece read whole elsewhere would be in another
+        # order than the one that read meant.
+        self.piece_uses: dict[Piece, int] = {}
+        self.carved: set[Piece] = set()
+        self.cut_here: set[Piece] = set()  # the pieces the running op's rule cut (rules.py)
 
     def split_of(self, t: Any) -> Split | None:
         """The Split of `t`, if it holds split features that still go on."""
@@ -41,6 +57,40 @@ class DenseSplits:
         if all(src in self.facts.broken for src in entry[1].sources):
             return None
         return entry[1]
+
+    def piece_of(self, t: Any) -> Piece | Literal[False] | None:
+        """(layer, offset, size) of the fused piece `t` holds; None where it holds features
+        of several pieces; False where it holds all of its layers' features."""
+        if not isinstance(t, torch.Tensor) or id(t) not in self.pieces:
+            return False
+        if self.splits.get(id(t), (None,))[0] is not t:
+            return False
+        return self.pieces[id(t)]
+
+    def hold_piece(self, t: torch.Tensor, piece: Piece | None) -> None:
+        """`t` (split, marked) holds this piece of its layer's features (None: pieces met)."""
+        self.pieces[id(t)] = piece
+
+    def use_pieces(self, op_ins: list[Any], order_blind: bool) -> set[Piece]:
+        """An op reads these tensors: count its reads of pieces (but by ops blind to the
+        order of the features), and return the pieces it reads that a cut carved finer: only
+        a cut of its own may read those (`cut_here`)."""
+        self.cut_here = set()
+        if order_blind:
+            return set()
+        seen = {p for t in op_ins if (p := self.piece_of(t))}
+        for piece in seen:
+            self.piece_uses[piece] = self.piece_uses.get(piece, 0) + 1
+        return seen & self.carved
+
+    @staticmethod
+    def carved_reason(pieces: set[Piece]) -> str:
+        """Why reading these pieces whole ends the split."""
+        src, start, size = min(pieces)
+        return (
+            f"it reads the {size} features at {start} of {src} whole, which are cut into finer "
+            "fused pieces elsewhere; each rank holds its slice of each finer piece, not of this one"
+        )
 
     def only_split(self, t: torch.Tensor) -> Split:
         """The Split of an operand a rule needs split."""

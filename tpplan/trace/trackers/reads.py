@@ -46,6 +46,9 @@ class AttributeReads:
         # remembers the attributes it came from): ("repeat", n) for `repeat_interleave(n)`,
         # ("sizes", sizes) for `expand(*sizes)`; innermost last.
         self.given: list[tuple[str, Any]] = []
+        # The sizes or index a running `split` or `x[...]` was written with (a `Counted`
+        # bound remembers its formula), innermost last: dispatch sees plain ints.
+        self.cutting: list[Any] = []
 
     # ---- logging ----------------------------------------------------------------------------
     def count_given(self, at: int, times: int) -> Any:
@@ -120,6 +123,10 @@ class AttributeReads:
         if not isinstance(sizes, (list, tuple)):
             return  # squeeze, unsqueeze, flatten: dims, not sizes
         asked = self.asked[-1] if self.asked else ()
+        if len(asked) == len(out_shape):
+            for i, w in enumerate(asked):
+                if i != s.dim and isinstance(w, Counted):
+                    self.facts.beside_sizes.update(attributes_in(w.expr))
         if self.unflattening and len(asked) == len(sizes) and -1 in asked:
             sizes = list(asked)  # an unflatten's -1, which its view runs resolved
         k = s.dim

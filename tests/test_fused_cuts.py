@@ -1,0 +1,146 @@
+"""A fused q|k|v of unequal pieces (grouped-query attention in one Linear, issue 35 a) cut apart
+in the ways code writes it: slices at bounds written as attributes or sums of them, a split at
+such sizes, and a k|v piece cut again by `split`, `chunk`, or a view with a count of pieces
+and `unbind`. Each rank holds its slice of every piece (`parts`), the attribute sizes are
+divided, and the layer computes with a working copy of its own rows (compile/own_rows.py), so
+the block's every call makes one all-reduce and no all-gather. Cuts that cannot be followed
+on a shard (a literal bound, a term that also sizes the dims each rank keeps whole, a piece
+read whole and also cut finer) leave the output gathered, with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.models import token_batch
+from support.parity import assert_parity, forward_collectives
+from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
+
+import tpplan
+from tpplan._runtime.local import simulated_ranks
+
+WIDTH, HEADS, KV, HEAD_DIM, VOCAB = 32, 8, 4, 6, 50
+Q, KVW = HEADS * HEAD_DIM, KV * HEAD_DIM
+
+SPLIT = ["slices", "split_sizes", "split_split", "split_chunk", "split_unflatten", "split_view"]
+KEPT = ["literal_bound", "head_dim_term", "read_whole_first"]
+
+
+class _Attention(nn.Module):
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+        self.n_head, self.n_kv, self.head_dim = HEADS, KV, HEAD_DIM
+        self.q_size, self.kv_size = Q, KVW
+        self.qkv = nn.Linear(WIDTH, Q + 2 * KVW)
+        self.o = nn.Linear(Q, WIDTH)
+
+    def _cut(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, t, _ = qkv.shape
+        style, q_size, kv_size = self.style, self.q_size, self.kv_size
+        if style == "slices":
+            q = qkv[..., :q_size]
+            k = qkv[..., q_size : q_size + kv_size]
+            return q, k, qkv[..., q_size + kv_size :]
+        if style == "split_sizes":
+            return qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if style == "literal_bound":
+            return qkv[..., :Q], qkv[..., Q : Q + KVW], qkv[..., Q + KVW :]
+        if style == "head_dim_term":  # 8 * head_dim: head_dim also sizes the heads' views
+            q_end, k_end = HEADS * self.head_dim, (HEADS + KV) * self.head_dim
+            return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+        q, kv = qkv.split([q_size, 2 * kv_size], dim=-1)
+        if style == "split_split":
+            k, v = kv.split(kv_size, dim=-1)
+        elif style == "split_chunk":
+            k, v = kv.chunk(2, dim=-1)
+        elif style == "split_unflatten":
+            k, v = kv.unflatten(-1, (2, self.n_kv, self.head_dim)).flatten(-2).unbind(2)
+        elif style == "split_view":
+            k, v = kv.view(b, t, 2, self.n_kv, self.head_dim).flatten(-2).unbind(2)
+        else:  # read_whole_first: kv viewed whole as heads before it is cut into k and v
+            k, v = kv.view(b, t, -1, self.head_dim).chunk(2, dim=2)
+            k, v = k.flatten(-2), v.flatten(-2)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self._cut(self.qkv(x))
+        q = q.reshape(b, t, self.n_head, self.head_dim)
+        k, v = (z.reshape(b, t, self.n_kv, self.head_dim) for z in (k, v))
+        group = self.n_head // self.n_kv
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o(a.reshape(b, t, self.n_head * self.head_dim))
+
+
+class _Model(nn.Module):
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.attn = _Attention(style)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.attn(x))
+
+
+def _model(style: str) -> _Model:
+    torch.manual_seed(0)
+    return _Model(style)
+
+
+def _ids() -> torch.Tensor:
+    return token_batch(VOCAB, batch=2, seq=6)
+
+
+def _every_call(model: nn.Module, plan: tpplan.Plan, tp: int) -> dict[str, int]:
+    """The attention's collectives on its second call: every call's (the first may copy the
+    fused layer's own rows of the weight, once)."""
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        sharded(_ids())
+        with CommDebugMode() as comms:
+            sharded(_ids())
+        return forward_collectives(comms, "_Model.attn")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("style", SPLIT)
+def test_unequal_pieces_split_the_megatron_way(style: str, tp: int) -> None:
+    model = _model(style)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
+    rules = {r.match: r for r in plan.rules}
+    qkv = rules["attn.qkv"]
+    assert (qkv.style, qkv.parts, qkv.output_layout()) == ("colwise", [Q, KVW, KVW], "shard(-1)")
+    assert f"3 fused pieces ({Q} | {KVW} | {KVW})" in qkv.why
+    assert rules["attn.o"].style == "rowwise"
+    divided = {a for attr in plan.attributes for a in attr.divide}
+    assert {"q_size", "kv_size"} & divided or {"n_kv"} <= divided
+    assert not tpplan.check_plan(plan, model, tp_size=tp)
+    assert_parity(model, plan, tp, _ids())
+    assert _every_call(model, plan, tp) == {"all_reduce": 1}
+
+
+@pytest.mark.parametrize(
+    ("style", "why"),
+    [
+        ("literal_bound", "a bound written with no module attribute"),
+        ("head_dim_term", "head_dim = 6 is a term of a size the fused features are cut at"),
+        ("read_whole_first", "the fused features are cut two different ways"),
+    ],
+)
+def test_cuts_a_shard_cannot_follow_gather_with_the_reason(style: str, why: str) -> None:
+    model = _model(style)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=_ids())
+    qkv = next(r for r in plan.rules if r.match == "attn.qkv")
+    assert (qkv.style, qkv.output_layout(), qkv.parts) == ("colwise", "replicate", None)
+    assert why in qkv.why
+    assert_parity(model, plan, 2, _ids())
