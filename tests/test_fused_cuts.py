@@ -3,7 +3,8 @@ in the ways code writes it: slices at bounds written as attributes or sums of th
 such sizes, and a k|v piece cut again by `split`, `chunk`, or a view with a count of pieces
 and `unbind`. Each rank holds its slice of every piece (`parts`), the attribute sizes are
 divided, and the layer computes with a working copy of its own rows (compile/own_rows.py), so
-the block's every call makes one all-reduce and no all-gather. Cuts that cannot be followed
+the block's every call makes one all-reduce and no all-gather. Sizes computed from the width
+read off the output (`qkv.shape[-1] // (self.groups + 2)`) shrink on a shard by themselves. Cuts that cannot be followed
 on a shard (a literal bound, a term that also sizes the dims each rank keeps whole, a piece
 read whole and also cut finer) leave the output gathered, with the reason.
 """
@@ -26,7 +27,15 @@ from tpplan._runtime.local import simulated_ranks
 WIDTH, HEADS, KV, HEAD_DIM, VOCAB = 32, 8, 4, 6, 50
 Q, KVW = HEADS * HEAD_DIM, KV * HEAD_DIM
 
-SPLIT = ["slices", "split_sizes", "split_split", "split_chunk", "split_unflatten", "split_view"]
+SPLIT = [
+    "slices",
+    "split_sizes",
+    "split_width",
+    "split_split",
+    "split_chunk",
+    "split_unflatten",
+    "split_view",
+]
 KEPT = ["literal_bound", "head_dim_term", "read_whole_first"]
 
 
@@ -36,6 +45,7 @@ class _Attention(nn.Module):
         self.style = style
         self.n_head, self.n_kv, self.head_dim = HEADS, KV, HEAD_DIM
         self.q_size, self.kv_size = Q, KVW
+        self.groups = HEADS // KV
         self.qkv = nn.Linear(WIDTH, Q + 2 * KVW)
         self.o = nn.Linear(Q, WIDTH)
 
@@ -48,6 +58,9 @@ class _Attention(nn.Module):
             return q, k, qkv[..., q_size + kv_size :]
         if style == "split_sizes":
             return qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if style == "split_width":  # sizes computed from the width read off the output
+            kv_size = qkv.shape[-1] // (self.groups + 2)
+            return qkv.split([qkv.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
         if style == "literal_bound":
             return qkv[..., :Q], qkv[..., Q : Q + KVW], qkv[..., Q + KVW :]
         if style == "head_dim_term":  # 8 * head_dim: head_dim also sizes the heads' views
@@ -123,7 +136,8 @@ def test_unequal_pieces_split_the_megatron_way(style: str, tp: int) -> None:
     assert f"3 fused pieces ({Q} | {KVW} | {KVW})" in qkv.why
     assert rules["attn.o"].style == "rowwise"
     divided = {a for attr in plan.attributes for a in attr.divide}
-    assert {"q_size", "kv_size"} & divided or {"n_kv"} <= divided
+    assert "groups" not in divided
+    assert {"q_size", "kv_size"} <= divided or style == "split_width"
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
     assert _every_call(model, plan, tp) == {"all_reduce": 1}

@@ -166,6 +166,12 @@ def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]
                 "sizes the dims beside the split features, which each rank keeps whole, so it "
                 "cannot be divided"
             )
+        elif (module, attr) in t.reads.width_terms:
+            reasons.append(
+                f"{attr} = {value} is a term of a size the fused features are cut at that is "
+                "computed from their width as read off the tensor (each rank's own), so it "
+                "cannot be divided too"
+            )
         elif not module:
             reasons.append(
                 f"the model's own forward reads {attr} = {value} to size the split features, "

@@ -24,6 +24,7 @@ __all__ = [
     "evaluate",
     "render",
     "scaled_reads",
+    "shrinks_with_width",
     "values_read",
 ]
 
@@ -118,6 +119,26 @@ def scaled_reads(expr: Expr) -> list[tuple[str, str, int]] | None:
             if const[0] == "const" and const[1] > 0:
                 return scaled_reads(other)
     return None
+
+
+def shrinks_with_width(expr: Expr, width: int, want: int) -> bool:
+    """Whether a formula holding the split features' width as read off their tensor
+    (`qkv.shape[-1] // (self.groups + 2)`, the width a constant equal to `width`) gives
+    `want` / tp on a shard, whose width is `width` / tp, at each tp up to 8 that divides
+    both, with its attributes as read (there must be one such tp)."""
+
+    def local(e: Expr, tp: int) -> int | None:
+        if e[0] == "const":
+            return e[1] // tp if e[1] == width else e[1]
+        if e[0] == "attr":
+            return int(e[3])
+        left, right = local(e[1], tp), local(e[2], tp)
+        if left is None or right is None or (e[0] in ("//", "%") and right == 0):
+            return None
+        return _OPS[e[0]](left, right)
+
+    tps = [tp for tp in range(2, 9) if width % tp == 0 and want % tp == 0]
+    return bool(tps) and all(local(expr, tp) == want // tp for tp in tps)
 
 
 def attributes_in(expr: Expr) -> set[tuple[str, str]]:

@@ -170,6 +170,10 @@ class ReadFacts:
     beside_sizes: set[tuple[str, str]] = field(default_factory=set)
     """(module, attribute) a view of split features read to size a dim beside the split one
     (`self.head_dim` in `view(B, T, -1, self.head_dim)`): each rank keeps that size whole."""
+    width_terms: set[tuple[str, str]] = field(default_factory=set)
+    """(module, attribute) in a fused cut's size computed from the width read off the tensor
+    it cuts (`qkv.shape[-1] // (self.groups + 2)`): the width shrinks on a shard by itself,
+    so the attribute must stay whole."""
     cut_terms: set[tuple[str, str]] = field(default_factory=set)
     """(module, attribute) divided as a term of a fused cut's size or bound written as a sum
     of attributes (`4 * self.head_dim`): right only where nothing keeps it whole."""

@@ -19,7 +19,7 @@ import torch
 
 from .._runtime.torch_compat import tree_leaves
 from .channels import batch_normed, depthwise, group_normed
-from .counted import Counted, scaled_reads
+from .counted import Counted, attributes_in, scaled_reads, shrinks_with_width
 from .heads import heads_owners, note_grouped, note_repeat, one_head
 from .ops import (
     ELEMENTWISE,
@@ -397,6 +397,7 @@ def _sizes_held(st: Trackers, op: Op) -> list[tuple[str, str, int]]:
             out.append(st.reads.attribute_holding(size, doing))
         return out
     held: list[tuple[str, str, int]] = []
+    width = op.args[0].shape[norm_dim(op.named.get("dim", 0), op.args[0].dim())]
     for w in written:
         if w <= 0:
             continue
@@ -404,6 +405,14 @@ def _sizes_held(st: Trackers, op: Op) -> list[tuple[str, str, int]]:
         if leaves is not None:
             held += leaves
             st.trace.reads.cut_terms.update((m, a) for m, a, _ in leaves)
+        elif (
+            isinstance(w, Counted)
+            and width in st.reads.shapes_read
+            and shrinks_with_width(w.expr, width, int(w))
+        ):
+            # computed from the width read off the tensor it cuts, which on a shard is the
+            # shard's own: the size shrinks by itself, and its attributes must stay whole
+            st.trace.reads.width_terms.update(attributes_in(w.expr))
         else:  # a number or another formula: the one attribute read just before holding it
             held.append(st.reads.attribute_holding(int(w), doing))
     return held
