@@ -36,13 +36,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..check.rules import match_rules
-from ..check.run import Inside, collectives_inside
 from ..plan.patterns import collapse
 from ..plan.schema import Plan, RegionRule, Rule
 from ..plan.styles import (
@@ -54,6 +53,9 @@ from ..plan.styles import (
 from ..plan.versions import SCHEMA_VERSION
 from .raw_regions import CONVS, RAW_WAYS, raw_kept, raw_params, rewrite_raw
 from .region_cuts import Cut, ParamDims, call_fake, cuts
+
+if TYPE_CHECKING:
+    from ..check.run import Inside
 
 __all__ = ["call_fake", "collapsed", "example_call", "per_module", "try_dtensor_regions"]
 
@@ -116,6 +118,9 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
             continue
 
         def prove(made: dict[str, dict[str, Rule]]) -> dict[str, Inside] | None:
+            # the dry run (and compile/, which it shards with) loads only for a region to prove
+            from ..check.run import collectives_inside
+
             return collectives_inside(
                 _with(plan, rules, made, names, {}),
                 model,
