@@ -158,3 +158,48 @@ def test_cuts_a_shard_cannot_follow_gather_with_the_reason(style: str, why: str)
     assert (qkv.style, qkv.output_layout(), qkv.parts) == ("colwise", "replicate", None)
     assert why in qkv.why
     assert_parity(model, plan, 2, _ids())
+
+
+class _GroupedFused(nn.Module):
+    """q|k|v laid out per key/value head: for each of the K groups its H/K query heads, then
+    its k and v (Falcon's new decoder architecture), viewed (B, T, -1, H/K + 2, D) with the
+    ratio written as a formula of the two head counts, and k and v taken out `style`'s way."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style, self.n_head, self.n_kv, self.head_dim = style, HEADS, KV, HEAD_DIM
+        self.qkv = nn.Linear(WIDTH, (HEADS + 2 * KV) * HEAD_DIM)
+        self.o = nn.Linear(Q, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        g = self.qkv(x).view(b, t, -1, self.n_head // self.n_kv + 2, self.head_dim)
+        if self.style == "index":
+            q, k, v = g[:, :, :, :-2], g[:, :, :, [-2]], g[:, :, :, [-1]]
+        elif self.style == "slices":
+            q, k, v = g[..., :-2, :], g[..., -2:-1, :], g[..., -1:, :]
+        else:
+            q, k, v = g.split([self.n_head // self.n_kv, 1, 1], dim=3)
+        k, v = torch.broadcast_to(k, q.shape), torch.broadcast_to(v, q.shape)
+        q, k, v = (z.flatten(2, 3).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o(a.reshape(b, t, self.n_head * self.head_dim))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("style", ["index", "slices", "split"])
+def test_qkv_grouped_per_kv_head_splits_by_groups(style: str, tp: int) -> None:
+    """Each rank holds whole groups (its key/value heads with their query heads): a plain
+    colwise split of the fused layer, both head counts divided."""
+    torch.manual_seed(0)
+    model = _Model("slices")
+    model.attn = _GroupedFused(style)  # type: ignore[assignment]
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
+    rules = {r.match: r for r in plan.rules}
+    qkv = rules["attn.qkv"]
+    assert (qkv.style, qkv.parts, qkv.output_layout()) == ("colwise", None, "shard(-1)")
+    assert rules["attn.o"].style == "rowwise"
+    assert {a for attr in plan.attributes for a in attr.divide} == {"n_head", "n_kv"}
+    assert not tpplan.check_plan(plan, model, tp_size=tp)
+    assert_parity(model, plan, tp, _ids())
+    assert _every_call(model, plan, tp) == {"all_reduce": 1}

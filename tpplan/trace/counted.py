@@ -22,6 +22,7 @@ __all__ = [
     "Expr",
     "attributes_in",
     "evaluate",
+    "kept_by_dividing",
     "render",
     "scaled_reads",
     "shrinks_with_width",
@@ -139,6 +140,21 @@ def shrinks_with_width(expr: Expr, width: int, want: int) -> bool:
 
     tps = [tp for tp in range(2, 9) if width % tp == 0 and want % tp == 0]
     return bool(tps) and all(local(expr, tp) == want // tp for tp in tps)
+
+
+def kept_by_dividing(expr: Expr) -> bool:
+    """Whether a formula of two or more attributes keeps its value when every attribute it
+    reads is divided by tp, at each tp up to 8 that divides them all (there must be one):
+    a ratio of head counts (`self.num_heads // self.num_kv_heads + 2`, Falcon's q heads per
+    key/value head and its k and v) is the same on every rank once both counts are."""
+    reads = values_read(expr)
+    if len(reads) < 2 or expr[0] == "attr":
+        return False
+    want = evaluate(expr, {})
+    tps = [tp for tp in range(2, 9) if all(v % tp == 0 for v in reads.values())]
+    return bool(tps) and all(
+        evaluate(expr, {read: v // tp for read, v in reads.items()}) == want for tp in tps
+    )
 
 
 def attributes_in(expr: Expr) -> set[tuple[str, str]]:

@@ -129,8 +129,8 @@ def _as_pieces(st: Trackers, op: Op, s: Split) -> Split:
     asked = st.reads.asked[-1] if st.reads.asked else ()
     at = reshape(s, tuple(x.shape), tuple(out)).dim
     written = asked[at] if len(asked) == len(out) else None
-    if isinstance(written, Counted):
-        return s  # an attribute: a count of heads (a layout per head)
+    if isinstance(written, Counted) or written == -1:
+        return s  # an attribute (a count of heads, a layout per head), or the rest
     if written is None and count in {v for _, _, v in st.reads.fresh}:
         if pieces[1] == count:
             raise SplitEnds(
@@ -249,6 +249,30 @@ def _piece_sliced(st: Trackers, op: Op, s: Split, d: int) -> tuple[torch.Tensor,
     one = starts.get(at) == n * per_unit
     st.splits.hold_piece(out, (src, at, n * per_unit) if one else None)
     return out, Split(s.dim, 1, n // s.inner, s.inner, s.sources)
+
+
+@rule("index")
+def _indexed(st: Trackers, op: Op) -> Followed:
+    """`x[:, :, :, [-2]]`: index tensors picking along dims other than the split one (Falcon's
+    k and v taken out of each group of q|k|v heads). The split dim is indexed by None (kept
+    whole); the picked dims, adjacent, are replaced in place by the index's shape, so the
+    split dim moves only by the dims they add or remove before it."""
+    x, out = op.args[0], op.out
+    s = st.splits.only_split(x)
+    indices = list(op.named.get("indices", op.args[1] if len(op.args) > 1 else []))
+    picked = [i for i, t in enumerate(indices) if t is not None]
+    if not picked or (s.dim < len(indices) and indices[s.dim] is not None):
+        raise SplitEnds("it picks along the split dim")
+    if any(st.splits.split_of(indices[i]) is not None for i in picked):
+        raise SplitEnds("it picks with split indices")
+    if any(indices[i].dtype in (torch.bool, torch.uint8) and indices[i].dim() != 1 for i in picked):
+        raise SplitEnds("it picks with a mask over several dims")
+    if picked != list(range(picked[0], picked[-1] + 1)):
+        raise SplitEnds("it picks along dims apart from each other, which moves them first")
+    if s.dim < picked[0]:
+        return [(out, s)]
+    added = out.dim() - x.dim()
+    return [(out, s.at(s.dim + added))]
 
 
 @rule("constant_pad_nd")

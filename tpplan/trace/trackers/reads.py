@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._runtime.torch_compat import tree_leaves
-from ..counted import Counted, attributes_in
+from ..counted import Counted, attributes_in, kept_by_dividing, values_read
 from ..ops import COPIES, SIZED, Op
 from ..record import AttributeRead, ReadFacts
 from ..split import Split, SplitEnds, carved
@@ -152,11 +152,31 @@ class AttributeReads:
             written = self.asked[-1] if self.asked else ()
             last = k + len(pieces) - 1
             free = len(written) == len(sizes) and written[last] == -1
+            read = read | self._kept_ratios(written, sizes, k, last, counted or s.sources)
             self._check_beside(pieces[1:-1] if free else pieces[1:], sizes[k], width, read)
         else:
             self._check_merge(sizes, s, counted or s.sources)
             return
         self._check_fixed_count(sizes, s, counted or s.sources)
+
+    def _kept_ratios(
+        self, written: Any, sizes: Any, k: int, last: int, counted: frozenset[str]
+    ) -> set[int]:
+        """Sizes beside the split dim written as a formula of head counts that keeps its
+        value when they are all divided (Falcon's `self.num_heads // self.num_kv_heads + 2`):
+        each of those counts is divided with the split's own, and the size is as fixed as an
+        attribute."""
+        if len(written) != len(sizes):
+            return set()
+        out = set()
+        for j in range(k + 1, last + 1):
+            w = written[j]
+            if isinstance(w, Counted) and kept_by_dividing(w.expr):
+                for (module, attr), value in values_read(w.expr).items():
+                    for src in counted:
+                        self.facts.counts.setdefault(src, set()).add((module, attr, value))
+                out.add(int(w))
+        return out
 
     def _check_beside(self, beside: list[int], count: int, width: int, read: set[int]) -> None:
         """The sizes a view gives the dims it carves beside the split dim out of the split
