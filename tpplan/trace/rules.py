@@ -206,10 +206,24 @@ def _piece_sliced(st: Trackers, op: Op, s: Split, d: int) -> tuple[torch.Tensor,
     its pieces), when each bound inside is written as a module attribute or a sum of them
     (`self.q_size + self.kv_size`), which the plan divides by the tp size so that each
     rank's slice of every piece is what the same index takes from its shard."""
-    t, out = op.args[0], op.out
     if len(s.sources) != 1 or s.outer != 1:
         raise SplitEnds("it takes part of the split dim")
     (src,) = s.sources
+    if src in st.splits.slices_refused:
+        raise SplitEnds("it takes part of the split dim, whose other slices cannot be followed")
+    try:
+        return _sliced_piece(st, op, s, d, src)
+    except SplitEnds:
+        # one slice a shard cannot follow ends the split at every slice: the pieces the
+        # others carved out are no layout of the layer
+        st.splits.slices_refused.add(src)
+        if src in st.splits.sliced:
+            st.trace.spans.parts.pop(src, None)
+        raise
+
+
+def _sliced_piece(st: Trackers, op: Op, s: Split, d: int, src: str) -> tuple[torch.Tensor, Split]:
+    t, out = op.args[0], op.out
     size = t.shape[d]
     first = op.named.get("start") or 0
     first = max(first + size, 0) if first < 0 else min(first, size)
@@ -238,6 +252,8 @@ def _piece_sliced(st: Trackers, op: Op, s: Split, d: int) -> tuple[torch.Tensor,
     if covered % (s.n * s.inner):
         raise SplitEnds("it takes features whose place among the fused pieces is unknown")
     per_unit = covered // (s.n * s.inner)
+    if src not in st.trace.spans.parts:
+        st.splits.sliced.add(src)  # its pieces come from slices
     _carve_at(st, src, {start + b * per_unit for b in inner}, piece)
     st.trace.reads.counts.setdefault(src, set()).update(held)
     n = out.shape[d]

@@ -61,7 +61,7 @@ class Trackers:
             origins=origins,
             splits=splits,
             vectors=Vectors(trace.params, trace.layers, origins),
-            reads=AttributeReads(trace.reads),
+            reads=AttributeReads(trace.reads, trace.spans.broken),
             lookups=Lookups(trace.lookups, origins),
             whole_outputs=whole_outputs,
             experts=Experts(trace.experts, trace.spans, origins, splits, whole_outputs),

@@ -45,6 +45,10 @@ class DenseSplits:
         self.piece_uses: dict[Piece, int] = {}
         self.carved: set[Piece] = set()
         self.cut_here: set[Piece] = set()  # the pieces the running op's rule cut (rules.py)
+        # Layers whose output a slice cut into pieces first, and those with a slice a shard
+        # cannot follow (rules.py's `_piece_sliced`)
+        self.sliced: set[str] = set()
+        self.slices_refused: set[str] = set()
 
     def split_of(self, t: Any) -> Split | None:
         """The Split of `t`, if it holds split features that still go on."""

@@ -10,6 +10,7 @@ sizes a view was written with. What is found goes to the trace's `ReadFacts`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..._runtime.torch_compat import tree_leaves
@@ -24,8 +25,11 @@ __all__ = ["AttributeReads"]
 class AttributeReads:
     """Integer attributes read by each running forward, and sizes read off split tensors."""
 
-    def __init__(self, facts: ReadFacts) -> None:
+    def __init__(self, facts: ReadFacts, broken: Mapping[str, Any] | None = None) -> None:
         self.facts = facts
+        # The layers whose split has ended (SpanFacts.broken): the counts they held are
+        # divided by no plan
+        self.broken: Mapping[str, Any] = broken if broken is not None else {}
         # Integer attributes of modules read by each running forward, innermost last. A count
         # or size an op is given was read by the forward that calls the op (or one enclosing
         # it), so these say which attribute a number came from; reads inside a finished
@@ -188,7 +192,12 @@ class AttributeReads:
         # attribute, unless the split tensor's width was just read (it may come from that)
         # or the attribute is a count the plan divides (nanoGPT's `C // n_head` equals
         # 2 * n_head by chance, and changes when n_head is divided)
-        counts = {v for found in self.facts.counts.values() for _, _, v in found}
+        counts = {
+            v
+            for src, found in self.facts.counts.items()
+            if src not in self.broken
+            for _, _, v in found
+        }
         counts.add(count)
         multiple = width not in self.shapes_read and any(
             last == m * v for v in read - counts if v > 1 for m in (2, 3, 4)
