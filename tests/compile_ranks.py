@@ -3,7 +3,8 @@ runs forward and backward on real gloo ranks and matches the eager unsharded mod
 execution paths (local shards through tpplan.compile_model, and every layer on DTensors
 through torch.compile); on local shards the forward is one graph (no break at the layers'
 direct collectives). A model with a region on local shards (BLOOM) compiles too, the region
-run eagerly inside it."""
+run eagerly inside it, and so does a fused q|k|v of unequal pieces (its own rows copied
+once per change of its weight)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def main() -> None:
         if local and len(graphs) != 1:
             failures.append(f"{path}: the forward compiled to {len(graphs)} graphs, not 1")
     failures += _region_model(mesh)
+    failures += _unequal_fused(mesh)
     finish("; ".join(failures) or None)
 
 
@@ -104,6 +106,31 @@ def _region_model(mesh: Any) -> list[str]:
     print(f"rank {dist.get_rank()} compiled region: logits {err:.2e} grad {gerr:.2e}", flush=True)
     if max(err, gerr) > TOL:
         return [f"region model: compiled model differs: logits {err:.2e}, qkv grad {gerr:.2e}"]
+    return []
+
+
+def _unequal_fused(mesh: Any) -> list[str]:
+    """A fused q|k|v of unequal pieces (test_fused_cuts.py's), whose layer computes with a
+    working copy of its own rows (compile/own_rows.py): compiled, forward and the fused
+    weight's gradient match."""
+    from test_fused_cuts import _ids, _model
+
+    ref, x = _model("split_chunk"), _ids()
+    plan = tpplan.infer_plan(ref, tp_size=mesh.size(), example_inputs=x)
+    model = _model("split_chunk")
+    want = ref(x)
+    want.square().mean().backward()
+    torch._dynamo.reset()
+    tpplan.apply_plan(model, mesh, plan)
+    got = tpplan.compile_model(model)(x)
+    got.square().mean().backward()
+    g = model.attn.qkv.weight.grad
+    g = g.full_tensor() if isinstance(g, DTensor) else g
+    err = (got - want).abs().max().item()
+    gerr = (g - ref.attn.qkv.weight.grad).abs().max().item()
+    print(f"rank {dist.get_rank()} compiled unequal fused: logits {err:.2e} grad {gerr:.2e}")
+    if max(err, gerr) > TOL:
+        return [f"unequal fused: compiled model differs: logits {err:.2e}, qkv grad {gerr:.2e}"]
     return []
 
 

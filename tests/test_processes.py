@@ -61,10 +61,12 @@ def test_gloo_parity_of_an_uneven_vocab() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "gpt2", "phi3"])
+@pytest.mark.parametrize("model", ["llama", "gpt2", "phi3", "fused_gqa"])
 def test_tp_and_fsdp_on_a_2x2_mesh_train_like_the_unsharded_model(model: str) -> None:
     """gpt2 and phi3 have fused layers (a 1-D bias and a weight split along dim 0 as
-    strided pieces), which FSDP2 must shard along another dim or not at all."""
+    strided pieces), which FSDP2 must shard along another dim or not at all; fused_gqa's
+    q|k|v of unequal pieces computes with a copy of its own rows, which the second step's
+    forward must take from the weights the first step changed."""
     run = torchrun(
         HERE / "fsdp_tp_step.py",
         "--standalone",

@@ -360,6 +360,12 @@ def _all_gather_op() -> None:
     assert _arguments(tc.all_gather_op) == ["input", "group_size", "group_name"]
 
 
+@holds("reduce_scatter_op")
+def _reduce_scatter_op() -> None:
+    # compile/own_rows.py: a fused layer's working rows' gradient back to its Shard
+    assert _arguments(tc.reduce_scatter_op) == ["input", "reduce_op", "group_size", "group_name"]
+
+
 @holds("wait_tensor_op")
 def _wait_tensor_op() -> None:
     assert _arguments(tc.wait_tensor_op) == ["tensor"]
@@ -519,6 +525,18 @@ def _comm_mode_tracker() -> None:
     assert callable(tracker._fw_pre_hook) and callable(tracker._get_mod_name)
     assert isinstance(tracker().register_forward_hook_handles, dict)
     assert isinstance(CommDebugMode().advanced_module_tracker, tracker)
+
+
+@holds("root_mesh_dims")
+def _root_mesh_dims() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpplan._runtime.local import fake_ranks
+
+    with fake_ranks(4) as flat:
+        assert tc.root_mesh_dims(flat) == 1
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        assert tc.root_mesh_dims(grid["tp"]) == 2  # compile/own_rows.py: FSDP2 beside tp
 
 
 @holds("mark_static_address")

@@ -101,6 +101,7 @@ __all__ = [
     "reduce_scatter_op",
     "register_process_group",
     "resolve_group_name",
+    "root_mesh_dims",
     "rowwise_prepare_output",
     "set_dtensor_rng_tracker",
     "sharding_propagator",
@@ -234,6 +235,12 @@ def comm_mode_module_tracker() -> type[Any]:
     from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
 
     return _CommModeModuleTracker
+
+
+def root_mesh_dims(mesh: Any) -> int:
+    """The dims of the mesh `mesh` was cut from (itself when it is no sub-mesh): a tp axis of
+    a (dp, tp) mesh says 2 (compile/own_rows.py); 2.13."""
+    return int(mesh._get_root_mesh().ndim)
 
 
 def mark_static_address(t: torch.Tensor) -> None:

@@ -14,7 +14,10 @@ output at every call (strided.py's `own_slices`).
 
 The copy is keyed on the parameter's and its local tensor's version counters (an optimizer
 step bumps the parameter's, a write into the local tensor its own) and on the local tensor
-itself (a load into new storage, `.to()`), so it is never read stale. Its gradient goes
+itself (a load into new storage, `.to()`), so it is never read stale. On a tp axis cut from
+a larger mesh (FSDP2 over dp beside it) the copy is rebuilt at every call: FSDP2 gathers each
+step's new weights into the same unsharded tensor without a version bump, so no key would
+show the change (one weight all-gather per call, beside FSDP2's own). Its gradient goes
 back to the Shard layout: scattered into a zero weight of the whole size at the rows'
 places and reduce-scattered (`_OwnRows`); every row's gradient comes from exactly one rank.
 """
@@ -28,7 +31,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DeviceMesh, DTensor
 
-from .._runtime.torch_compat import all_gather_op, reduce_scatter_op, wait_tensor_op
+from .._runtime.torch_compat import (
+    all_gather_op,
+    reduce_scatter_op,
+    root_mesh_dims,
+    wait_tensor_op,
+)
 
 __all__ = ["OwnRows", "own_order", "own_rows"]
 
@@ -118,6 +126,8 @@ class OwnRows:
         self.mesh = mesh
         self.group = group
         self.tp = mesh.size()
+        # kept across calls on a mesh of its own only (see the module docstring)
+        self.keeps = root_mesh_dims(mesh) == 1
         self._index: torch.Tensor | None = None
         self._cache: dict[str, _Cache] = {}
 
@@ -142,7 +152,12 @@ class OwnRows:
         versions = (p._version, local._version)
         index = self.index(local.device)
         found = self._cache.get(name)
-        if found is None or found.local is not local or found.versions != versions:
+        if (
+            not self.keeps
+            or found is None
+            or found.local is not local
+            or found.versions != versions
+        ):
             with torch.no_grad():
                 whole = _gather(local, dim, self.group, self.tp)
                 rows = whole.index_select(dim, index)
