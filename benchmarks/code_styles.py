@@ -19,7 +19,8 @@ numbers, one process) and measured:
 - parity: forward output and every gradient within 1e-4 of the unsharded model's on both
   execution paths (tests/support/parity.py's `assert_parity`); "error" when something raised;
 - Megatron: each attention and MLP block's forward runs no all-gather (counted by
-  tests/model_zoo/measure.py) and its most loaded rank holds at most a Megatron split's
+  tests/model_zoo/measure.py on a second call: a fused layer of unequal pieces copies its own
+  rows of the weight once per change of the weight, counted apart as `weight_gathers`) and its most loaded rank holds at most a Megatron split's
   elements (10% slack; kv heads fewer than tp shared whole) and fewer than the whole block's.
   A case gets it when every block does. `megatron_exists` is the case's own ground truth:
   no split exists for a single head or for talking heads.

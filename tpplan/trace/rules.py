@@ -232,11 +232,11 @@ def _sliced_piece(st: Trackers, op: Op, s: Split, d: int, src: str) -> tuple[tor
     if any(b % s.inner for b in inner):
         raise SplitEnds("it takes part of a block of the split dim that must stay whole")
     written = st.reads.cutting[-1] if st.reads.cutting else None
-    bounds = (
-        [b for x in tree_leaves(written) if isinstance(x, slice) for b in (x.start, x.stop)]
-        if not isinstance(written, slice)
-        else [written.start, written.stop]
-    )
+    slices = [written] if isinstance(written, slice) else list(tree_leaves(written))
+    slices = [x for x in slices if isinstance(x, slice) and x != slice(None)]
+    # the index's one slice that takes part of a dim: a bound of a slice of another dim
+    # that equals one of this one's would say nothing of this one
+    bounds = [slices[0].start, slices[0].stop] if len(slices) == 1 else []
     held: list[tuple[str, str, int]] = []
     for b in sorted(inner):
         found = [w for w in bounds if isinstance(w, Counted) and int(w) == b]
