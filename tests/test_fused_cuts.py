@@ -167,9 +167,11 @@ class _GroupedFused(nn.Module):
 
     def __init__(self, style: str) -> None:
         super().__init__()
-        self.style, self.n_head, self.n_kv, self.head_dim = style, HEADS, KV, HEAD_DIM
-        self.qkv = nn.Linear(WIDTH, (HEADS + 2 * KV) * HEAD_DIM)
-        self.o = nn.Linear(Q, WIDTH)
+        # 16 // 4 + 2 = 6 pieces per group, as Falcon-40B's 128 // 8 + 2 = 18
+        heads, kv, head_dim = 16, 4, 8
+        self.style, self.n_head, self.n_kv, self.head_dim = style, heads, kv, head_dim
+        self.qkv = nn.Linear(WIDTH, (heads + 2 * kv) * head_dim)
+        self.o = nn.Linear(heads * head_dim, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape

@@ -1258,16 +1258,18 @@ def test_fused_pieces_viewed_before_the_heads_split_by_heads(tp: int) -> None:
     assert_parity(model, plan, tp, x)
 
 
-def test_pieces_and_heads_of_one_count_are_not_guessed() -> None:
-    """Three heads viewed as (3, 3, head_dim): which 3 counts the pieces cannot be told from
-    the sizes, so no attribute is divided; the attention runs as a DTensor region instead,
-    whose layouts carry the pieces through the view (proven, and at parity at tp 3)."""
+def test_pieces_and_heads_of_one_count_are_told_apart_by_how_the_view_is_written() -> None:
+    """Three heads viewed as (3, 3, head_dim): the sizes alone cannot say which 3 counts the
+    pieces, but the view as written can: `reshape(b, n, 3, self.num_heads, self.head_dim)`
+    gives the pieces as a number and the heads as an attribute. So the pieces are the
+    layer's `parts`, the head count is divided, and the attention runs on local shards."""
     model = nn.Sequential(PiecesThenHeads(dim=24, num_heads=3))
     x = torch.randn(2, 6, 24, generator=torch.Generator().manual_seed(0))
     plan = tpplan.infer_plan(model, tp_size=3, example_inputs=x)
     qkv = rule_for(plan, model, "0.qkv")
-    assert (qkv.parts, qkv.local_output) == ([24, 24, 24], False)
-    assert not plan.attributes and [r.match for r in plan.regions] == ["0"]
+    assert (qkv.parts, qkv.local_output) == ([24, 24, 24], None)
+    assert [a.divide for a in plan.attributes] == [["attn_dim", "num_heads"]]
+    assert not plan.regions
     assert_parity(model, plan, 3, x)
 
 

@@ -156,8 +156,15 @@ class AttributeReads:
             written = self.asked[-1] if self.asked else ()
             last = k + len(pieces) - 1
             free = len(written) == len(sizes) and written[last] == -1
-            read = read | self._kept_ratios(written, sizes, k, last, counted or s.sources)
-            self._check_beside(pieces[1:-1] if free else pieces[1:], sizes[k], width, read)
+            beside = pieces[1:-1] if free else pieces[1:]
+            try:
+                self._check_beside(beside, sizes[k], width, read)
+            except SplitEnds:
+                # last, a ratio of head counts that dividing them all keeps (Falcon's)
+                kept = self._kept_ratios(written, sizes, k, last, counted or s.sources)
+                if not kept:
+                    raise
+                self._check_beside(beside, sizes[k], width, read | kept)
         else:
             self._check_merge(sizes, s, counted or s.sources)
             return
