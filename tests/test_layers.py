@@ -15,6 +15,7 @@ pytestmark = pytest.mark.unit
 PACKAGE = Path(__file__).resolve().parents[1] / "tpplan"
 # the stages in order; a module may import its own stage and the ones before it
 STAGES = [
+    "_lazy",
     "errors",
     "plan",
     "_runtime",

@@ -10,9 +10,9 @@ reading and validating plan files stays instant.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ._lazy import lazy_getattr
 from .errors import (
     MeshError,
     ModelError,
@@ -92,9 +92,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'tpplan' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

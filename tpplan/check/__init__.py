@@ -18,8 +18,9 @@ The modules:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from .api import check_plan, complete_plan, splits_nothing
@@ -30,9 +31,4 @@ __all__ = ["check_plan", "complete_plan", "splits_nothing"]
 # api.py (and through it the dry run and all of compile/) loads on first use, so that a
 # module importing one of the checks here (infer's region proofs: rules.py, blame.py) does
 # not pay for the others
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        value = getattr(importlib.import_module(".api", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(__all__, ".api"))

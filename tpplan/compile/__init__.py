@@ -15,8 +15,9 @@ to torch's own or to one built here for what torch lacks, one concern per module
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from .rules import plan_to_torch, rule_to_style
@@ -24,14 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["plan_to_torch", "rule_to_style", "shard_model"]
 
-_LAZY = {"plan_to_torch": ".rules", "rule_to_style": ".rules", "shard_model": ".shard"}
-
-
 # these load on first use, so that a module importing one of the others (infer reads
 # strided.py's layout) does not pay for every style
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(
+    __name__, {"plan_to_torch": ".rules", "rule_to_style": ".rules", "shard_model": ".shard"}
+)
