@@ -23,7 +23,8 @@ The modules, in reading order:
 - tracer.py: `Tracer`, the dispatch driver.
 - rules.py: the per-op rules, registered by op name; heads.py: what they note about heads
   (one-head views, grouped-query attention, repeat counts); channels.py: the rules of ops
-  that take split channels a group at a time (GroupNorm, BatchNorm, a grouped convolution).
+  that take split channels a group at a time (GroupNorm, BatchNorm, a grouped convolution);
+  pieces.py: a fused layer's pieces (q|k|v) and how the code cuts them.
 - trackers/: one object per kind of tensor followed (dense splits, parameters and vectors,
   attribute reads, embedding lookups, experts' partial sums, whole outputs).
 - attention.py: the torch-function mode (attention as one op, sizes read off tensors).

@@ -12,14 +12,11 @@ way (torch/distributed/tensor/_ops/).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 
-from .._runtime.torch_compat import tree_leaves
 from .channels import batch_normed, depthwise, group_normed
-from .counted import Counted, attributes_in, scaled_reads, shrinks_with_width
 from .heads import heads_owners, note_grouped, note_repeat, one_head
 from .ops import (
     ELEMENTWISE,
@@ -31,11 +28,11 @@ from .ops import (
     SPLITS,
     Op,
 )
+from .pieces import as_pieces, cut, piece_sliced
 from .split import (
     Split,
     SplitEnds,
     after_reduce,
-    carved,
     check_broadcast,
     check_padding,
     every_step,
@@ -45,7 +42,6 @@ from .split import (
     reshape,
 )
 from .trackers import Trackers
-from .trackers.dense import Piece
 
 __all__ = ["RULES", "follow", "side_input", "sized_by_a_shard"]
 
@@ -89,7 +85,7 @@ def follow(st: Trackers, op: Op) -> Followed:
 @rule(*RESHAPES)
 def _reshaped(st: Trackers, op: Op) -> Followed:
     x = op.args[0]
-    before = _as_pieces(st, op, st.splits.only_split(x))
+    before = as_pieces(st, op, st.splits.only_split(x))
     s = one_head(st, reshape(before, tuple(x.shape), tuple(op.out.shape)), op.out.shape)
     sizes = op.named.get("size", op.named.get("shape"))
     st.reads.check_count(
@@ -102,49 +98,6 @@ def _reshaped(st: Trackers, op: Op) -> Followed:
         counted=heads_owners(st, s),
     )
     return [(op.out, s)]
-
-
-def _as_pieces(st: Trackers, op: Op, s: Split) -> Split:
-    """A fused layer's output, or one piece of it, viewed with a fixed count of pieces before
-    the rest (timm's `reshape(B, N, 3, self.num_heads, self.head_dim)`, then `unbind` of q,
-    k, v; `kv.unflatten(-1, (2, self.n_kv, self.head_dim))` of a k|v piece cut off a q|k|v
-    output): its features are that many pieces (`parts` in the plan, each rank its slice of
-    every piece), so the split moves to the dims carved out of one piece and the pieces' dim
-    stays whole. A count equal to an attribute read just before is the heads' (a layout per
-    head), unless the next dim holds the same count: then which is which cannot be told."""
-    if len(s.sources) != 1 or s.outer != 1 or s.inner != 1:
-        return s
-    (src,) = s.sources
-    x, features = op.args[0], s.n
-    piece = st.splits.piece_of(x)
-    if piece is None or (piece is False and st.trace.spans.openers.get(src) != features):
-        return s  # not the layer's output (or one piece of it) as it came: cut, viewed, merged
-    if piece and piece[2] != features:
-        return s
-    out = list(op.out.shape)
-    pieces = carved(out, reshape(s, tuple(x.shape), tuple(out)).dim, features)
-    if len(pieces) < 3 or pieces[0] < 2 or features % pieces[0]:
-        return s
-    count = pieces[0]
-    asked = st.reads.asked[-1] if st.reads.asked else ()
-    at = reshape(s, tuple(x.shape), tuple(out)).dim
-    written = asked[at] if len(asked) == len(out) else None
-    if isinstance(written, Counted) or written == -1:
-        return s  # an attribute (a count of heads, a layout per head), or the rest
-    if written is None and count in {v for _, _, v in st.reads.fresh}:
-        if pieces[1] == count:
-            raise SplitEnds(
-                f"it views the fused features as {pieces}: whether {count} counts the fused "
-                "pieces or the heads cannot be told apart"
-            )
-        return s
-    start = piece[1] if piece else 0
-    if piece:
-        st.splits.cut_here.add(piece)
-    size = features // count
-    _carve_at(st, src, {start + i * size for i in range(1, count)}, piece or None)
-    st.splits.hold_piece(op.out, None)  # every piece of it, side by side
-    return Split(s.dim, count, size, 1, s.sources)
 
 
 @rule("transpose", "t", "permute")
@@ -194,77 +147,11 @@ def _sliced(st: Trackers, op: Op) -> Followed:
             if picked is not None:
                 return [(out, picked)]
         if name == "slice" and step == 1:
-            return [_piece_sliced(st, op, s, d)]
+            return [piece_sliced(st, op, s, d)]
         raise SplitEnds("it takes part of the split dim")
     if name == "select" and d < s.dim:
         return [(out, s.at(s.dim - 1))]
     return [(out, s)]
-
-
-def _piece_sliced(st: Trackers, op: Op, s: Split, d: int) -> tuple[torch.Tensor, Split]:
-    """`qkv[..., a:b]` along the split dim: a piece of a fused layer's output (or of one of
-    its pieces), when each bound inside is written as a module attribute or a sum of them
-    (`self.q_size + self.kv_size`), which the plan divides by the tp size so that each
-    rank's slice of every piece is what the same index takes from its shard."""
-    if len(s.sources) != 1 or s.outer != 1:
-        raise SplitEnds("it takes part of the split dim")
-    (src,) = s.sources
-    if src in st.splits.slices_refused:
-        raise SplitEnds("it takes part of the split dim, whose other slices cannot be followed")
-    try:
-        return _sliced_piece(st, op, s, d, src)
-    except SplitEnds:
-        # one slice a shard cannot follow ends the split at every slice: the pieces the
-        # others carved out are no layout of the layer
-        st.splits.slices_refused.add(src)
-        if src in st.splits.sliced:
-            st.trace.spans.parts.pop(src, None)
-        raise
-
-
-def _sliced_piece(st: Trackers, op: Op, s: Split, d: int, src: str) -> tuple[torch.Tensor, Split]:
-    t, out = op.args[0], op.out
-    size = t.shape[d]
-    first = op.named.get("start") or 0
-    first = max(first + size, 0) if first < 0 else min(first, size)
-    last = first + out.shape[d]
-    inner = {b for b in (first, last) if 0 < b < size}
-    if any(b % s.inner for b in inner):
-        raise SplitEnds("it takes part of a block of the split dim that must stay whole")
-    written = st.reads.cutting[-1] if st.reads.cutting else None
-    slices = [written] if isinstance(written, slice) else list(tree_leaves(written))
-    slices = [x for x in slices if isinstance(x, slice) and x != slice(None)]
-    # the index's one slice that takes part of a dim: a bound of a slice of another dim
-    # that equals one of this one's would say nothing of this one
-    bounds = [slices[0].start, slices[0].stop] if len(slices) == 1 else []
-    held: list[tuple[str, str, int]] = []
-    for b in sorted(inner):
-        found = [w for w in bounds if isinstance(w, Counted) and int(w) == b]
-        leaves = scaled_reads(found[0].expr) if len(found) == 1 else None
-        if leaves is None:
-            raise SplitEnds(
-                f"it takes part of the split dim, at {b}, a bound written with no module "
-                "attribute (or sum of them) the plan could divide by the tp size"
-            )
-        held += leaves
-        st.trace.reads.cut_terms.update((m, a) for m, a, _ in leaves)
-    start, covered, piece = _held_features(st, t, src)
-    if covered % (s.n * s.inner):
-        raise SplitEnds("it takes features whose place among the fused pieces is unknown")
-    per_unit = covered // (s.n * s.inner)
-    if src not in st.trace.spans.parts:
-        st.splits.sliced.add(src)  # its pieces come from slices
-    _carve_at(st, src, {start + b * per_unit for b in inner}, piece)
-    st.trace.reads.counts.setdefault(src, set()).update(held)
-    n = out.shape[d]
-    if n % s.inner:
-        raise SplitEnds("it takes part of a block of the split dim that must stay whole")
-    at = start + first * per_unit
-    parts = st.trace.spans.parts[src]
-    starts = {sum(parts[:i]): p for i, p in enumerate(parts)}
-    one = starts.get(at) == n * per_unit
-    st.splits.hold_piece(out, (src, at, n * per_unit) if one else None)
-    return out, Split(s.dim, 1, n // s.inner, s.inner, s.sources)
 
 
 @rule("index")
@@ -337,125 +224,9 @@ def _split_apart(st: Trackers, op: Op) -> Followed:
     s = st.splits.only_split(t)
     d = norm_dim(op.named.get("dim", 0), t.dim())
     if d == s.dim:
-        return _cut(st, op, s)
+        return cut(st, op, s)
     dim = s.dim - 1 if op.name == "unbind" and d < s.dim else s.dim  # unbind drops its dim
     return [(o, s.at(dim)) for o in op.out]
-
-
-def _cut(st: Trackers, op: Op, s: Split) -> Followed:
-    """A fused layer's output, or one piece of it, cut into its pieces (q|k|v, gate|up) along
-    the split dim.
-
-    Sharded, the layer stores each piece's rank-r slice next to the others' (`parts` in the
-    plan), so rank r's shard is [q_r, k_r, v_r]; the model's own cut finds those pieces only
-    when it cuts into equal pieces by count (`chunk`) or by sizes read from module attributes
-    (or sums of them, `2 * self.kv_size`), which the plan divides by the tp size. A piece cut
-    again (k|v into k and v) makes finer pieces of the layer's.
-    """
-    name, out = op.name, op.out
-    if len(s.sources) != 1 or s.outer != 1 or name not in ("split", "split_with_sizes"):
-        raise SplitEnds(
-            f"its split features are cut into {len(out)} parts in a way a fused split "
-            "cannot follow; a contiguous shard would mix the parts"
-        )
-    (src,) = s.sources
-    start, covered, piece = _held_features(st, op.args[0], src)
-    sizes = [o.shape[s.dim] for o in out]
-    if sum(1 for n in sizes if n) == 1:
-        # one piece holds every feature (a cut into one, or beside empty ones): no cut
-        return [(o, s) for o, n in zip(out, sizes, strict=True) if n]
-    if any(n % s.inner for n in sizes):
-        raise SplitEnds("it cuts the split features inside a block that must stay whole")
-    held = [] if st.reads.chunking else _sizes_held(st, op)
-    if covered % (s.n * s.inner):
-        raise SplitEnds("it cuts features whose place among the fused pieces is unknown")
-    per_unit = covered // (s.n * s.inner)
-    bounds, at = set(), start
-    for n in sizes[:-1]:
-        at += n * per_unit
-        bounds.add(at)
-    _carve_at(st, src, bounds - {start, start + covered}, piece)
-    st.trace.reads.counts.setdefault(src, set()).update(held)
-    followed, at = [], start
-    for o, n in zip(out, sizes, strict=True):
-        if n:
-            followed.append((o, Split(s.dim, 1, n // s.inner, s.inner, s.sources)))
-            st.splits.hold_piece(o, (src, at, n * per_unit))
-            at += n * per_unit
-    return followed
-
-
-def _held_features(st: Trackers, t: torch.Tensor, src: str) -> tuple[int, int, Piece | None]:
-    """(offset, size) of `src`'s output features `t` holds, and the piece it is (None: all
-    of them); SplitEnds where it holds several pieces met together."""
-    piece = st.splits.piece_of(t)
-    if piece is None:
-        raise SplitEnds("it cuts features of several fused pieces met together")
-    if piece is False:
-        return 0, st.trace.spans.openers[src], None
-    st.splits.cut_here.add(piece)
-    return piece[1], piece[2], piece
-
-
-def _carve_at(st: Trackers, src: str, bounds: set[int], piece: Piece | None) -> None:
-    """Cut `src`'s fused pieces (`parts`) at these offsets of its output features. `piece`:
-    the piece the cut is made in (None: the whole output). A piece already handed on whole
-    and read (or one cut here, read by an op before this one) would hold other features on a
-    rank once cut finer: that ends the split."""
-    spans = st.trace.spans
-    whole = spans.openers[src]
-    parts = spans.parts.get(src, (whole,))
-    starts = [sum(parts[:i]) for i in range(len(parts))]
-    new = sorted(set(starts) | bounds | {whole})
-    if len(new) - 1 == len(parts):
-        return  # no new cut
-    for p_start, size in zip(starts, parts, strict=True):
-        inside = {b for b in bounds if p_start < b < p_start + size}
-        if not inside:
-            continue
-        old = (src, p_start, size)
-        reads = st.splits.piece_uses.get(old, 0) - (old == piece)
-        if reads > 0:
-            raise SplitEnds("the fused features are cut two different ways")
-        st.splits.carved.add(old)
-    spans.parts[src] = tuple(b - a for a, b in itertools.pairwise(new))
-
-
-def _sizes_held(st: Trackers, op: Op) -> list[tuple[str, str, int]]:
-    """The attributes a split's sizes were read from, which the plan divides by the tp size:
-    each size as written, an attribute or a sum of attributes each maybe times a constant;
-    where the written sizes are not at hand, the one attribute read just before that holds
-    each size's value."""
-    asked = op.named["split_size"] if op.name == "split" else op.named["split_sizes"]
-    asked = [asked] if isinstance(asked, int) else list(asked)
-    written = st.reads.cutting[-1] if st.reads.cutting else None
-    written = [written] if isinstance(written, int) else written
-    doing = "it cuts the fused features at"
-    if not isinstance(written, (list, tuple)) or [int(w) for w in written] != asked:
-        out = []
-        for size in sorted({n for n in asked if n > 0}):  # nothing to divide in an empty piece
-            out.append(st.reads.attribute_holding(size, doing))
-        return out
-    held: list[tuple[str, str, int]] = []
-    width = op.args[0].shape[norm_dim(op.named.get("dim", 0), op.args[0].dim())]
-    for w in written:
-        if w <= 0:
-            continue
-        leaves = scaled_reads(w.expr) if isinstance(w, Counted) else None
-        if leaves is not None:
-            held += leaves
-            st.trace.reads.cut_terms.update((m, a) for m, a, _ in leaves)
-        elif (
-            isinstance(w, Counted)
-            and width in st.reads.shapes_read
-            and shrinks_with_width(w.expr, width, int(w))
-        ):
-            # computed from the width read off the tensor it cuts, which on a shard is the
-            # shard's own: the size shrinks by itself, and its attributes must stay whole
-            st.trace.reads.width_terms.update(attributes_in(w.expr))
-        else:  # a number or another formula: the one attribute read just before holding it
-            held.append(st.reads.attribute_holding(int(w), doing))
-    return held
 
 
 @rule("glu")
@@ -471,7 +242,7 @@ def _glu(st: Trackers, op: Op) -> Followed:
     halves = Op(torch.ops.aten.split.Tensor, (x, x.shape[d] // 2, d), {}, [op.out, op.out])
     st.reads.chunking += 1
     try:
-        ((_, first), _) = _cut(st, halves, s)
+        ((_, first), _) = cut(st, halves, s)
     finally:
         st.reads.chunking -= 1
     return [(op.out, first)]
