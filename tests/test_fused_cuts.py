@@ -40,13 +40,13 @@ KEPT = ["literal_bound", "head_dim_term", "read_whole_first"]
 
 
 class _Attention(nn.Module):
-    def __init__(self, style: str) -> None:
+    def __init__(self, style: str, kv: int = KV) -> None:
         super().__init__()
         self.style = style
-        self.n_head, self.n_kv, self.head_dim = HEADS, KV, HEAD_DIM
-        self.q_size, self.kv_size = Q, KVW
-        self.groups = HEADS // KV
-        self.qkv = nn.Linear(WIDTH, Q + 2 * KVW)
+        self.n_head, self.n_kv, self.head_dim = HEADS, kv, HEAD_DIM
+        self.q_size, self.kv_size = Q, kv * HEAD_DIM
+        self.groups = HEADS // kv
+        self.qkv = nn.Linear(WIDTH, Q + 2 * self.kv_size)
         self.o = nn.Linear(Q, WIDTH)
 
     def _cut(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -62,7 +62,8 @@ class _Attention(nn.Module):
             kv_size = qkv.shape[-1] // (self.groups + 2)
             return qkv.split([qkv.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
         if style == "literal_bound":
-            return qkv[..., :Q], qkv[..., Q : Q + KVW], qkv[..., Q + KVW :]
+            k_end = Q + self.n_kv * HEAD_DIM
+            return qkv[..., :Q], qkv[..., Q:k_end], qkv[..., k_end:]
         if style == "head_dim_term":  # 8 * head_dim: head_dim also sizes the heads' views
             q_end, k_end = HEADS * self.head_dim, (HEADS + KV) * self.head_dim
             return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
@@ -93,10 +94,10 @@ class _Attention(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self, style: str) -> None:
+    def __init__(self, style: str, kv: int = KV) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.attn = _Attention(style)
+        self.attn = _Attention(style, kv)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -104,9 +105,9 @@ class _Model(nn.Module):
         return self.head(x + self.attn(x))
 
 
-def _model(style: str) -> _Model:
+def _model(style: str, kv: int = KV) -> _Model:
     torch.manual_seed(0)
-    return _Model(style)
+    return _Model(style, kv)
 
 
 def _ids() -> torch.Tensor:

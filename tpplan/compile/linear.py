@@ -65,12 +65,14 @@ class Colwise(ColwiseParallel):
         parts: list[int] | None = None,
         transposed: bool = False,
         local_shards: bool = True,
+        shared_head_dim: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.parts = tuple(parts) if parts else None
         self.transposed = transposed
         self.local_shards = local_shards
+        self.unit = shared_head_dim
 
     def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
         """Why `module` cannot run on its local shards (local_run.py); None: it can."""
@@ -89,6 +91,7 @@ class Colwise(ColwiseParallel):
         layouts: tuple[Placement, ...],
         local: bool,
         parts: tuple[int, ...] | None,
+        unit: int | None,
         mod: nn.Module,
         out: DTensor,
         mesh: DeviceMesh,
@@ -110,7 +113,7 @@ class Colwise(ColwiseParallel):
             # pieces of unequal sizes are no DTensor layout: the weight is a plain Shard of
             # the original, so this rank's features are gathered and its slices picked out;
             # the gradient is partial (each rank's picks only), summed back to the shards
-            return own_slices(out, mesh, parts, -1)
+            return own_slices(out, mesh, parts, -1, unit)
         if parts is not None and equal_parts(parts) and isinstance(layouts[0], Replicate):
             # gathered by pieces (strided.py): torch's own gather of the _StridedShard
             # output reads shard offsets off tensor values, which a dry run cannot
@@ -128,7 +131,7 @@ class Colwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
         output_fn = partial(
-            self._own_output, self.output_layouts, self.use_local_output, self.parts
+            self._own_output, self.output_layouts, self.use_local_output, self.parts, self.unit
         )
         if self.local_shards and self.local_run_reason(module, device_mesh.size()) is None:
             distribute_module(module, device_mesh, self._partition)
@@ -141,6 +144,7 @@ class Colwise(ColwiseParallel):
                 input_fn,
                 output_fn,
                 parts=self.parts,
+                unit=self.unit,
             )
             install(module, run)
             return module
@@ -149,7 +153,10 @@ class Colwise(ColwiseParallel):
         return distribute_module(module, device_mesh, self._partition, input_fn, output_fn)
 
     def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"
+        shared = f", shared_head_dim={self.unit}" if self.unit else ""
+        return (
+            f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed}{shared})"
+        )
 
 
 def _local_run_reason(style: Any, module: nn.Module, kind: Any, tp: int) -> str | None:
@@ -163,6 +170,7 @@ def _local_run_reason(style: Any, module: nn.Module, kind: Any, tp: int) -> str 
         output_layout=style.output_layouts[0],
         local_output=style.use_local_output,
         tp=tp,
+        unit=getattr(style, "unit", None),
     )
 
 

@@ -50,7 +50,7 @@ from .._runtime.torch_compat import (
     wait_tensor_op,
 )
 from .known_forwards import forward_of, known_base, local_class
-from .own_rows import OwnRows, own_rows
+from .own_rows import OwnRows, own_order, own_rows
 from .params import own_start
 from .strided import shard_step
 
@@ -187,6 +187,9 @@ class LocalRun:
     it computes with a working copy of its own rows (own_rows.py)."""
     own: OwnRows | None = None
     """Those working copies (set by `install` where `parts` are unequal)."""
+    unit: int | None = None
+    """The head size of `parts` whose heads ranks share past their count (colwise
+    `replicate_heads` with `parts`): each rank's copy holds its one head of such a part."""
 
 
 def _forward_reason(module: nn.Module, kind: Kind, transposed: bool) -> str | None:
@@ -220,6 +223,7 @@ def local_run_reason(
     output_layout: Any,
     local_output: bool,
     tp: int,
+    unit: int | None = None,
 ) -> str | None:
     """Why `module` cannot run on its local shards under this rule (None: it can). At tp 1
     a forward tpplan does not know runs too: as it is, on its parameters' local tensors,
@@ -237,8 +241,13 @@ def local_run_reason(
     if parts is not None and len(set(parts)) > 1:
         if kind != "colwise" or not local_output:
             return "its fused pieces are of unequal sizes (no local layout)"
-        if any(n % tp for n in parts):
-            return f"its fused pieces {list(parts)} do not all split {tp} ways"
+        if sum(parts) % tp:
+            return f"its {sum(parts)} output features do not split {tp} ways"
+        try:
+            own_order(parts, tp, unit)
+        except ValueError:
+            shared = " (nor share whole heads among ranks)" if unit else ""
+            return f"its fused pieces {list(parts)} do not all split {tp} ways{shared}"
     if not local_output:
         return "its output stays a DTensor (a DTensor region)"
     want_in = Shard(-1) if kind == "rowwise" else Replicate()
@@ -271,7 +280,7 @@ def install(module: nn.Module, run: LocalRun) -> None:
         base_forward=base_forward,
     )
     if run.parts is not None and len(set(run.parts)) > 1 and run.tp > 1:
-        run = replace(run, own=OwnRows(run.parts, run.mesh, run.group))
+        run = replace(run, own=OwnRows(run.parts, run.mesh, run.group, unit=run.unit))
     module._tpplan_local_run = run  # type: ignore[assignment]
     for p in module.parameters(recurse=False):
         if isinstance(p, DTensor):

@@ -157,6 +157,15 @@ def _colwise(rule: ColwiseRule, build: Build) -> ParallelStyle:
     if build.conv:
         return _conv_style(rule, rowwise=False)
     kw = _layouts(rule)
+    if rule.replicate_heads and rule.parts:
+        # q|k|v in one Linear: its key/value pieces' heads shared, on its own rows
+        assert rule.head_dim is not None, "plan_to_torch takes a plan complete_plan completed"
+        return Colwise(
+            parts=rule.parts,
+            local_shards=build.local_shards,
+            shared_head_dim=rule.head_dim,
+            **kw,
+        )
     if rule.replicate_heads:
         # check/complete.py reads a head_dim the rule leaves out from the model
         assert rule.head_dim is not None, "plan_to_torch takes a plan complete_plan completed"

@@ -165,6 +165,9 @@ def shared_heads(plan: Plan, model: nn.Module, name: str) -> int:
     for rule in plan.rules:
         heads = rule.head_size() if rule.shares_heads() else None
         if module is not None and heads and matches(rule.match, name):
+            parts = rule.part_sizes()
+            if parts:
+                return min(parts) // heads  # q|k|v fused: the key/value pieces' heads
             weight = module._parameters["weight"]
             assert weight is not None
             return int(weight.shape[0]) // heads

@@ -62,20 +62,31 @@ def equal_parts(parts: Sequence[int]) -> bool:
     return len(set(parts)) == 1
 
 
-def own_parts(parts: Sequence[int], mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+def own_parts(
+    parts: Sequence[int], mesh: DeviceMesh, device: torch.device, unit: int | None = None
+) -> torch.Tensor:
     """The features of a whole fused output that make this rank's slice of each part, in
-    order (each rank's own index, also on simulated ranks)."""
-    order = torch.tensor(fused_order(parts, mesh.size()), device=device)
+    order (each rank's own index, also on simulated ranks); with `unit` (head_dim), a part of
+    fewer heads than ranks gives each rank its one head (own_rows.py's `own_order`)."""
+    if unit is None:
+        order = torch.tensor(fused_order(parts, mesh.size()), device=device)
+    else:
+        from .own_rows import own_order
+
+        rows = own_order(parts, mesh.size(), unit)
+        order = torch.tensor([i for r in rows for i in r], device=device)
     return distribute_tensor(order, mesh, [Shard(0)], src_data_rank=None).to_local()
 
 
-def own_slices(split: DTensor, mesh: DeviceMesh, parts: Sequence[int], dim: int) -> torch.Tensor:
+def own_slices(
+    split: DTensor, mesh: DeviceMesh, parts: Sequence[int], dim: int, unit: int | None = None
+) -> torch.Tensor:
     """This rank's slice of each of `parts`, pieces of several sizes laid end to end along
     `dim` of `split` (a plain Shard of the whole fused output): the whole gathered, the
     rank's slices picked out. The gradient is partial (each rank's picks only), summed back
     to the shards."""
     whole = split.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-    return whole.index_select(dim, own_parts(parts, mesh, whole.device))
+    return whole.index_select(dim, own_parts(parts, mesh, whole.device, unit))
 
 
 def fused_order(parts: Sequence[int], tp: int) -> list[int]:

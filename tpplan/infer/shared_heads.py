@@ -27,7 +27,7 @@ from .context import Context
 from .decision import Divided
 from .names import inside, relative
 
-__all__ = ["Sharing", "kv_sharing"]
+__all__ = ["Sharing", "fused_query_unit", "kv_sharing", "piece_side"]
 
 
 @dataclass
@@ -67,10 +67,29 @@ def kv_sharing(
     if not kv:
         return None
     others = [o for o in openers if o not in kv]
-    unit = math.gcd(*(spans.units.get(o, spans.openers[o]) for o in others)) if others else 0
-    sharing = Sharing(kv, query_unit=unit)
+    units = [spans.units.get(o, spans.openers[o]) for o in others]
+    units += [fused_query_unit(ctx, o) for o in kv if o in spans.kv_parts]
+    sharing = Sharing(kv, query_unit=math.gcd(*units) if units else 0)
     sharing.refused = _refusal(ctx, openers, kv) or _divide(ctx, sharing, openers, counts)
     return sharing
+
+
+def piece_side(ctx: Context, piece: tuple[str, int, int]) -> str:
+    """Which side of its fused opener's grouped-query attention a piece is: "kv" inside
+    its key/value pieces, "q" apart from them, "both" across."""
+    src, start, size = piece
+    kv = [range(a, a + n) for a, n in ctx.trace.spans.kv_parts.get(src, ())]
+    inside = sum(len(range(max(start, r.start), min(start + size, r.stop))) for r in kv)
+    return "kv" if inside == size else "q" if inside == 0 else "both"
+
+
+def fused_query_unit(ctx: Context, o: str) -> int:
+    """The gcd of the split sizes a fused opener's query side met: its tensors holding no
+    one piece, and those holding a query piece (its key/value pieces may be shared)."""
+    spans = ctx.trace.spans
+    units = [spans.plain_units.get(o, spans.openers[o])]
+    units += [n for p, n in spans.piece_units.items() if p[0] == o and piece_side(ctx, p) == "q"]
+    return math.gcd(*units)
 
 
 def _refusal(ctx: Context, openers: list[str], kv: dict[str, int]) -> str | None:
@@ -80,6 +99,11 @@ def _refusal(ctx: Context, openers: list[str], kv: dict[str, int]) -> str | None
     for o in sorted(kv):
         if o in t.spans.unshared:
             return f"{short[o]}: {t.spans.unshared[o]}"
+        if o in t.spans.kv_parts:
+            refused = _fused_refusal(ctx, o, kv[o], short[o])
+            if refused:
+                return refused
+            continue
         if o not in t.layers.linears or t.layers.linears[o][2] or o in t.spans.parts:
             return f"{short[o]} is not a Linear of whole key/value heads alone"
         if t.spans.openers[o] % kv[o]:
@@ -94,6 +118,34 @@ def _refusal(ctx: Context, openers: list[str], kv: dict[str, int]) -> str | None
     return None
 
 
+def _fused_refusal(ctx: Context, o: str, heads: int, short: str) -> str | None:
+    """Why a fused opener's key/value pieces cannot share their heads."""
+    t = ctx.trace
+    parts = t.spans.parts.get(o)
+    if o not in t.layers.linears or t.layers.linears[o][2] or parts is None:
+        return f"{short} is not a Linear whose fused pieces are its queries, keys and values"
+    starts = {(sum(parts[:i]), n) for i, n in enumerate(parts)}
+    if not t.spans.kv_parts[o] <= starts:
+        return f"{short}'s key/value heads are not whole fused pieces"
+    if any(n % heads for _, n in t.spans.kv_parts[o]):
+        return f"{short}'s key/value pieces are not {heads} whole heads each"
+    if any(inside(o, m) for m, _ in t.reads.width_terms):
+        return (
+            f"{short} is cut at sizes computed from its width as read off the tensor, which "
+            "shared key/value heads keep from shrinking by the tp size"
+        )
+    return None
+
+
+def _sides(ctx: Context, o: str, count: tuple[str, str, int]) -> set[str]:
+    """The sides of fused opener `o`'s attention whose pieces `count` sized."""
+    return {
+        piece_side(ctx, p)
+        for p, counts in ctx.trace.reads.piece_counts.items()
+        if p[0] == o and count in counts
+    }
+
+
 def _divide(
     ctx: Context, sharing: Sharing, openers: list[str], counts: set[tuple[str, str, int]]
 ) -> str | None:
@@ -102,7 +154,17 @@ def _divide(
     divided: list[tuple[str, str, str, str]] = []  # (module, attribute, by, why)
     for module, attr, value in sorted(counts):
         sized = {o for o in openers if (module, attr, value) in t.reads.counts.get(o, ())}
-        if not sized <= sharing.kv.keys():
+        fused = {o for o in sized if o in t.spans.kv_parts}
+        if fused:
+            sides = set().union(*(_sides(ctx, o, (module, attr, value)) for o in fused))
+            if not sides or "both" in sides or len(sides) > 1:
+                said = "both the query and the key/value heads" if sides else "no one piece"
+                return f"{attr} = {value} sizes {said} of a fused layer"
+            if sides == {"q"} and sized == fused:
+                continue  # a query count: divided by the tp size, as any
+            if sides == {"q"} or not sized <= sharing.kv.keys():
+                return f"{attr} = {value} sizes both the query and the key/value heads"
+        elif not sized <= sharing.kv.keys():
             if sized & sharing.kv.keys():
                 return f"{attr} = {value} sizes both the query and the key/value heads"
             continue  # a query count: divided by the tp size, as any
@@ -112,8 +174,8 @@ def _divide(
                 attr,
                 "shards",
                 f"its forward reads {attr} = {value} to view the key/value heads of "
-                f"{_label(sharing.kv, module)}; each rank holds min(tp, {value}) of them "
-                "(the shards of the heads), so it is divided by that",
+                f"{_label(sharing.kv, module)}; each rank holds min(tp, {_heads(sharing, sized)}) "
+                "of them (the shards of the heads), so it is divided by that",
             )
         )
     repeats = {t.spans.repeats[o] for o in sharing.kv if o in t.spans.repeats}
@@ -184,6 +246,11 @@ def _add(sharing: Sharing, module: str, attr: str, by: str, why: str) -> str | N
     entries = sharing.attributes.setdefault(module, [])
     entries.append(Divided((attr,), why, by=by, of=of))
     return None
+
+
+def _heads(sharing: Sharing, sized: set[str]) -> int:
+    """The key/value head count of the openers a count sized."""
+    return min(sharing.kv[o] for o in sized if o in sharing.kv)
 
 
 def _label(kv: dict[str, int], module: str) -> str:

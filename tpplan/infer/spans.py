@@ -283,7 +283,7 @@ def _open(
         )
         kv = sharing.kv.get(o) if sharing is not None else None
         if sharing is not None:
-            need = _shared_need(sharing, kv)
+            need = _shared_need(sharing, kv, fused=o in t.spans.kv_parts)
         parts = t.spans.parts.get(o)
         found.rules[o] = decided(
             ColwiseRule,
@@ -295,8 +295,18 @@ def _open(
         )
 
 
-def _shared_need(sharing: Sharing, kv: int | None) -> str:
+def _shared_need(sharing: Sharing, kv: int | None, *, fused: bool = False) -> str:
     """What tp sizes a span with shared key/value heads takes, for one opener's `why`."""
+    if fused and kv is not None:
+        # q|k|v in one Linear: its query pieces split as any, its key/value pieces shared
+        each = "one key/value head" if kv == 1 else f"{kv} key/value heads"
+        return (
+            f"; its key and value pieces hold {each}, each serving consecutive query heads: "
+            f"tp must divide {sharing.query_unit} (its query heads) and divide {kv} or be a "
+            "multiple of it, each key/value head then whole on the ranks holding its query "
+            "heads; each rank computes with a copy of its own rows of the weight (a plain "
+            "shard of the original), the gradient of a shared head summed over its ranks"
+        )
     if kv is None:
         return (
             f"; tp must divide {sharing.query_unit} (its query heads; the key/value heads "

@@ -177,7 +177,7 @@ class AttentionMode(TorchFunctionMode):
         if mask_split is not None:
             sources |= mask_split.sources  # a per-head bias joins the heads' span
         units = st.trace.spans.units
-        sides = _grouped(st, splits)
+        sides = _grouped(st, splits, qkv)
         for s in sources:
             # grouped-query attention: each side's heads on their own (the pairing of query
             # head i with key/value head i // (H/K) is kept by `_grouped`'s facts instead)
@@ -187,14 +187,14 @@ class AttentionMode(TorchFunctionMode):
         return out
 
 
-def _grouped(st: Trackers, splits: list[Split | None]) -> dict[str, int]:
+def _grouped(st: Trackers, splits: list[Split | None], qkv: list[torch.Tensor]) -> dict[str, int]:
     """Grouped-query attention, the key and the value alike (rules.py's `note_grouped`):
     opener -> its own side's head count; empty for any other attention."""
     q, k, v = splits[:3]
     assert q is not None and k is not None and v is not None  # _heads_split checked
     if k.n != v.n or k.inner != v.inner:
         return {}
-    return note_grouped(st, q, [k, v])
+    return note_grouped(st, q, [k, v], qkv[:3])
 
 
 def _heads_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:

@@ -50,7 +50,9 @@ def heads_owners(st: Trackers, s: Split) -> frozenset[str]:
     return own or s.sources
 
 
-def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
+def note_grouped(
+    st: Trackers, q: Split, kvs: list[Split], tensors: list[Any] | None = None
+) -> dict[str, int]:
     """Query heads (`q`, H of them) meeting fewer key/value heads (`kvs`, K each, K < H):
     grouped-query attention, which pairs query head i with key/value head i // (H/K),
     consecutive groups, whether the model repeats the key/value heads first (`repeat_kv`:
@@ -58,10 +60,13 @@ def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
     `enable_gqa`. Records which openers are which side and the count a rank's repeat needs
     when tp/K ranks share each key/value head (record.py's `kv_heads`, `query_heads`,
     `repeats`, `unshared`); returns opener -> its own side's head count, empty where this
-    is not such a pairing."""
+    is not such a pairing. `tensors`: the query's and the keys' and values' tensors, whose
+    fused pieces tell them apart when one Linear made them all (`_fused_grouped`)."""
     spans = st.trace.spans
     k = kvs[0]
     kv = frozenset().union(*(x.sources for x in kvs))
+    if tensors is not None and len(kv) == 1 and q.sources == kv:
+        return _fused_grouped(st, q, k, tensors)
     # eager attention meets the values with weights of the queries and the keys: the keys
     # are a key/value side already
     queries = q.sources - spans.kv_heads.keys()
@@ -81,6 +86,29 @@ def note_grouped(st: Trackers, q: Split, kvs: list[Split]) -> dict[str, int]:
     for s in queries:
         spans.query_heads[s] = (q.n, kv | spans.query_heads.get(s, (0, frozenset()))[1])
     return {**dict.fromkeys(kv, k.n), **dict.fromkeys(queries, q.n)}
+
+
+def _fused_grouped(st: Trackers, q: Split, k: Split, tensors: list[Any]) -> dict[str, int]:
+    """Grouped-query attention whose query and key/value heads are pieces of one fused
+    Linear (q|k|v of unequal pieces): the pieces the keys and values hold are recorded as its
+    key/value side (record.py's `kv_parts`), the rest as its queries."""
+    spans = st.trace.spans
+    (src,) = q.sources
+    q_piece, *kv_pieces = (st.splits.piece_of(t) for t in tensors)
+    known = [p for p in kv_pieces if p]
+    if not q_piece or len(known) != len(kv_pieces) or q_piece in known:
+        return {}
+    if k.n >= q.n or q.n % k.n:
+        return {}
+    group = q.n // k.n
+    if k.inner == 1:
+        note_repeat(st, q.sources, group, "attention groups its heads by", needed=False)
+    elif k.inner != group or spans.repeats.get(src, (0,))[0] != group:
+        spans.unshared.setdefault(src, "its heads are repeated other than by the groups")
+    spans.kv_parts[src] = spans.kv_parts.get(src, frozenset()) | {(p[1], p[2]) for p in known}
+    spans.kv_heads[src] = k.n
+    spans.query_heads[src] = (q.n, frozenset({src}))
+    return {src: q.n}
 
 
 def note_repeat(

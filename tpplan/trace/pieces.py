@@ -18,12 +18,15 @@ import torch
 
 from .._runtime.torch_compat import tree_leaves
 from .counted import Counted, attributes_in, scaled_reads, shrinks_with_width
-from .ops import Op
+from .ops import RESHAPES, Op
 from .split import Split, SplitEnds, carved, norm_dim, reshape
 from .trackers import Trackers
 from .trackers.dense import Piece
 
-__all__ = ["as_pieces", "cut", "piece_sliced"]
+__all__ = ["as_pieces", "cut", "piece_sliced", "unstacked"]
+
+
+RESHAPES_KEEPING = set(RESHAPES)
 
 
 def as_pieces(st: Trackers, op: Op, s: Split) -> Split:
@@ -66,7 +69,31 @@ def as_pieces(st: Trackers, op: Op, s: Split) -> Split:
     size = features // count
     _carve_at(st, src, {start + i * size for i in range(1, count)}, piece or None)
     st.splits.hold_piece(op.out, None)  # every piece of it, side by side
+    stacked = tuple((src, start + i * size, size) for i in range(count))
+    st.splits.stacked[id(op.out)] = (op.out, at, stacked)
     return Split(s.dim, count, size, 1, s.sources)
+
+
+def unstacked(st: Trackers, op: Op, d: int) -> None:
+    """Tensors cut one by one out of the dim that holds fused pieces side by side (`unbind`
+    of q, k, v; a split into ones) each hold their piece; a view that keeps that dim and
+    those before it keeps them side by side."""
+    found = st.splits.stacked_at(op.args[0])
+    if found is None:
+        return
+    at, pieces = found
+    if op.name in RESHAPES_KEEPING:
+        if tuple(op.args[0].shape[: at + 1]) == tuple(op.out.shape[: at + 1]):
+            st.splits.stacked[id(op.out)] = (op.out, at, pieces)
+        return
+    outs = list(op.out)
+    if (
+        d == at
+        and len(outs) == len(pieces)
+        and all(o.dim() < op.args[0].dim() or o.shape[d] == 1 for o in outs)
+    ):
+        for o, piece in zip(outs, pieces, strict=True):
+            st.splits.hold_piece(o, piece)
 
 
 def piece_sliced(st: Trackers, op: Op, s: Split, d: int) -> tuple[torch.Tensor, Split]:
@@ -128,6 +155,10 @@ def _sliced_piece(st: Trackers, op: Op, s: Split, d: int, src: str) -> tuple[tor
     if n % s.inner:
         raise SplitEnds("it takes part of a block of the split dim that must stay whole")
     at = start + first * per_unit
+    # of its bounds' terms, those of the slice's own size size the piece it takes (the
+    # others, its offset, size the pieces before it)
+    own = {(m, a, v) for m, a, v in held if v == n}
+    st.trace.reads.piece_counts.setdefault((src, at, n * per_unit), set()).update(own)
     parts = st.trace.spans.parts[src]
     starts = {sum(parts[:i]): p for i, p in enumerate(parts)}
     one = starts.get(at) == n * per_unit
@@ -159,7 +190,7 @@ def cut(st: Trackers, op: Op, s: Split) -> list[tuple[torch.Tensor, Split]]:
         return [(o, s) for o, n in zip(out, sizes, strict=True) if n]
     if any(n % s.inner for n in sizes):
         raise SplitEnds("it cuts the split features inside a block that must stay whole")
-    held = [] if st.reads.chunking else _sizes_held(st, op)
+    held = {} if st.reads.chunking else _sizes_held(st, op)
     if covered % (s.n * s.inner):
         raise SplitEnds("it cuts features whose place among the fused pieces is unknown")
     per_unit = covered // (s.n * s.inner)
@@ -168,12 +199,15 @@ def cut(st: Trackers, op: Op, s: Split) -> list[tuple[torch.Tensor, Split]]:
         at += n * per_unit
         bounds.add(at)
     _carve_at(st, src, bounds - {start, start + covered}, piece)
-    st.trace.reads.counts.setdefault(src, set()).update(held)
+    reads = st.trace.reads
+    reads.counts.setdefault(src, set()).update(c for cs in held.values() for c in cs)
     followed, at = [], start
     for o, n in zip(out, sizes, strict=True):
         if n:
             followed.append((o, Split(s.dim, 1, n // s.inner, s.inner, s.sources)))
             st.splits.hold_piece(o, (src, at, n * per_unit))
+            # the attributes its size was written with size this piece
+            reads.piece_counts.setdefault((src, at, n * per_unit), set()).update(held.get(n, ()))
             at += n * per_unit
     return followed
 
@@ -214,29 +248,29 @@ def _carve_at(st: Trackers, src: str, bounds: set[int], piece: Piece | None) -> 
     spans.parts[src] = tuple(b - a for a, b in itertools.pairwise(new))
 
 
-def _sizes_held(st: Trackers, op: Op) -> list[tuple[str, str, int]]:
-    """The attributes a split's sizes were read from, which the plan divides by the tp size:
-    each size as written, an attribute or a sum of attributes each maybe times a constant;
-    where the written sizes are not at hand, the one attribute read just before that holds
-    each size's value."""
+def _sizes_held(st: Trackers, op: Op) -> dict[int, list[tuple[str, str, int]]]:
+    """The attributes a split's sizes were read from, which the plan divides by the tp size,
+    by the size they wrote: each size as written, an attribute or a sum of attributes each
+    maybe times a constant; where the written sizes are not at hand, the one attribute read
+    just before that holds each size's value."""
     asked = op.named["split_size"] if op.name == "split" else op.named["split_sizes"]
     asked = [asked] if isinstance(asked, int) else list(asked)
     written = st.reads.cutting[-1] if st.reads.cutting else None
     written = [written] if isinstance(written, int) else written
     doing = "it cuts the fused features at"
     if not isinstance(written, (list, tuple)) or [int(w) for w in written] != asked:
-        out = []
-        for size in sorted({n for n in asked if n > 0}):  # nothing to divide in an empty piece
-            out.append(st.reads.attribute_holding(size, doing))
-        return out
-    held: list[tuple[str, str, int]] = []
+        return {  # nothing to divide in an empty piece
+            size: [st.reads.attribute_holding(size, doing)]
+            for size in sorted({n for n in asked if n > 0})
+        }
+    held: dict[int, list[tuple[str, str, int]]] = {}
     width = op.args[0].shape[norm_dim(op.named.get("dim", 0), op.args[0].dim())]
     for w in written:
         if w <= 0:
             continue
         leaves = scaled_reads(w.expr) if isinstance(w, Counted) else None
         if leaves is not None:
-            held += leaves
+            held.setdefault(int(w), []).extend(leaves)
             st.trace.reads.cut_terms.update((m, a) for m, a, _ in leaves)
         elif (
             isinstance(w, Counted)
@@ -247,5 +281,5 @@ def _sizes_held(st: Trackers, op: Op) -> list[tuple[str, str, int]]:
             # shard's own: the size shrinks by itself, and its attributes must stay whole
             st.trace.reads.width_terms.update(attributes_in(w.expr))
         else:  # a number or another formula: the one attribute read just before holding it
-            held.append(st.reads.attribute_holding(int(w), doing))
+            held.setdefault(int(w), []).append(st.reads.attribute_holding(int(w), doing))
     return held

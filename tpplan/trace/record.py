@@ -87,6 +87,16 @@ class SpanFacts:
     groups: dict[str, int] = field(default_factory=dict)
     """Opener whose channels a GroupNorm normalized in groups -> how many of its groups the
     split features hold (each rank must hold whole groups)."""
+    piece_units: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    """(opener, offset, size) of one fused piece -> the gcd of the split sizes the tensors
+    holding that piece met (also in `units`): tp must divide the query pieces' own."""
+    plain_units: dict[str, int] = field(default_factory=dict)
+    """Opener -> the gcd of the split sizes its tensors met that held no one piece (also in
+    `units`)."""
+    kv_parts: dict[str, frozenset[tuple[int, int]]] = field(default_factory=dict)
+    """Fused opener whose own pieces met as grouped-query attention (q|k|v of unequal
+    pieces in one Linear) -> the (offset, size) of the pieces that were its keys and values;
+    its `kv_heads` counts their heads, its `query_heads` those of the other pieces."""
     kv_heads: dict[str, int] = field(default_factory=dict)
     """Opener whose heads reached grouped-query attention as its keys or values -> their
     number K, fewer than the query heads H: attention pairs query head i with key/value head
@@ -159,6 +169,9 @@ class ReadFacts:
     counts: dict[str, set[AttributeRead]] = field(default_factory=dict)
     """Opener -> (module, attribute, value) of head counts (and fused cut sizes) its views
     read from attributes."""
+    piece_counts: dict[tuple[str, int, int], set[AttributeRead]] = field(default_factory=dict)
+    """(opener, offset, size) of one fused piece -> those of its counts that sized that
+    piece: a view of it, or the size it was cut at (also in `counts`)."""
     groups: dict[tuple[str, str], ChannelUse] = field(default_factory=dict)
     """(module, attribute) of those counts that are groups of split channels -> what counts
     them: a GroupNorm's groups ("norm"), a depthwise convolution's, one per channel

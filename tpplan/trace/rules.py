@@ -28,7 +28,7 @@ from .ops import (
     SPLITS,
     Op,
 )
-from .pieces import as_pieces, cut, piece_sliced
+from .pieces import as_pieces, cut, piece_sliced, unstacked
 from .split import (
     Split,
     SplitEnds,
@@ -88,15 +88,22 @@ def _reshaped(st: Trackers, op: Op) -> Followed:
     before = as_pieces(st, op, st.splits.only_split(x))
     s = one_head(st, reshape(before, tuple(x.shape), tuple(op.out.shape)), op.out.shape)
     sizes = op.named.get("size", op.named.get("shape"))
-    st.reads.check_count(
-        sizes,
-        s,
-        before,
-        x,
-        op.out.shape,
-        width=x.shape[before.dim] // before.outer,
-        counted=heads_owners(st, s),
-    )
+    piece = st.splits.piece_of(x)
+    st.reads.viewing = piece or None
+    try:
+        st.reads.check_count(
+            sizes,
+            s,
+            before,
+            x,
+            op.out.shape,
+            width=x.shape[before.dim] // before.outer,
+            counted=heads_owners(st, s),
+        )
+    finally:
+        st.reads.viewing = None
+    if id(op.out) not in st.splits.stacked:
+        unstacked(st, op, s.dim)
     return [(op.out, s)]
 
 
@@ -226,6 +233,7 @@ def _split_apart(st: Trackers, op: Op) -> Followed:
     if d == s.dim:
         return cut(st, op, s)
     dim = s.dim - 1 if op.name == "unbind" and d < s.dim else s.dim  # unbind drops its dim
+    unstacked(st, op, d)
     return [(o, s.at(dim)) for o in op.out]
 
 
@@ -327,9 +335,11 @@ def _multiplied(st: Trackers, op: Op) -> Followed:
         result = merge([sx, sy], [0, 0])
         if sx.n != sy.n and sx.same_cut(sy):
             # eager grouped-query attention: heads against repeated key/value heads
-            wide, narrow = (sx, sy) if sx.n > sy.n else (sy, sx)
+            (wide, narrow), tensors = (
+                ((sx, sy), [a[x], a[y]]) if sx.n > sy.n else ((sy, sx), [a[y], a[x]])
+            )
             if narrow.inner > 1:
-                note_grouped(st, wide, [narrow])
+                note_grouped(st, wide, [narrow], tensors)
     elif sx is not None and sx.dim == row:
         result = sx
         side_input(st, a[y], sx, "it")

@@ -116,7 +116,7 @@ class Tracer(TorchDispatchMode):
                 st.experts.split_ended(op, sources)
             return
         for t, s in results:
-            st.splits.mark(t, s, op.name)
             if read and id(t) not in st.splits.pieces:
                 # computed from one piece, it holds that piece; from several, none known
                 st.splits.hold_piece(t, read[0] if len(set(read)) == 1 else None)
+            st.splits.mark(t, s, op.name)

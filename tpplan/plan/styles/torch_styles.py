@@ -56,7 +56,10 @@ class ColwiseRule(_Layouts):
     on the tp axis viewed as (heads, tp/heads), split over the first and replicated over the
     second, so its full tensor is the original; the gradient of a shared head is summed over
     the ranks that share it. At a tp size dividing the head count the layer is split as plain
-    colwise. Its head_dim may be left out (schema 12)."""
+    colwise. Its head_dim may be left out (schema 12). With `parts` (q|k|v in one Linear),
+    each part of fewer whole heads than ranks (the keys', the values') is shared so, and the
+    others split as parts are: the weight stays a plain shard of the original, and each rank
+    computes with a copy of its own rows (its query heads, its key/value head)."""
     parts: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=2)
     """The output features are several tensors laid end to end (fused q|k|v, or gate|up), of
     these sizes in order. Each part is split across the ranks on its own, and a rank holds
@@ -90,12 +93,12 @@ class ColwiseRule(_Layouts):
         # its head_dim may be left out: the check reads it from the model (check/complete.py)
         given = self.model_fields_set
         if self.replicate_heads and (
-            any(f in given and getattr(self, f) for f in ("parts", "transposed", "output"))
+            any(f in given and getattr(self, f) for f in ("transposed", "output"))
             or self.local_output is False
         ):
             raise ValueError(
                 "colwise with replicate_heads (whole key/value heads shared among ranks) takes "
-                "no parts, transposed, output or local_output: false."
+                "no transposed, output or local_output: false."
             )
         if self.uneven and (self.output != "replicate" or self.parts or self.replicate_heads):
             raise ValueError(

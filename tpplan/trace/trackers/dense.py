@@ -38,6 +38,10 @@ class DenseSplits:
         # computed from one piece hold that piece too (tracer.py's `on_op`); a tensor not
         # here holds all of its layers' features.
         self.pieces: dict[int, Piece | None] = {}
+        # Tensors with a dim that holds a fused layer's pieces side by side (a view with a
+        # count of pieces, `reshape(B, T, 3, H, D)`): id -> (the tensor, that dim, the
+        # pieces in order), so that each piece unbound from it is known (`stacked_at`).
+        self.stacked: dict[int, tuple[torch.Tensor, int, tuple[Piece, ...]]] = {}
         # Ops other than element-wise ones that read each piece so far (`used`), and the
         # pieces a later cut carved into finer ones (`carved`): the layer then holds its
         # slice of each finer piece, so a piece read whole elsewhere would be in another
@@ -70,6 +74,11 @@ class DenseSplits:
         if self.splits.get(id(t), (None,))[0] is not t:
             return False
         return self.pieces[id(t)]
+
+    def stacked_at(self, t: Any) -> tuple[int, tuple[Piece, ...]] | None:
+        """(dim, pieces) where `t` holds fused pieces side by side along a dim of its own."""
+        entry = self.stacked.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return None if entry is None or entry[0] is not t else entry[1:]
 
     def hold_piece(self, t: torch.Tensor, piece: Piece | None) -> None:
         """`t` (split, marked) holds this piece of its layer's features (None: pieces met)."""
@@ -111,17 +120,33 @@ class DenseSplits:
             (src,) = split.sources
             if split.n < facts.openers.get(src, 0) and src not in facts.parts:
                 facts.heads.setdefault(src, split.n)  # the first view into (heads, head_dim)
-        self.note_units(split)
+        stacked = self.stacked_at(t)
+        self.note_units(split, self.pieces.get(id(t)), stacked[1] if stacked else ())
         for s in split.sources:
             facts.ops.setdefault(s, set()).add(op)
         if len(split.sources) > 1:
             facts.links.add(split.sources)
 
-    def note_units(self, split: Split) -> None:
+    def note_units(
+        self,
+        split: Split,
+        piece: Piece | Literal[False] | None = None,
+        stacked: tuple[Piece, ...] = (),
+    ) -> None:
         """The split's features met blocks of `split.n` per tensor (groups of channels) that
-        a rank must hold whole: tp must divide that count too."""
+        a rank must hold whole: tp must divide that count too. Also kept apart by `piece`,
+        the one piece of a fused layer the tensor holds, or the pieces it holds side by side
+        along a dim of its own (`stacked`), if any: a shared key/value piece need not split
+        tp ways."""
+        facts, n = self.facts, split.n
         for s in split.sources:
-            self.facts.units[s] = math.gcd(self.facts.units.get(s, split.n), split.n)
+            facts.units[s] = math.gcd(facts.units.get(s, n), n)
+        for p in (piece,) if piece else stacked:
+            facts.piece_units[p] = math.gcd(facts.piece_units.get(p, n), n)
+        if piece or stacked:
+            return
+        for s in split.sources:
+            facts.plain_units[s] = math.gcd(facts.plain_units.get(s, n), n)
 
     def open(self, name: str, out: torch.Tensor, features: int, op: str, at: int = -1) -> None:
         """`name` made `out` from an unsplit input: its dim `at` (the last, or a

@@ -46,6 +46,9 @@ class AttributeReads:
         self.asked: list[tuple[Any, ...]] = []
         self.unflattening = 0  # >0 while an unflatten runs (its view's -1 is resolved)
         self.chunking = 0  # > 0 inside Tensor.chunk: its split cuts into equal parts by count
+        # the one piece of a fused layer the view being checked reads (rules.py), if any:
+        # the counts it records size that piece (`piece_counts`)
+        self.viewing: tuple[str, int, int] | None = None
         # The counts a running repeat was written with, as Python handed them (a `Counted`
         # remembers the attributes it came from): ("repeat", n) for `repeat_interleave(n)`,
         # ("sizes", sizes) for `expand(*sizes)`; innermost last.
@@ -185,7 +188,7 @@ class AttributeReads:
             if isinstance(w, Counted) and kept_by_dividing(w.expr):
                 for (module, attr), value in values_read(w.expr).items():
                     for src in counted:
-                        self.facts.counts.setdefault(src, set()).add((module, attr, value))
+                        self._count(src, (module, attr, value))
                 out.add(int(w))
         return out
 
@@ -250,7 +253,7 @@ class AttributeReads:
                 f"({', '.join(sorted({a for _, a, _ in held}))})"
             )
         for src in counted:
-            self.facts.counts.setdefault(src, set()).add(held[0])
+            self._count(src, held[0])
 
     def _check_fixed_count(self, sizes: Any, s: Split, counted: frozenset[str]) -> None:
         """The count a view gives the split dim, unless -1 or read off a split tensor, must
@@ -263,7 +266,13 @@ class AttributeReads:
             doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
             count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
             for src in counted:
-                self.facts.counts.setdefault(src, set()).add(count)
+                self._count(src, count)
+
+    def _count(self, src: str, count: AttributeRead) -> None:
+        """`count` sizes `src`'s split features (and the piece being viewed, if one is)."""
+        self.facts.counts.setdefault(src, set()).add(count)
+        if self.viewing is not None and self.viewing[0] == src:
+            self.facts.piece_counts.setdefault(self.viewing, set()).add(count)
 
     def attribute_holding(self, value: int, doing: str) -> AttributeRead:
         """(module, attribute, value) of the one integer attribute read just before this op
