@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from support.models import token_batch
 from support.parity import assert_parity, forward_collectives
 from torch import nn
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
-from tpplan._runtime.local import simulated_ranks
+from tpplan._runtime.local import rank_values, simulated_ranks
 
 WIDTH, HEADS, KV, HEAD_DIM, VOCAB = 32, 8, 4, 6, 50
 Q, KVW = HEADS * HEAD_DIM, KV * HEAD_DIM
@@ -206,3 +207,69 @@ def test_qkv_grouped_per_kv_head_splits_by_groups(style: str, tp: int) -> None:
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
     assert _every_call(model, plan, tp) == {"all_reduce": 1}
+
+
+# ---- key/value pieces past their head count ---------------------------------------------------
+# (kv heads, tp): grouped heads at tp 4 over 2 (each key/value head shared by 2 ranks), one
+# key/value head (multi-query) at tp 2 and 4
+SHARED = [(2, 4), (1, 2), (1, 4)]
+
+
+@pytest.mark.parametrize(("kv", "tp"), SHARED)
+@pytest.mark.parametrize("style", ["slices", "split_sizes", "split_chunk", "split_view"])
+def test_key_value_pieces_past_their_count_share_whole_heads(style: str, kv: int, tp: int) -> None:
+    """With fewer key/value heads than ranks, each rank's query heads meet one key/value head:
+    the key and value pieces go whole to the ranks holding its query heads (colwise `parts`
+    with `replicate_heads`), their counts divided by the heads' shards, the query's by tp.
+    The block runs one all-reduce per call and matches the unsharded model forward and
+    backward; `check` and `verify` take the plan."""
+    model = _model(style, kv)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
+    qkv = next(r for r in plan.rules if r.match == "attn.qkv")
+    kv_w = kv * HEAD_DIM
+    assert (qkv.style, qkv.parts, qkv.replicate_heads, qkv.head_dim) == (
+        "colwise",
+        [Q, kv_w, kv_w],
+        True,
+        HEAD_DIM,
+    )
+    assert "its key and value pieces hold" in qkv.why
+    by = {a: (attr.by, attr.of) for attr in plan.attributes for a in attr.divide}
+    assert by["n_head"] == (None, None)
+    assert by["n_kv"] == ("shards", "qkv")
+    if style != "split_chunk" and style != "split_view":
+        assert by["kv_size"] == ("shards", "qkv")
+    assert not tpplan.check_plan(plan, model, tp_size=tp)
+    assert tpplan.verify_plan(model, plan, tp_size=tp, backward=True, inputs={"ids": _ids()}).ok
+    assert_parity(model, plan, tp, _ids())
+    assert _every_call(model, plan, tp) == {"all_reduce": 1}
+
+
+def test_shared_key_value_pieces_keep_the_original_weight_and_a_shard_per_rank() -> None:
+    """The fused weight stays a plain shard of the original (1/tp of its rows per rank, no
+    reordering): the whole state dict, after a forward that built the working rows, is the
+    unsharded model's."""
+    tp, model = 4, _model("split_sizes", 2)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
+    with simulated_ranks(tp) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+        sharded(_ids())
+        weight = sharded.attn.qkv.weight
+        assert weight.placements == (Shard(0),)
+        assert weight.to_local().shape == ((Q + 2 * 2 * HEAD_DIM) // tp, WIDTH)
+        got = tpplan.full_state_dict(sharded)
+    for name, t in model.state_dict().items():
+        for v in rank_values(got[name]):
+            torch.testing.assert_close(v, t, atol=0, rtol=0, msg=name)
+
+
+def test_sizes_read_off_the_width_keep_shared_pieces_gathered_with_the_reason() -> None:
+    """`qkv.shape[-1] // (self.groups + 2)` shrinks by tp on a plain shard, but not where the
+    key/value heads are shared: that split is refused, with the reason, and the output
+    gathered (parity holds)."""
+    model = _model("split_width", 2)
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=_ids())
+    qkv = next(r for r in plan.rules if r.match == "attn.qkv")
+    assert (qkv.output_layout(), qkv.replicate_heads) == ("replicate", None)
+    assert "computed from its width as read off the tensor" in qkv.why
+    assert_parity(model, plan, 4, _ids())

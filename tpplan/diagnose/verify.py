@@ -20,6 +20,7 @@ from .._runtime.local import rank_values, simulated_ranks
 from .._runtime.tree import first_tensor
 from ..apply.api import apply_plan
 from ..compile.experts import EXPERTS_MARK
+from ..compile.own_rows import own_order
 from ..plan.patterns import match_names, wildcard
 from ..plan.schema import Plan
 from ..plan.styles import ColwiseRule
@@ -55,9 +56,15 @@ def _error(
     rank: int,
     tp: int,
     parts: tuple[int, ...] | None = None,
+    unit: int | None = None,
 ) -> float:
     """Max abs difference; a rank's piece of an output split over one dim is compared with
-    that rank's chunk of the whole (of each of the whole's `parts`, for a fused layer)."""
+    that rank's chunk of the whole (of each of the whole's `parts`, for a fused layer: its
+    own rows, with the heads of parts shared past their count whole, `unit` their size)."""
+    if parts is not None and got.dim() == want.dim() and sum(parts) == want.shape[-1] > 1:
+        rows = own_order(parts, tp, unit)[rank]
+        if got.shape[-1] == len(rows) != want.shape[-1]:
+            want = want.index_select(-1, torch.tensor(rows, device=want.device))
     if got.shape != want.shape:
         dims = [d for d in range(want.dim()) if got.shape[d] * tp == want.shape[d]]
         if got.dim() == want.dim() and not dims:
@@ -87,14 +94,16 @@ def _shared_error(got: torch.Tensor, want: torch.Tensor, rank: int, tp: int) -> 
     return _error(got, want.chunk(k, dim=dims[0])[rank // (tp // k)], 0, 1)
 
 
-def _fused_outputs(sharded: nn.Module) -> dict[str, tuple[int, ...]]:
-    """{module name: parts} for the fused colwise layers of the plan `sharded` was given."""
+def _fused_outputs(sharded: nn.Module) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """{module name: (parts, the head size of parts shared past their head count)} for the
+    fused colwise layers of the plan `sharded` was given."""
     plan = sharded.__dict__.get("_tpplan_plan")
     names = [n for n, _ in sharded.named_modules() if n]
-    out: dict[str, tuple[int, ...]] = {}
+    out: dict[str, tuple[tuple[int, ...], int | None]] = {}
     for rule in plan.rules if plan is not None else []:
         if isinstance(rule, ColwiseRule) and rule.parts:
-            out.update((n, tuple(rule.parts)) for n in match_names(rule.match, names))
+            unit = rule.head_dim if rule.replicate_heads else None
+            out.update((n, (tuple(rule.parts), unit)) for n in match_names(rule.match, names))
     return out
 
 
@@ -194,7 +203,7 @@ def _compare(
         if value is None or ref is None or any(name.startswith(e + ".") for e in experts):
             continue
         for rank, v in values(value):
-            report.add(name, "output", _error(v, ref, rank, tp, fused.get(name)))
+            report.add(name, "output", _error(v, ref, rank, tp, *fused.get(name, (None, None))))
     if not backward:
         return
     _loss(out).backward()
