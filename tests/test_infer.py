@@ -181,13 +181,17 @@ def test_gpt2_conv1d_and_fused_qkv(tp: int, tied: bool) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fused_pieces_of_unequal_size(tp: int) -> None:
-    """q|k|v of 64|32|32 (grouped-query): each rank gets its own query and key/value heads."""
+    """q|k|v of 64|32|32 (grouped-query): each rank gets its own query and key/value heads;
+    past the 4 key/value heads (tp 8) each goes whole to the 2 ranks of its query heads, so
+    the plan serves every tp up to the 8 query heads."""
     model = fused_gqa()
     plan = tpplan.infer_plan(model, example_inputs=_tokens())
     rule = rule_for(plan, model, "attn.qkv")
     assert (rule.style, rule.parts, rule.head_dim) == ("colwise", [64, 32, 32], 8)
-    assert [a.divide for a in plan.attributes] == [["kv_size", "q_size"]]
-    assert tpplan.check_plan(plan, model, tp_size=8)  # 4 key/value heads do not split 8 ways
+    assert rule.replicate_heads
+    assert [(a.divide, a.by) for a in plan.attributes] == [(["q_size"], None), (["kv_size"], "shards")]
+    assert not tpplan.check_plan(plan, model, tp_size=8)
+    assert tpplan.check_plan(plan, model, tp_size=16)  # 8 query heads do not split 16 ways
     assert_parity(model, plan, tp, _tokens())
 
 

@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15"
 
 
 def _error(text: str) -> str:
@@ -155,7 +155,7 @@ def test_a_bad_layout(text: str, message: str) -> None:
         _case(
             "style: colwise, replicate_heads: true, output: replicate",
             "line 3: rules[0]: colwise with replicate_heads (whole key/value heads shared among "
-            "ranks) takes no parts, transposed, output or local_output: false.",
+            "ranks) takes no transposed, output or local_output: false.",
             version=12,
         ),
         _case(
@@ -176,6 +176,12 @@ def test_a_bad_layout(text: str, message: str) -> None:
             "line 1: plan: rules[0].uneven need schema version 14; change the "
             "first line to 'tpplan: 14'.",
             version=13,
+        ),
+        _case(
+            "style: colwise, head_dim: 8, replicate_heads: true, parts: [64, 8, 8]",
+            "line 1: plan: rules[0].replicate_heads with parts need schema version 15; "
+            "change the first line to 'tpplan: 15'.",
+            version=14,
         ),
         _case(
             "style: rowwise, parts: [8, 8]",
@@ -358,8 +364,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 15\nrules: []\n",
-            f"schema version 15 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 16\nrules: []\n",
+            f"schema version 16 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -377,7 +383,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 14' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 15' (the schema version) is missing.",
             id="missing",
         ),
         _case(

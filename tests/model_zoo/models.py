@@ -224,6 +224,20 @@ def _hf_olmo2() -> tuple[nn.Module, Inputs]:
     return model, torch.randint(0, 128, (BATCH, 16), generator=_generator())
 
 
+def _hf_gpt_bigcode() -> tuple[nn.Module, Inputs]:
+    """transformers' GPT-BigCode with multi-query attention: q|k|v in one Linear of unequal
+    pieces (4 query heads of 16, then one key head and one value head), cut by `split` at
+    attribute sizes; the key and value stay (B, 1, T, D), one head every query head reads."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    config = GPTBigCodeConfig(
+        vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4, multi_query=True,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=1,
+    )  # fmt: skip
+    model = GPTBigCodeForCausalLM(config)
+    return model, torch.randint(0, 128, (BATCH, 16), generator=_generator())
+
+
 # ---- diffusers 0.42.1 ---------------------------------------------------------------------
 def _flux() -> tuple[nn.Module, Inputs]:
     """FluxTransformer2DModel: one double-stream block (image and text tokens, each with its
@@ -375,6 +389,9 @@ ZOO: dict[str, Entry] = {
     )),
     "transformers.olmo2": Entry(_TRANSFORMERS, _hf_olmo2, {
         "self_attn": r"model\.layers\.\d+\.self_attn", "mlp": r"model\.layers\.\d+\.mlp",
+    }),
+    "transformers.gpt_bigcode": Entry(_TRANSFORMERS, _hf_gpt_bigcode, {
+        "attn": r"transformer\.h\.\d+\.attn", "mlp": r"transformer\.h\.\d+\.mlp",
     }),
     "timm.vit": Entry("timm 1.0.31", _vit, {"attn": r"blocks\.\d+\.attn", "mlp": r"blocks\.\d+\.mlp"}),
     "timm.swin": Entry("timm 1.0.31", _swin, {

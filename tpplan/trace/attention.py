@@ -161,6 +161,7 @@ class AttentionMode(TorchFunctionMode):
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         if any(st.origins.carries(x) for x in qkv):
             st.origins.computed(out)
+        splits = _one_head_pieces(st, qkv, splits)
         try:
             q = _heads_split(qkv, splits)
             if isinstance(mask, torch.Tensor):
@@ -195,6 +196,34 @@ def _grouped(st: Trackers, splits: list[Split | None], qkv: list[torch.Tensor]) 
     if k.n != v.n or k.inner != v.inner:
         return {}
     return note_grouped(st, q, [k, v], qkv[:3])
+
+
+def _one_head_pieces(
+    st: Trackers, qkv: list[torch.Tensor], splits: list[Split | None]
+) -> list[Split | None]:
+    """A key or value that is one head, a piece of the same fused Linear as the query, split
+    along its features rather than by heads (multi-query attention's (B, 1, T, D) cut off
+    q|k|v, GPT-BigCode's): as a split of its one head, which ranks can share whole
+    (record.py's `kv_parts`); the ops before attention followed its features split, which
+    is no looser."""
+    q, x0 = splits[0], qkv[0]
+    if q is None or len(q.sources) != 1 or q.dim != x0.dim() - 3:
+        return splits
+    out = list(splits)
+    for i in (1, 2):
+        x, s = qkv[i], splits[i]
+        if (
+            s is not None
+            and s.sources == q.sources
+            and st.splits.piece_of(x)
+            and x.dim() == x0.dim()
+            and s.dim == x.dim() - 1
+            and x.shape[-3] == 1
+            and s.outer == 1
+            and s.n * s.inner == x.shape[-1] == x0.shape[-1]
+        ):
+            out[i] = Split(x.dim() - 3, 1, 1, 1, s.sources)
+    return out
 
 
 def _heads_split(qkv: list[torch.Tensor], splits: list[Split | None]) -> Split:

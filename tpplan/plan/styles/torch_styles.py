@@ -111,9 +111,13 @@ class ColwiseRule(_Layouts):
     def omissions(self, given: Collection[str]) -> list[tuple[int, str]]:
         # version 12 reads the sizes a rule leaves out from the model; its files are refused
         # by a tpplan that would shard a fused layer without its parts
+        out = []
         if "replicate_heads" in given and "head_dim" not in given:
-            return [(12, "replicate_heads without head_dim")]
-        return []
+            out.append((12, "replicate_heads without head_dim"))
+        if self.replicate_heads and self.parts and "parts" in given:
+            # a tpplan before 15 would refuse it: shared heads took no fused pieces
+            out.append((15, "replicate_heads with parts"))
+        return out
 
     def splits_unevenly(self) -> bool:
         return bool(self.uneven)
