@@ -189,7 +189,10 @@ def test_fused_pieces_of_unequal_size(tp: int) -> None:
     rule = rule_for(plan, model, "attn.qkv")
     assert (rule.style, rule.parts, rule.head_dim) == ("colwise", [64, 32, 32], 8)
     assert rule.replicate_heads
-    assert [(a.divide, a.by) for a in plan.attributes] == [(["q_size"], None), (["kv_size"], "shards")]
+    assert [(a.divide, a.by) for a in plan.attributes] == [
+        (["q_size"], None),
+        (["kv_size"], "shards"),
+    ]
     assert not tpplan.check_plan(plan, model, tp_size=8)
     assert tpplan.check_plan(plan, model, tp_size=16)  # 8 query heads do not split 16 ways
     assert_parity(model, plan, tp, _tokens())
