@@ -138,7 +138,9 @@ def test_unequal_pieces_split_the_megatron_way(style: str, tp: int) -> None:
     assert f"3 fused pieces ({Q} | {KVW} | {KVW})" in qkv.why
     assert rules["attn.o"].style == "rowwise"
     divided = {a for attr in plan.attributes for a in attr.divide}
-    assert "groups" not in divided
+    # a width formula's term is divided only by the ranks sharing a key/value head past
+    # their count (1 here: tp divides the 4 heads)
+    assert all(attr.by == "replicas" for attr in plan.attributes if "groups" in attr.divide)
     assert {"q_size", "kv_size"} <= divided or style == "split_width"
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
@@ -263,13 +265,17 @@ def test_shared_key_value_pieces_keep_the_original_weight_and_a_shard_per_rank()
             torch.testing.assert_close(v, t, atol=0, rtol=0, msg=name)
 
 
-def test_sizes_read_off_the_width_keep_shared_pieces_gathered_with_the_reason() -> None:
-    """`qkv.shape[-1] // (self.groups + 2)` shrinks by tp on a plain shard, but not where the
-    key/value heads are shared: that split is refused, with the reason, and the output
-    gathered (parity holds)."""
+def test_sizes_read_off_the_width_divide_the_group_count_past_the_key_value_heads() -> None:
+    """`qkv.shape[-1] // (self.groups + 2)` shrinks by tp on a plain shard by itself; with
+    the key/value heads shared, a rank's width is its query heads' and one key/value head's,
+    so `groups` (query heads per key/value head) is divided by the ranks sharing a head, the
+    one division that gives every rank its own sizes at every tp past the heads."""
     model = _model("split_width", 2)
     plan = tpplan.infer_plan(model, tp_size=4, example_inputs=_ids())
     qkv = next(r for r in plan.rules if r.match == "attn.qkv")
-    assert (qkv.output_layout(), qkv.replicate_heads) == ("replicate", None)
-    assert "computed from its width as read off the tensor" in qkv.why
+    assert (qkv.output_layout(), qkv.replicate_heads) == ("shard(-1)", True)
+    by = {a: attr.by for attr in plan.attributes for a in attr.divide}
+    assert by["groups"] == "replicas"
+    assert not tpplan.check_plan(plan, model, tp_size=4)
     assert_parity(model, plan, 4, _ids())
+    assert _every_call(model, plan, 4) == {"all_reduce": 1}

@@ -14,6 +14,7 @@ from ..compile.shard import attribute_divisor
 from ..errors import Problem, TpplanError, did_you_mean
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan
+from ..trace.counted import values_read
 from .shared import Match, attribute_label, legal_sizes, rule_label, traced_name
 
 if TYPE_CHECKING:
@@ -111,10 +112,15 @@ def check_divided(
     legal = {(m, a) for found in counts for m, a, _ in found}
     # the counts that repeat shared key/value heads to their query heads (by: replicas)
     legal |= {read[:2] for _, read in trace.spans.repeats.values() if read is not None}
+    # the terms of fused cut sizes computed from the width read off the output, which shared
+    # key/value heads divide by their replicas (infer/shared_heads.py's `_width_cuts`)
+    widths = {r for expr, *_ in trace.reads.width_cuts.values() for r in values_read(expr)}
     for i, name in divided:
         rule, t = plan.attributes[i], traced_name(trace, name)
         for attr in rule.divide:
             if (t, attr) in legal or (t, attr) not in trace.reads.ints:
+                continue
+            if rule.by == "replicas" and (t, attr) in widths:
                 continue
             read = sorted(a for m, a in legal if m == t)
             views = (

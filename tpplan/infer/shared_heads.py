@@ -19,10 +19,13 @@ hold for it, each checked on the trace:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..trace.counted import evaluate, render, values_read
+from ..compile.own_rows import own_order
+from ..trace.counted import at_width, evaluate, render, values_read
 from .context import Context
 from .decision import Divided
 from .names import inside, relative
@@ -70,7 +73,11 @@ def kv_sharing(
     units = [spans.units.get(o, spans.openers[o]) for o in others]
     units += [fused_query_unit(ctx, o) for o in kv if o in spans.kv_parts]
     sharing = Sharing(kv, query_unit=math.gcd(*units) if units else 0)
-    sharing.refused = _refusal(ctx, openers, kv) or _divide(ctx, sharing, openers, counts)
+    sharing.refused = (
+        _refusal(ctx, openers, kv)
+        or _divide(ctx, sharing, openers, counts)
+        or _width_cuts(ctx, sharing)
+    )
     return sharing
 
 
@@ -129,7 +136,8 @@ def _fused_refusal(ctx: Context, o: str, heads: int, short: str) -> str | None:
         return f"{short}'s key/value heads are not whole fused pieces"
     if any(n % heads for _, n in t.spans.kv_parts[o]):
         return f"{short}'s key/value pieces are not {heads} whole heads each"
-    if any(inside(o, m) for m, _ in t.reads.width_terms):
+    cut = any(p[0] == o for p in t.reads.width_cuts)
+    if not cut and any(inside(o, m) for m, _ in t.reads.width_terms):
         return (
             f"{short} is cut at sizes computed from its width as read off the tensor, which "
             "shared key/value heads keep from shrinking by the tp size"
@@ -246,6 +254,78 @@ def _add(sharing: Sharing, module: str, attr: str, by: str, why: str) -> str | N
     entries = sharing.attributes.setdefault(module, [])
     entries.append(Divided((attr,), why, by=by, of=of))
     return None
+
+
+def _width_cuts(ctx: Context, sharing: Sharing) -> str | None:
+    """A fused opener cut at sizes computed from the width read off its output
+    (`qkv.shape[-1] // (self.groups + 2)`): with key/value heads shared, a rank's width is
+    not the whole's over tp, so each formula must give the rank its own piece's size at every
+    tp past the key/value heads, with some of its attributes divided by the heads' replicas
+    (a count of query heads per key/value head). Those are added to `sharing`; why not, if
+    no such choice serves every formula."""
+    t = ctx.trace
+    for o in sorted(sharing.kv):
+        cuts = {p: c for p, c in t.reads.width_cuts.items() if p[0] == o}
+        if not cuts or o not in t.spans.kv_parts:
+            continue
+        k, parts = sharing.kv[o], t.spans.parts[o]
+        unit = min(n for _, n in t.spans.kv_parts[o]) // k
+        heads = t.spans.query_heads.get(o, (0,))[0]
+        tps = [tp for tp in range(k + 1, heads + 1) if tp % k == 0 and heads % tp == 0]
+        reads = sorted({r for expr, *_ in cuts.values() for r in values_read(expr)})
+        found = None
+        for n in range(len(reads) + 1):
+            for chosen in itertools.combinations(reads, n):
+                if all(
+                    _gives_own(c, p, parts, unit, tp, k, chosen)
+                    for p, c in cuts.items()
+                    for tp in tps
+                ):
+                    found = chosen
+                    break
+            if found is not None:
+                break
+        if found is None:
+            return (
+                f"{relative([o])[o]} is cut at sizes computed from its width as read off the "
+                "tensor, which no division of their attributes makes each rank's own with the "
+                "key/value heads shared"
+            )
+        done = sharing.divided()
+        for module, attr in found:
+            if (module, attr) in done:
+                continue  # a repeat count, divided by the replicas already
+            refused = _add(
+                sharing,
+                module,
+                attr,
+                "replicas",
+                f"its forward reads {attr} to compute the sizes {relative([o])[o]}'s output is "
+                "cut at from its width; past the key/value heads each rank holds one, so the "
+                "count of query heads it serves is divided by the ranks sharing it",
+            )
+            if refused:
+                return refused
+    return None
+
+
+def _gives_own(
+    cut: tuple[Any, int, int, int],
+    piece: tuple[str, int, int],
+    parts: tuple[int, ...],
+    unit: int,
+    tp: int,
+    k: int,
+    divided: tuple[tuple[str, str], ...],
+) -> bool:
+    """Whether a width formula gives rank 0 its own rows of `piece` at `tp`, with `divided`
+    attributes divided by the heads' replicas (tp / k)."""
+    expr, width, start, size = cut
+    rows = own_order(parts, tp, unit)[0]
+    local = sum(1 for r in rows if start <= r < start + size)
+    want = sum(1 for r in rows if piece[1] <= r < piece[1] + piece[2])
+    values = {read: v // (tp // k) for read, v in values_read(expr).items() if read in divided}
+    return at_width(expr, width, local, values) == want
 
 
 def _heads(sharing: Sharing, sized: set[str]) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 __all__ = [
     "Counted",
     "Expr",
+    "at_width",
     "attributes_in",
     "evaluate",
     "kept_by_dividing",
@@ -140,6 +141,24 @@ def shrinks_with_width(expr: Expr, width: int, want: int) -> bool:
 
     tps = [tp for tp in range(2, 9) if width % tp == 0 and want % tp == 0]
     return bool(tps) and all(local(expr, tp) == want // tp for tp in tps)
+
+
+def at_width(
+    expr: Expr, width: int, local_width: int, values: Mapping[tuple[str, str], int]
+) -> int | None:
+    """A formula holding the split features' width as read off their tensor (a constant
+    equal to `width`), with that width read as `local_width` (a rank's) and these values of
+    (module, attribute) (the others as read); None where it divides by zero."""
+    kind = expr[0]
+    if kind == "const":
+        return local_width if expr[1] == width else int(expr[1])
+    if kind == "attr":
+        return values.get((expr[1], expr[2]), expr[3])
+    left = at_width(expr[1], width, local_width, values)
+    right = at_width(expr[2], width, local_width, values)
+    if left is None or right is None or (kind in ("//", "%") and right == 0):
+        return None
+    return _OPS[kind](left, right)
 
 
 def kept_by_dividing(expr: Expr) -> bool:

@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from .._runtime.torch_compat import tree_leaves
-from .counted import Counted, attributes_in, scaled_reads, shrinks_with_width
+from .counted import Counted, Expr, attributes_in, scaled_reads, shrinks_with_width
 from .ops import RESHAPES, Op
 from .split import Split, SplitEnds, carved, norm_dim, reshape
 from .trackers import Trackers
@@ -190,7 +190,7 @@ def cut(st: Trackers, op: Op, s: Split) -> list[tuple[torch.Tensor, Split]]:
         return [(o, s) for o, n in zip(out, sizes, strict=True) if n]
     if any(n % s.inner for n in sizes):
         raise SplitEnds("it cuts the split features inside a block that must stay whole")
-    held = {} if st.reads.chunking else _sizes_held(st, op)
+    held, widths = ({}, {}) if st.reads.chunking else _sizes_held(st, op)
     if covered % (s.n * s.inner):
         raise SplitEnds("it cuts features whose place among the fused pieces is unknown")
     per_unit = covered // (s.n * s.inner)
@@ -202,12 +202,16 @@ def cut(st: Trackers, op: Op, s: Split) -> list[tuple[torch.Tensor, Split]]:
     reads = st.trace.reads
     reads.counts.setdefault(src, set()).update(c for cs in held.values() for c in cs)
     followed, at = [], start
-    for o, n in zip(out, sizes, strict=True):
+    for i, (o, n) in enumerate(zip(out, sizes, strict=True)):
         if n:
             followed.append((o, Split(s.dim, 1, n // s.inner, s.inner, s.sources)))
-            st.splits.hold_piece(o, (src, at, n * per_unit))
+            piece = (src, at, n * per_unit)
+            st.splits.hold_piece(o, piece)
             # the attributes its size was written with size this piece
-            reads.piece_counts.setdefault((src, at, n * per_unit), set()).update(held.get(n, ()))
+            reads.piece_counts.setdefault(piece, set()).update(held.get(n, ()))
+            if i in widths:
+                width = op.args[0].shape[s.dim]
+                reads.width_cuts[piece] = (widths[i], width, start, covered)
             at += n * per_unit
     return followed
 
@@ -248,11 +252,14 @@ def _carve_at(st: Trackers, src: str, bounds: set[int], piece: Piece | None) -> 
     spans.parts[src] = tuple(b - a for a, b in itertools.pairwise(new))
 
 
-def _sizes_held(st: Trackers, op: Op) -> dict[int, list[tuple[str, str, int]]]:
+def _sizes_held(
+    st: Trackers, op: Op
+) -> tuple[dict[int, list[tuple[str, str, int]]], dict[int, Expr]]:
     """The attributes a split's sizes were read from, which the plan divides by the tp size,
     by the size they wrote: each size as written, an attribute or a sum of attributes each
     maybe times a constant; where the written sizes are not at hand, the one attribute read
-    just before that holds each size's value."""
+    just before that holds each size's value. Also, by their place among the sizes, those
+    computed from the width read off the tensor cut (which shrink by themselves)."""
     asked = op.named["split_size"] if op.name == "split" else op.named["split_sizes"]
     asked = [asked] if isinstance(asked, int) else list(asked)
     written = st.reads.cutting[-1] if st.reads.cutting else None
@@ -262,10 +269,11 @@ def _sizes_held(st: Trackers, op: Op) -> dict[int, list[tuple[str, str, int]]]:
         return {  # nothing to divide in an empty piece
             size: [st.reads.attribute_holding(size, doing)]
             for size in sorted({n for n in asked if n > 0})
-        }
+        }, {}
     held: dict[int, list[tuple[str, str, int]]] = {}
+    widths: dict[int, Expr] = {}
     width = op.args[0].shape[norm_dim(op.named.get("dim", 0), op.args[0].dim())]
-    for w in written:
+    for i, w in enumerate(written):
         if w <= 0:
             continue
         leaves = scaled_reads(w.expr) if isinstance(w, Counted) else None
@@ -280,6 +288,8 @@ def _sizes_held(st: Trackers, op: Op) -> dict[int, list[tuple[str, str, int]]]:
             # computed from the width read off the tensor it cuts, which on a shard is the
             # shard's own: the size shrinks by itself, and its attributes must stay whole
             st.trace.reads.width_terms.update(attributes_in(w.expr))
+            if op.name == "split_with_sizes":  # one size per piece, in order
+                widths[i] = w.expr
         else:  # a number or another formula: the one attribute read just before holding it
             held.setdefault(int(w), []).append(st.reads.attribute_holding(int(w), doing))
-    return held
+    return held, widths

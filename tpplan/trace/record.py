@@ -169,6 +169,10 @@ class ReadFacts:
     counts: dict[str, set[AttributeRead]] = field(default_factory=dict)
     """Opener -> (module, attribute, value) of head counts (and fused cut sizes) its views
     read from attributes."""
+    width_cuts: dict[tuple[str, int, int], tuple[Expr, int, int, int]] = field(default_factory=dict)
+    """(opener, offset, size) of a fused piece a cut sized by a formula of the width read off
+    the tensor it cuts (`qkv.shape[-1] // (self.groups + 2)`) -> (the formula, that width,
+    the offset and size of the opener's features the cut tensor held)."""
     piece_counts: dict[tuple[str, int, int], set[AttributeRead]] = field(default_factory=dict)
     """(opener, offset, size) of one fused piece -> those of its counts that sized that
     piece: a view of it, or the size it was cut at (also in `counts`)."""
