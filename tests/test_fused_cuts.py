@@ -279,3 +279,35 @@ def test_sizes_read_off_the_width_divide_the_group_count_past_the_key_value_head
     assert not tpplan.check_plan(plan, model, tp_size=4)
     assert_parity(model, plan, 4, _ids())
     assert _every_call(model, plan, 4) == {"all_reduce": 1}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_bigcode_multi_query_generates_as_the_unsharded_model(tp: int) -> None:
+    """transformers' GPT-BigCode (one key/value head in its fused c_attn, cut off as
+    (B, 1, T, D)): split with that head on every rank, it generates the unsharded model's
+    tokens and scores greedily, by beam search and with a static cache."""
+    from support.generate import MODES
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    config = GPTBigCodeConfig(
+        vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4, multi_query=True,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=1,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPTBigCodeForCausalLM(config).eval()
+    ids = torch.randint(2, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=ids)
+    c_attn = next(r for r in plan.rules if r.match.endswith("attn.c_attn"))
+    assert (c_attn.parts, c_attn.replicate_heads) == ([64, 16, 16], True)
+    with simulated_ranks(tp) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+        for mode in ("greedy", "beam", "cache_static"):
+            kw = {**MODES[mode], "max_new_tokens": 5, "output_scores": True}
+            want = model.generate(ids, return_dict_in_generate=True, **kw)
+            got = sharded.generate(ids, return_dict_in_generate=True, **kw)
+            for seq in rank_values(got.sequences):
+                assert torch.equal(seq, want.sequences), mode
+            for g, w in zip(got.scores, want.scores, strict=True):
+                for v in rank_values(g):
+                    torch.testing.assert_close(v, w, atol=1e-5, rtol=1e-5, msg=mode)
