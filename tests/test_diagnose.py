@@ -90,3 +90,21 @@ def test_a_report_keeps_the_worst_error_per_layer_pattern() -> None:
     report.add("model.layers.1.mlp", "output", 1e-3)
     assert report.rows == {("model.layers.*.mlp", "output"): 1e-3}
     assert not report.ok and report.worst == 1e-3
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_stats_count_the_working_rows_of_a_fused_layer_of_unequal_pieces(tp: int) -> None:
+    """q|k|v of 64|32|32 computes with a copy of each rank's own rows beside its shard: one
+    more shard at tp 2; at tp 8, past its 4 key/value heads, its query slice and a whole key
+    and value head each (8 + 8 + 8 rows)."""
+    from support.infer_models import fused_gqa
+
+    import tpplan
+
+    model = fused_gqa()
+    plan = tpplan.infer_plan(model, example_inputs=torch.randint(0, 32, (2, 8)))
+    stats = plan_stats(model, plan, tp_size=tp, batch=2, seq=8)
+    rows = {2: (64 + 32 + 32) // 2, 8: 64 // 8 + 8 + 8}[tp]
+    assert stats.working_bytes_per_rank == rows * (64 + 1) * 4  # weight rows and bias
+    shard = (64 + 32 + 32) // tp * (64 + 1) * 4
+    assert stats.working_bytes_per_rank >= shard

@@ -414,6 +414,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         f"parameters per rank: {stats.param_bytes_per_rank / mib:,.1f} MiB of {stats.param_bytes_total / mib:,.1f} MiB "
         f"({stats.param_fraction:.1%}) at tp {args.tp}"
     )
+    if stats.working_bytes_per_rank:
+        print(
+            f"working copies of fused layers' own rows per rank: "
+            f"{stats.working_bytes_per_rank / mib:,.1f} MiB"
+        )
     print(f"activations per token per rank: {stats.activation_bytes_per_token / 1024:,.1f} KiB")
     print(f"collectives for {stats.tokens} tokens:")
     print(f"  {'pass':<9} {'kind':<24} {'count':>6} {'MiB per rank':>13}")

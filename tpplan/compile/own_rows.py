@@ -145,6 +145,10 @@ class OwnRows:
             ).to_local()
         return self._index
 
+    def kept(self) -> list[torch.Tensor]:
+        """The working copies kept now (one per parameter that has run)."""
+        return [c.rows for c in self._cache.values()]
+
     def rows(self, name: str, p: DTensor, dim: int) -> torch.Tensor:
         """The rank's own rows of parameter `p`: cached, rebuilt where `p` changed; while
         grad is recorded, tied to `p`'s shard so its gradient reaches the Shard layout."""

@@ -59,6 +59,10 @@ class Stats:
     execution: dict[str, str] = field(default_factory=dict)
     """{module pattern: how its split layers ran in the forward}: "local shards", or
     "DTensor: <why>" (local_run.py)."""
+    working_bytes_per_rank: int = 0
+    """Bytes each rank keeps beside its parameters as working copies of its own rows of fused
+    layers of unequal pieces (compile/own_rows.py: one more local shard of each such weight,
+    a whole key/value head where heads are shared past their count)."""
 
     @property
     def param_fraction(self) -> float:
@@ -69,6 +73,7 @@ class Stats:
             "tp_size": self.tp_size,
             "param_bytes_total": self.param_bytes_total,
             "param_bytes_per_rank": self.param_bytes_per_rank,
+            "working_bytes_per_rank": self.working_bytes_per_rank,
             "param_fraction": round(self.param_fraction, 6),
             "tokens": self.tokens,
             "activation_bytes_per_token": round(self.activation_bytes_per_token, 3),
@@ -153,6 +158,7 @@ def plan_stats(
             out = meta(**inputs)
         collectives["forward"] = fwd.seen
         cache = _cache_bytes(out)
+        working = _working_bytes(meta)
         for h in handles:
             h.remove()
         if backward:
@@ -173,7 +179,19 @@ def plan_stats(
         kv_cache_bytes_per_token=None if cache is None else cache / tokens,
         kv_cache_bytes_per_token_total=None if cache_total is None else cache_total / tokens,
         execution=_by_pattern(paths, [n for n, _ in meta.named_modules()]),
+        working_bytes_per_rank=working,
     )
+
+
+def _working_bytes(model: nn.Module) -> int:
+    """Bytes of the working rows the forward copied out of fused layers' shards (one rank's)."""
+    total = 0
+    for m in model.modules():
+        run = m.__dict__.get("_tpplan_local_run")
+        own = getattr(run, "own", None)
+        for kept in own.kept() if own is not None else ():
+            total += local_bytes(kept)
+    return total
 
 
 def _record_paths(
