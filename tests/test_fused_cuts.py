@@ -1,8 +1,9 @@
 """A fused q|k|v of unequal pieces (grouped-query attention in one Linear, issue 35 a) cut apart
 in the ways code writes it: slices at bounds written as attributes or sums of them, a split at
 such sizes, and a k|v piece cut again by `split`, `chunk`, or a view with a count of pieces
-and `unbind`. Each rank holds its slice of every piece (`parts`), the attribute sizes are
-divided, and the layer computes with a working copy of its own rows (compile/own_rows.py), so
+and `unbind`; sizes and bounds written as products of a head count and the head size
+(`self.n_head * self.head_dim`). Each rank holds its slice of every piece (`parts`), the
+attribute sizes (or the products' head counts) are divided, and the layer computes with a working copy of its own rows (compile/own_rows.py), so
 the block's every call makes one all-reduce and no all-gather. Sizes computed from the width
 read off the output (`qkv.shape[-1] // (self.groups + 2)`) shrink on a shard by themselves. Cuts that cannot be followed
 on a shard (a literal bound, a term that also sizes the dims each rank keeps whole, a piece
@@ -30,6 +31,8 @@ Q, KVW = HEADS * HEAD_DIM, KV * HEAD_DIM
 
 SPLIT = [
     "slices",
+    "slices_product",
+    "split_product",
     "split_sizes",
     "split_width",
     "split_split",
@@ -37,7 +40,7 @@ SPLIT = [
     "split_unflatten",
     "split_view",
 ]
-KEPT = ["literal_bound", "head_dim_term", "read_whole_first"]
+KEPT = ["literal_bound", "head_dim_term", "read_whole_first", "product_of_no_count"]
 
 
 class _Attention(nn.Module):
@@ -47,6 +50,7 @@ class _Attention(nn.Module):
         self.n_head, self.n_kv, self.head_dim = HEADS, kv, HEAD_DIM
         self.q_size, self.kv_size = Q, kv * HEAD_DIM
         self.groups = HEADS // kv
+        self.q_heads = HEADS
         self.qkv = nn.Linear(WIDTH, Q + 2 * self.kv_size)
         self.o = nn.Linear(Q, WIDTH)
 
@@ -59,6 +63,13 @@ class _Attention(nn.Module):
             return q, k, qkv[..., q_size + kv_size :]
         if style == "split_sizes":
             return qkv.split([q_size, kv_size, kv_size], dim=-1)
+        d, h, kv = self.head_dim, self.n_head, self.n_kv
+        if style == "slices_product":  # bounds as products of a head count and head_dim
+            return qkv[..., : h * d], qkv[..., h * d : (h + kv) * d], qkv[..., (h + kv) * d :]
+        if style == "split_product":
+            return qkv.split([h * d, kv * d, kv * d], dim=-1)
+        if style == "product_of_no_count":  # q_heads is no count a view reads (n_head is)
+            return qkv.split([self.q_heads * d, kv * d, kv * d], dim=-1)
         if style == "split_width":  # sizes computed from the width read off the output
             kv_size = qkv.shape[-1] // (self.groups + 2)
             return qkv.split([qkv.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
@@ -141,7 +152,10 @@ def test_unequal_pieces_split_the_megatron_way(style: str, tp: int) -> None:
     # a width formula's term is divided only by the ranks sharing a key/value head past
     # their count (1 here: tp divides the 4 heads)
     assert all(attr.by == "replicas" for attr in plan.attributes if "groups" in attr.divide)
-    assert {"q_size", "kv_size"} <= divided or style == "split_width"
+    if style.endswith("_product"):  # the head counts of the products, not head_dim
+        assert {"n_head", "n_kv"} <= divided and "head_dim" not in divided
+    else:
+        assert {"q_size", "kv_size"} <= divided or style == "split_width"
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
     assert _every_call(model, plan, tp) == {"all_reduce": 1}
@@ -153,6 +167,7 @@ def test_unequal_pieces_split_the_megatron_way(style: str, tp: int) -> None:
         ("literal_bound", "a bound written with no module attribute"),
         ("head_dim_term", "head_dim = 6 is a term of a size the fused features are cut at"),
         ("read_whole_first", "the fused features are cut two different ways"),
+        ("product_of_no_count", "exactly one must be a head count"),
     ],
 )
 def test_cuts_a_shard_cannot_follow_gather_with_the_reason(style: str, why: str) -> None:
@@ -218,7 +233,9 @@ SHARED = [(2, 4), (1, 2), (1, 4)]
 
 
 @pytest.mark.parametrize(("kv", "tp"), SHARED)
-@pytest.mark.parametrize("style", ["slices", "split_sizes", "split_chunk", "split_view"])
+@pytest.mark.parametrize(
+    "style", ["slices", "split_sizes", "split_chunk", "split_view", "slices_product"]
+)
 def test_key_value_pieces_past_their_count_share_whole_heads(style: str, kv: int, tp: int) -> None:
     """With fewer key/value heads than ranks, each rank's query heads meet one key/value head:
     the key and value pieces go whole to the ranks holding its query heads (colwise `parts`
@@ -239,7 +256,7 @@ def test_key_value_pieces_past_their_count_share_whole_heads(style: str, kv: int
     by = {a: (attr.by, attr.of) for attr in plan.attributes for a in attr.divide}
     assert by["n_head"] == (None, None)
     assert by["n_kv"] == ("shards", "qkv")
-    if style != "split_chunk" and style != "split_view":
+    if style in ("slices", "split_sizes"):
         assert by["kv_size"] == ("shards", "qkv")
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert tpplan.verify_plan(model, plan, tp_size=tp, backward=True, inputs={"ids": _ids()}).ok

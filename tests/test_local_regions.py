@@ -187,7 +187,8 @@ def test_stats_say_which_regions_run_on_local_shards() -> None:
 
 def _tiny_phi3() -> nn.Module:
     """transformers' Phi-3, one layer of 4 heads: q|k|v cut from its fused output by slices
-    at positions from the config (a region)."""
+    at positions from the config (split on local shards, its copy of the config divided;
+    a region before products of attributes were followed)."""
     from tpplan._runtime.models import build_model
 
     torch.manual_seed(0)
@@ -200,8 +201,8 @@ def _tiny_phi3() -> nn.Module:
 
 
 def test_a_kv_cache_holds_plain_tensors_where_the_region_runs_locally() -> None:
-    """Phi-3's attention (q|k|v cut from the fused output at positions from the config) is
-    a region: run locally, the cache it fills holds each rank's heads as plain tensors, so
+    """Phi-3's attention (q|k|v cut from the fused output at positions from the config) run
+    on local shards: the cache it fills holds each rank's heads as plain tensors, so
     transformers' own cache code (reorder, crop, static writes) meets no DTensor."""
     model = _tiny_phi3()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))

@@ -535,12 +535,12 @@ def test_transformers_deepseek_v3_latent_attention_is_a_region(tp: int) -> None:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_phi3_fused_projection_sliced_at_the_pieces_bounds_is_a_region(tp: int) -> None:
+def test_phi3_fused_projection_sliced_at_config_products_splits_on_local_shards(tp: int) -> None:
     """transformers' Phi-3 cuts q, k and v out of its fused qkv_proj by slices at positions
-    computed from the config (`qkv[..., :num_heads * head_dim]`), which no attribute a plan
-    may divide holds. As a DTensor region, the fused output is each rank's slice of the three
-    pieces, and a slice on the pieces' bounds is the rank's own slice of them: no gather,
-    one all-reduce at o_proj, at parity."""
+    computed from the config every layer shares (`qkv[..., : self.config.num_attention_heads
+    * self.head_dim]`). The head count of that product is divided on the attention's own copy
+    of the config (head_dim, which its views keep whole, stays): the layers run on local
+    shards, no region, no gather, one all-reduce at o_proj, at parity."""
     from tpplan._runtime.models import build_model
 
     torch.manual_seed(0)
@@ -552,11 +552,52 @@ def test_phi3_fused_projection_sliced_at_the_pieces_bounds_is_a_region(tp: int) 
     model = build_model("phi3", config, device="cpu")
     x = {"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))}
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
-    assert [r.match for r in plan.regions] == ["model.layers.*.self_attn"]
+    assert plan.regions == []
     rules = {r.match.removeprefix("model.layers.*.self_attn."): r for r in plan.rules}
-    assert (rules["qkv_proj"].style, rules["qkv_proj"].parts) == ("colwise", [64, 64, 64])
-    assert rules["qkv_proj"].local_output is False
+    assert (rules["qkv_proj"].style, rules["qkv_proj"].output_layout()) == ("colwise", "shard(-1)")
     assert rules["o_proj"].style == "rowwise"
+    divided = {a for attr in plan.attributes for a in attr.divide}
+    assert "config.num_attention_heads" in divided and "head_dim" not in divided
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, x)
+    sharded_config = model.model.layers[0].self_attn.config
+    assert sharded_config.num_attention_heads == 4  # the model itself is left as it was
+
+
+class _LiteralSlices(nn.Module):
+    """q|k|v in one Linear of three equal pieces, cut by slices at bounds written as numbers
+    and viewed with a literal head count: no attribute a plan may divide holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+        self.o = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        q, k, v = (
+            z.view(b, t, 4, 16).transpose(1, 2)
+            for z in (qkv[..., :64], qkv[..., 64:128], qkv[..., 128:])
+        )
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, t, 64))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_projection_sliced_at_literal_bounds_is_a_region(tp: int) -> None:
+    """Slices at literal bounds of three equal pieces: as a DTensor region the fused output
+    is each rank's slice of the three pieces, and a slice on the pieces' bounds is the rank's
+    own slice of them: no gather, one all-reduce at o, at parity."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_LiteralSlices())
+    x = torch.randn(2, 8, 64)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    assert [r.match for r in plan.regions] == ["0"]
+    rules = {r.match: r for r in plan.rules}
+    assert (rules["0.qkv"].style, rules["0.qkv"].parts) == ("colwise", [64, 64, 64])
+    assert rules["0.qkv"].local_output is False
+    assert rules["0.o"].style == "rowwise"
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
 

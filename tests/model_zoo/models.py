@@ -238,6 +238,22 @@ def _hf_gpt_bigcode() -> tuple[nn.Module, Inputs]:
     return model, torch.randint(0, 128, (BATCH, 16), generator=_generator())
 
 
+def _hf_phi3_medium() -> tuple[nn.Module, Inputs]:
+    """transformers' Phi-3 shaped as Phi-3-medium: grouped-query attention in one fused
+    qkv_proj of unequal pieces (8 query heads of 8, 2 key/value heads), sliced at bounds
+    computed from the config every layer shares (`self.config.num_attention_heads *
+    self.head_dim`), heads viewed with -1; gate|up fused, cut by chunk."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=1,
+    )  # fmt: skip
+    model = Phi3ForCausalLM(config)
+    return model, torch.randint(0, 128, (BATCH, 16), generator=_generator())
+
+
 # ---- diffusers 0.42.1 ---------------------------------------------------------------------
 def _flux() -> tuple[nn.Module, Inputs]:
     """FluxTransformer2DModel: one double-stream block (image and text tokens, each with its
@@ -392,6 +408,9 @@ ZOO: dict[str, Entry] = {
     }),
     "transformers.gpt_bigcode": Entry(_TRANSFORMERS, _hf_gpt_bigcode, {
         "attn": r"transformer\.h\.\d+\.attn", "mlp": r"transformer\.h\.\d+\.mlp",
+    }),
+    "transformers.phi3_medium": Entry(_TRANSFORMERS, _hf_phi3_medium, {
+        "self_attn": r"model\.layers\.\d+\.self_attn", "mlp": r"model\.layers\.\d+\.mlp",
     }),
     "timm.vit": Entry("timm 1.0.31", _vit, {"attn": r"blocks\.\d+\.attn", "mlp": r"blocks\.\d+\.mlp"}),
     "timm.swin": Entry("timm 1.0.31", _swin, {

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..compile.shard import attribute_divisor
+from ..compile.shard import attribute_divisor, attribute_value
 from ..errors import Problem, TpplanError, did_you_mean
 from ..plan.patterns import collapse, match_names
 from ..plan.schema import Plan
@@ -70,7 +70,7 @@ def _check_attribute(
 ) -> Problem | None:
     """`tp` is what the attribute is divided by: the tp size, or with `of` the replicas or
     shards of that layer's heads at `tp_size`."""
-    value = getattr(module, attr, None)
+    value = attribute_value(module, attr)
     if isinstance(value, bool) or not isinstance(value, int):
         return Problem(
             "attribute",
@@ -115,6 +115,15 @@ def check_divided(
     # the terms of fused cut sizes computed from the width read off the output, which shared
     # key/value heads divide by their replicas (infer/shared_heads.py's `_width_cuts`)
     widths = {r for expr, *_ in trace.reads.width_cuts.values() for r in values_read(expr)}
+    # the head count of a fused cut written as a product (`self.n_kv * self.head_dim`): the
+    # factor no view keeps whole (infer/spans.py's `_product_counts`)
+    legal |= {
+        f[:2]
+        for terms in trace.reads.products.values()
+        for term in terms
+        for f in term
+        if f[:2] not in trace.reads.beside_sizes
+    }
     for i, name in divided:
         rule, t = plan.attributes[i], traced_name(trace, name)
         for attr in rule.divide:

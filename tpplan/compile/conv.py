@@ -71,10 +71,12 @@ class ChannelConv(ParallelStyle):
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
         parts: list[int] | None = None,
+        shared_head_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.rowwise = rowwise
         self.parts = tuple(parts) if parts else None
+        self.unit = shared_head_dim  # parts' heads shared past their count (own_rows.py)
         if self.parts and rowwise and not equal_parts(self.parts):
             raise TpplanError(
                 f"a rowwise convolution takes input pieces of one size only, not {list(self.parts)}."
@@ -137,7 +139,7 @@ class ChannelConv(ParallelStyle):
         if self.parts and not self.rowwise and not equal_parts(self.parts) and not gathered:
             # pieces of several sizes: a plain Shard of the weight, this rank's slices picked
             split = DTensor.from_local(out, mesh, [_CHANNELS], run_check=False)
-            return own_slices(split, mesh, self.parts, 1)
+            return own_slices(split, mesh, self.parts, 1, self.unit)
         if self.parts and not self.rowwise and equal_parts(self.parts) and gathered:
             # gathered by pieces (strided.py), as a fused Linear's
             whole = gather_pieces(out, mesh, self.parts, 1)

@@ -217,9 +217,11 @@ def _conv_style(rule: ColwiseRule | RowwiseRule, *, rowwise: bool) -> ChannelCon
             f"rule {rule.match!r} splits a convolution, which takes no transposed; "
             "drop it from the rule."
         )
+    shared = isinstance(rule, ColwiseRule) and rule.replicate_heads and rule.parts
     return ChannelConv(
         rowwise=rowwise,
         parts=rule.parts,
+        shared_head_dim=rule.head_dim if shared else None,
         input_layouts=placement(rule.input),
         output_layouts=placement(rule.output),
         **_local_output(rule),

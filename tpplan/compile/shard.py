@@ -6,7 +6,9 @@ weightless copy; no check here. Start at `shard_model`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -141,7 +143,30 @@ def _divide_attributes(plan: Plan, model: nn.Module, tp_size: int) -> None:
         for name in match_names(rule.match, list(modules)):
             by = attribute_divisor(plan, model, rule, name, tp_size)
             for attr in rule.divide:
-                setattr(modules[name], attr, getattr(modules[name], attr) // by)
+                holder, own = _holder(modules[name], attr)
+                setattr(holder, own, getattr(holder, own) // by)
+
+
+def attribute_value(module: nn.Module, attr: str) -> Any:
+    """`module`'s attribute `attr`, or the attribute of an object it holds for a dotted one
+    (`cfg.n_head`: a config the layers share); None where there is none."""
+    holder, _, own = attr.rpartition(".")
+    found = getattr(module, holder, None) if holder else module
+    return getattr(found, own, None)
+
+
+def _holder(module: nn.Module, attr: str) -> tuple[Any, str]:
+    """The object holding `attr` and its own name there. A dotted one (`cfg.n_head`) is on
+    an object the module holds, which other modules may share (a config): the module gets a
+    copy of its own first, so that dividing it leaves the others' as they are."""
+    path, _, own = attr.rpartition(".")
+    if not path:
+        return module, own
+    copied = module.__dict__.setdefault("_tpplan_own_copies", set())
+    if path not in copied:
+        setattr(module, path, copy.copy(getattr(module, path)))
+        copied.add(path)
+    return getattr(module, path), own
 
 
 def attribute_divisor(

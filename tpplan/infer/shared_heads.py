@@ -147,10 +147,14 @@ def _fused_refusal(ctx: Context, o: str, heads: int, short: str) -> str | None:
 
 def _sides(ctx: Context, o: str, count: tuple[str, str, int]) -> set[str]:
     """The sides of fused opener `o`'s attention whose pieces `count` sized."""
+    reads = ctx.trace.reads
+    by_product = {
+        p for p, terms in reads.piece_products.items() if any(count in term for term in terms)
+    }
     return {
         piece_side(ctx, p)
-        for p, counts in ctx.trace.reads.piece_counts.items()
-        if p[0] == o and count in counts
+        for p in {*reads.piece_counts, *by_product}
+        if p[0] == o and (count in reads.piece_counts.get(p, ()) or p in by_product)
     }
 
 
@@ -161,7 +165,13 @@ def _divide(
     t = ctx.trace
     divided: list[tuple[str, str, str, str]] = []  # (module, attribute, by, why)
     for module, attr, value in sorted(counts):
-        sized = {o for o in openers if (module, attr, value) in t.reads.counts.get(o, ())}
+        count = (module, attr, value)
+        sized = {
+            o
+            for o in openers
+            if count in t.reads.counts.get(o, ())
+            or any(count in term for term in t.reads.products.get(o, ()))
+        }
         fused = {o for o in sized if o in t.spans.kv_parts}
         if fused:
             sides = set().union(*(_sides(ctx, o, (module, attr, value)) for o in fused))

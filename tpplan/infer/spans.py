@@ -69,6 +69,8 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
         reasons.append("no Linear contracts its output features")
     units = split_unit(t, openers)
     counts = {c for o in openers for c in t.reads.counts.get(o, ())}
+    product_counts, product_reasons = _product_counts(ctx, openers, counts)
+    counts |= product_counts
     sharing = kv_sharing(ctx, openers, counts)
     shared = sharing if sharing is not None and sharing.refused is None else None
     if openers and units % ctx.tp and not (shared is not None and shared.fits(ctx.tp)):
@@ -85,6 +87,7 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
         # key/value counts are divided by the heads' shards, not the tp size
         counts = {c for c in counts if c[:2] not in shared.divided()}
     reasons += _count_reasons(ctx, counts)
+    reasons += product_reasons
     found = Found()
     if reasons:
         for m in members:
@@ -192,6 +195,37 @@ def _count_reasons(ctx: Context, counts: set[tuple[str, str, int]]) -> list[str]
                 f"{ctx.tp} does not divide"
             )
     return reasons
+
+
+def _product_counts(
+    ctx: Context, openers: list[str], counts: set[tuple[str, str, int]]
+) -> tuple[set[tuple[str, str, int]], list[str]]:
+    """The head counts of fused cuts written as products of attributes (`self.n_head *
+    self.head_dim`), which the plan divides, and why any cannot be: exactly one factor of
+    each product is divided, the head count a view reads or, where the views read none (a
+    view with -1), the one factor no view keeps whole; the others stay as they are."""
+    t = ctx.trace
+    counted = {(m, a) for m, a, _ in counts} | {
+        (m, a) for m, a, _ in (c for cs in t.reads.counts.values() for c in cs)
+    }
+    found: set[tuple[str, str, int]] = set()
+    reasons = []
+    for o in openers:
+        for term in sorted(t.reads.products.get(o, ())):
+            heads = [f for f in term if f[:2] in counted]
+            if not heads:
+                heads = [f for f in term if f[:2] not in t.reads.beside_sizes]
+            if len(heads) == 1:
+                found.add(heads[0])
+                continue
+            said = " * ".join(a for _, a, _ in term)
+            which = "none" if not heads else ", ".join(a for _, a, _ in heads)
+            reasons.append(
+                f"it cuts the fused features at {said}, a product of attributes of which "
+                "exactly one must be a head count (one its views read, or the one they keep "
+                f"not whole) to be divided ({which} is)"
+            )
+    return found, reasons
 
 
 def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[str]:

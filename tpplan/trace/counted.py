@@ -24,6 +24,7 @@ __all__ = [
     "attributes_in",
     "evaluate",
     "kept_by_dividing",
+    "product_terms",
     "render",
     "scaled_reads",
     "shrinks_with_width",
@@ -120,6 +121,29 @@ def scaled_reads(expr: Expr) -> list[tuple[str, str, int]] | None:
         for const, other in ((expr[1], expr[2]), (expr[2], expr[1])):
             if const[0] == "const" and const[1] > 0:
                 return scaled_reads(other)
+    return None
+
+
+def product_terms(expr: Expr) -> list[tuple[tuple[str, str, int], ...]] | None:
+    """The attributes of each term of a formula that is a sum of products of attributes, each
+    maybe times a positive constant (`self.n_head * self.head_dim + 2 * self.n_kv *
+    self.head_dim`), one tuple of (module, attribute, value) per term; None for any other
+    formula. Dividing one factor of every term by tp (the head count) divides the whole."""
+    kind = expr[0]
+    if kind == "attr":
+        return [((expr[1], expr[2], expr[3]),)]
+    if kind == "+":
+        left, right = product_terms(expr[1]), product_terms(expr[2])
+        return None if left is None or right is None else left + right
+    if kind == "*":
+        for const, other in ((expr[1], expr[2]), (expr[2], expr[1])):
+            if const[0] == "const" and const[1] > 0:
+                return product_terms(other)
+        left, right = product_terms(expr[1]), product_terms(expr[2])
+        if left is None or right is None:
+            return None
+        # ((n_head + n_kv) * head_dim): each term of one side times each of the other
+        return [a + b for a in left for b in right]
     return None
 
 

@@ -169,6 +169,10 @@ def _watched(cls: type) -> type:
                     log[0].read(log[1], attr, value)
                     # the forward gets a number that remembers it is this attribute
                     return Counted.read(log[1], attr, value)
+            elif not isinstance(value, (torch.Tensor, nn.Module)):
+                log = object.__getattribute__(self, "__dict__").get(_READS)
+                if log is not None and id(value) in log[2]:
+                    return _shared_view(value, log[0], log[1], attr)
             return value
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
@@ -178,13 +182,61 @@ def _watched(cls: type) -> type:
     return sub
 
 
+_VIEWS: dict[tuple[type, str, str], type] = {}
+_PLAIN = (int, float, str, bytes, bool, torch.Tensor, nn.Module, type, list, tuple, dict, set)
+
+
+def _shared_object(value: Any) -> bool:
+    """An object of attributes (a config), not a number, tensor, module, container or
+    function."""
+    return (
+        value is not None
+        and not isinstance(value, _PLAIN)
+        and not callable(value)
+        and type(value).__module__ != "builtins"
+        and isinstance(getattr(value, "__dict__", None), dict)
+    )
+
+
+def _shared_view(value: Any, reads: Any, module: str, attr: str) -> Any:
+    """`value`, an object of attributes several modules hold (a config every layer shares),
+    seen through `module.attr`: an instance of a subclass of its class over the same
+    attributes, whose integer attributes read as `attr.name` of `module` (`cfg.n_head`), so
+    that a size computed from one is traced to it and the plan can divide it on that
+    module's own copy. Anything that will not take it is handed on as it is."""
+    cls = type(value)
+    key = (cls, module, attr)
+    sub = _VIEWS.get(key)
+    if sub is None:
+
+        def __getattribute__(self: Any, name: str) -> Any:
+            got = super(sub, self).__getattribute__(name)  # type: ignore[arg-type]
+            if type(got) is int and not name.startswith("_"):
+                reads.read(module, f"{attr}.{name}", got)
+                return Counted.read(module, f"{attr}.{name}", got)
+            return got
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
+        sub.__qualname__, sub.__module__ = cls.__qualname__, cls.__module__
+        _VIEWS[key] = sub
+    try:
+        view: Any = object.__new__(sub)
+        object.__setattr__(view, "__dict__", value.__dict__)
+    except (TypeError, AttributeError):
+        return value
+    return view
+
+
 def watch_reads(model: nn.Module, st: Trackers) -> None:
     """Make the modules of the traced copy log every integer attribute their forward reads
     (`AttributeReads.read`), so that a number given to an op can be traced to the attribute
     it came from (`view(B, T, self.n_head, hd)`, `split(self.split_size)`), and a number that
-    only happens to equal some attribute is not mistaken for it."""
+    only happens to equal some attribute is not mistaken for it. An object of attributes a
+    module holds (a config, which the layers often share) logs its integer attributes as
+    `name.attribute` of the module reading it through `name` (`_shared_view`)."""
     for name, m in model.named_modules():
-        m.__dict__[_READS] = (st.reads, name)
+        shared = frozenset(id(v) for v in m.__dict__.values() if _shared_object(v))
+        m.__dict__[_READS] = (st.reads, name, shared)
         m.__class__ = _watched(type(m))
 
 

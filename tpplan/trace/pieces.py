@@ -13,11 +13,19 @@ Each tensor's piece is kept in `st.splits.pieces`; a cut makes the layer's `part
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
 from .._runtime.torch_compat import tree_leaves
-from .counted import Counted, Expr, attributes_in, scaled_reads, shrinks_with_width
+from .counted import (
+    Counted,
+    Expr,
+    attributes_in,
+    product_terms,
+    scaled_reads,
+    shrinks_with_width,
+)
 from .ops import RESHAPES, Op
 from .split import Split, SplitEnds, carved, norm_dim, reshape
 from .trackers import Trackers
@@ -133,9 +141,11 @@ def _sliced_piece(st: Trackers, op: Op, s: Split, d: int, src: str) -> tuple[tor
     # that equals one of this one's would say nothing of this one
     bounds = [slices[0].start, slices[0].stop] if len(slices) == 1 else []
     held: list[tuple[str, str, int]] = []
+    products: set[tuple[tuple[str, str, int], ...]] = set()
     for b in sorted(inner):
         found = [w for w in bounds if isinstance(w, Counted) and int(w) == b]
-        leaves = scaled_reads(found[0].expr) if len(found) == 1 else None
+        products.update(_products_of(found[0]) if len(found) == 1 else ())
+        leaves = _terms(st, src, found[0]) if len(found) == 1 else None
         if leaves is None:
             raise SplitEnds(
                 f"it takes part of the split dim, at {b}, a bound written with no module "
@@ -159,6 +169,8 @@ def _sliced_piece(st: Trackers, op: Op, s: Split, d: int, src: str) -> tuple[tor
     # others, its offset, size the pieces before it)
     own = {(m, a, v) for m, a, v in held if v == n}
     st.trace.reads.piece_counts.setdefault((src, at, n * per_unit), set()).update(own)
+    sized = {p for p in products if math.prod(v for _, _, v in p) == n}
+    st.trace.reads.piece_products.setdefault((src, at, n * per_unit), set()).update(sized)
     parts = st.trace.spans.parts[src]
     starts = {sum(parts[:i]): p for i, p in enumerate(parts)}
     one = starts.get(at) == n * per_unit
@@ -209,11 +221,41 @@ def cut(st: Trackers, op: Op, s: Split) -> list[tuple[torch.Tensor, Split]]:
             st.splits.hold_piece(o, piece)
             # the attributes its size was written with size this piece
             reads.piece_counts.setdefault(piece, set()).update(held.get(n, ()))
+            mine = {p for p in reads.products.get(src, ()) if math.prod(v for *_, v in p) == n}
+            reads.piece_products.setdefault(piece, set()).update(mine)
             if i in widths:
                 width = op.args[0].shape[s.dim]
                 reads.width_cuts[piece] = (widths[i], width, start, covered)
             at += n * per_unit
     return followed
+
+
+def op_source(st: Trackers, op: Op) -> str:
+    """The one opener whose split features the op's input holds."""
+    (src,) = st.splits.only_split(op.args[0]).sources
+    return src
+
+
+def _terms(st: Trackers, src: str, w: Counted) -> list[tuple[str, str, int]] | None:
+    """The attributes of a cut size or bound `w` the plan divides by the tp size: each of a
+    sum of attributes (times constants); a product of attributes (`self.n_head *
+    self.head_dim`) is kept for infer to divide the one factor that is a head count
+    (`products`). None where `w` is neither."""
+    leaves = scaled_reads(w.expr)
+    if leaves is not None:
+        return leaves
+    terms = product_terms(w.expr)
+    if terms is None:
+        return None
+    singles = [t[0] for t in terms if len(t) == 1]
+    st.trace.reads.products.setdefault(src, set()).update(t for t in terms if len(t) > 1)
+    return singles
+
+
+def _products_of(w: Counted) -> list[tuple[tuple[str, str, int], ...]]:
+    """The products of attributes among the terms of `w` (none where it is no such sum)."""
+    terms = product_terms(w.expr)
+    return [t for t in terms or () if len(t) > 1]
 
 
 def _held_features(st: Trackers, t: torch.Tensor, src: str) -> tuple[int, int, Piece | None]:
@@ -276,7 +318,7 @@ def _sizes_held(
     for i, w in enumerate(written):
         if w <= 0:
             continue
-        leaves = scaled_reads(w.expr) if isinstance(w, Counted) else None
+        leaves = _terms(st, op_source(st, op), w) if isinstance(w, Counted) else None
         if leaves is not None:
             held.setdefault(int(w), []).extend(leaves)
             st.trace.reads.cut_terms.update((m, a) for m, a, _ in leaves)

@@ -194,6 +194,15 @@ class ReadFacts:
     cut_terms: set[tuple[str, str]] = field(default_factory=set)
     """(module, attribute) divided as a term of a fused cut's size or bound written as a sum
     of attributes (`4 * self.head_dim`): right only where nothing keeps it whole."""
+    piece_products: dict[tuple[str, int, int], set[tuple[AttributeRead, ...]]] = field(
+        default_factory=dict
+    )
+    """(opener, offset, size) of a fused piece -> the products of `products` whose value is
+    its size (the piece's own, written `self.n_kv * self.head_dim`)."""
+    products: dict[str, set[tuple[AttributeRead, ...]]] = field(default_factory=dict)
+    """Opener -> the factors of each term of its fused cut sizes or bounds written as
+    products of attributes (`self.n_head * self.head_dim`): exactly one of each must be a
+    head count its views read (divided by the plan), the others kept whole."""
 
 
 @dataclass
