@@ -50,7 +50,7 @@ class _Attention(nn.Module):
         self.n_head, self.n_kv, self.head_dim = HEADS, kv, HEAD_DIM
         self.q_size, self.kv_size = Q, kv * HEAD_DIM
         self.groups = HEADS // kv
-        self.q_heads = HEADS
+        self.q_heads, self.d_twice = HEADS // 2, 2 * HEAD_DIM
         self.qkv = nn.Linear(WIDTH, Q + 2 * self.kv_size)
         self.o = nn.Linear(Q, WIDTH)
 
@@ -68,8 +68,8 @@ class _Attention(nn.Module):
             return qkv[..., : h * d], qkv[..., h * d : (h + kv) * d], qkv[..., (h + kv) * d :]
         if style == "split_product":
             return qkv.split([h * d, kv * d, kv * d], dim=-1)
-        if style == "product_of_no_count":  # q_heads is no count a view reads (n_head is)
-            return qkv.split([self.q_heads * d, kv * d, kv * d], dim=-1)
+        if style == "product_of_no_count":  # 4 * 12: neither a view's count nor its head_dim
+            return qkv.split([self.q_heads * self.d_twice, kv * d, kv * d], dim=-1)
         if style == "split_width":  # sizes computed from the width read off the output
             kv_size = qkv.shape[-1] // (self.groups + 2)
             return qkv.split([qkv.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
@@ -328,3 +328,55 @@ def test_gpt_bigcode_multi_query_generates_as_the_unsharded_model(tp: int) -> No
             for g, w in zip(got.scores, want.scores, strict=True):
                 for v in rank_values(g):
                     torch.testing.assert_close(v, w, atol=1e-5, rtol=1e-5, msg=mode)
+
+
+class _Config:
+    """Sizes every layer reads, one object they all hold."""
+
+    def __init__(self, kv: int) -> None:
+        self.n_head, self.n_kv, self.head_dim = HEADS, kv, HEAD_DIM
+
+
+class _ConfigAttention(nn.Module):
+    """q|k|v cut at products read from the shared config (`cfg.n_head * cfg.head_dim`), the
+    heads viewed with -1, as transformers' Phi-3 does."""
+
+    def __init__(self, cfg: _Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(WIDTH, (cfg.n_head + 2 * cfg.n_kv) * cfg.head_dim)
+        self.o = nn.Linear(cfg.n_head * cfg.head_dim, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        c = self.cfg
+        q_end = c.n_head * c.head_dim
+        k_end = q_end + c.n_kv * c.head_dim
+        qkv = self.qkv(x)
+        q, k, v = (
+            z.view(b, t, -1, c.head_dim).transpose(1, 2)
+            for z in (qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:])
+        )
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize(("kv", "tp"), [(4, 2), (2, 4)])
+def test_sizes_from_a_shared_config_are_divided_on_each_modules_own_copy(kv: int, tp: int) -> None:
+    """Bounds written as products read from a config object two layers share: the plan
+    divides the head counts (`cfg.n_head`, `cfg.n_kv`), not head_dim, and each attention gets
+    a copy of its own, so the config the model holds keeps its whole values. Parity, one
+    all-reduce per block."""
+    torch.manual_seed(0)
+    cfg = _Config(kv)
+    model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), _ConfigAttention(cfg), _ConfigAttention(cfg))
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
+    divided = {a for attr in plan.attributes for a in attr.divide}
+    assert {"cfg.n_head", "cfg.n_kv"} <= divided and "cfg.head_dim" not in divided
+    assert not tpplan.check_plan(plan, model, tp_size=tp)
+    assert_parity(model, plan, tp, _ids())
+    with simulated_ranks(tp) as mesh:
+        sharded = tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+        assert sharded[1].cfg is not sharded[2].cfg
+        assert sharded[1].cfg.n_head == HEADS // tp
+    assert (cfg.n_head, cfg.n_kv) == (HEADS, kv)

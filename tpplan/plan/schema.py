@@ -102,7 +102,10 @@ class AttributeRule(Strict):
     match: str = Field(min_length=1)
     """Dotted module-name pattern, as in rules."""
     divide: list[str] = Field(min_length=1)
-    """Names of integer attributes to divide by the tp size on every matched module."""
+    """Names of integer attributes to divide by the tp size on every matched module; a dotted
+    name (`config.num_attention_heads`) names one of an object the module holds (a config
+    the layers share), which the module gets a copy of first, so that other modules still
+    read the whole value."""
     by: Literal["tp", "replicas", "shards"] | None = None
     """What the attributes are divided by: the tp size (`tp`, the default); `replicas`, the number of
     ranks sharing each head of the layer `of` (tp / its heads, at least 1: the query heads

@@ -182,7 +182,6 @@ def _watched(cls: type) -> type:
     return sub
 
 
-_VIEWS: dict[tuple[type, str, str], type] = {}
 _PLAIN = (int, float, str, bytes, bool, torch.Tensor, nn.Module, type, list, tuple, dict, set)
 
 
@@ -206,7 +205,9 @@ def _shared_view(value: Any, reads: Any, module: str, attr: str) -> Any:
     module's own copy. Anything that will not take it is handed on as it is."""
     cls = type(value)
     key = (cls, module, attr)
-    sub = _VIEWS.get(key)
+    # one subclass per trace (the reads it logs to), module and name
+    views: dict[tuple[type, str, str], type] = reads.__dict__.setdefault("_tpplan_views", {})
+    sub = views.get(key)
     if sub is None:
 
         def __getattribute__(self: Any, name: str) -> Any:
@@ -218,7 +219,7 @@ def _shared_view(value: Any, reads: Any, module: str, attr: str) -> Any:
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
         sub.__qualname__, sub.__module__ = cls.__qualname__, cls.__module__
-        _VIEWS[key] = sub
+        views[key] = sub
     try:
         view: Any = object.__new__(sub)
         object.__setattr__(view, "__dict__", value.__dict__)
