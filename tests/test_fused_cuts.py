@@ -380,3 +380,18 @@ def test_sizes_from_a_shared_config_are_divided_on_each_modules_own_copy(kv: int
         assert sharded[1].cfg is not sharded[2].cfg
         assert sharded[1].cfg.n_head == HEADS // tp
     assert (cfg.n_head, cfg.n_kv) == (HEADS, kv)
+
+
+@pytest.mark.parametrize(("kv", "tp"), [("gqa", 2), ("mqa", 4)])
+def test_a_fused_1x1_convolution_of_unequal_pieces_computes_with_its_own_rows(
+    kv: str, tp: int
+) -> None:
+    """q|k|v as one 1x1 convolution over channels, cut by slices at sizes from a shared
+    config: like a fused Linear, it computes with a copy of each rank's own rows (its key and
+    value head whole past their count), so the block gathers nothing per call; parity."""
+    from support.code_styles import Spec, measure_case
+
+    got = measure_case(Spec(proj="conv", qkv="slices", sizes="config", kv=kv), tp)  # type: ignore[arg-type]
+    assert got.parity == "ok", got.detail
+    assert got.gathers == {"layers.0.attn": 0, "layers.0.mlp": 0}
+    assert got.megatron["layers.0.attn"], got.whys

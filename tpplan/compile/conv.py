@@ -30,6 +30,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._runtime.torch_compat import StridedShard
 from ..errors import TpplanError
+from .local_run import group_name
+from .own_rows import OwnRows, own_rows
 from .params import changeable, split_param
 from .strided import equal_parts, gather_pieces, own_slices
 
@@ -105,25 +107,49 @@ class ChannelConv(ParallelStyle):
             whole = distribute_tensor(bias, mesh, [Replicate()], src_data_rank=src)
             module.register_parameter("bias", nn.Parameter(whole, bias.requires_grad))
 
+        # pieces of several sizes on local shards: the rank's own rows of the weight, copied
+        # once per change of it (own_rows.py), as a fused Linear's
+        rows = None
+        if self.parts is not None and self._own_rows(mesh):
+            rows = OwnRows(self.parts, mesh, group_name(mesh), unit=self.unit)
+
         def before(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             x = self._local_input(args[0], mesh)
             weight = mod._parameters["weight"]
             assert isinstance(weight, DTensor)  # made one above
-            mod.__dict__["weight"] = weight.to_local()
             b = mod._parameters.get("bias")
             # a rowwise bias is added once, after the partial sums are summed
             own = isinstance(b, DTensor) and not self.rowwise
+            if rows is not None:
+                mod.__dict__["weight"] = own_rows(rows, "weight", weight, 0)
+                mod.__dict__["bias"] = own_rows(rows, "bias", b, 0) if own else None
+                return (x, *args[1:])
+            mod.__dict__["weight"] = weight.to_local()
             mod.__dict__["bias"] = b.to_local() if own else None
             return (x, *args[1:])
 
         def after(mod: nn.Module, args: Any, out: torch.Tensor) -> Any:
             mod.__dict__.pop("weight", None)
             mod.__dict__.pop("bias", None)
+            if rows is not None:
+                return out  # already the rank's slice of each piece
             return self._output(mod, out, mesh)
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after)
         return module
+
+    def _own_rows(self, mesh: DeviceMesh) -> bool:
+        """Whether the layer computes with a copy of its own rows: fused pieces of several
+        sizes, its output kept split as local tensors."""
+        return (
+            self.parts is not None
+            and not self.rowwise
+            and not equal_parts(self.parts)
+            and not isinstance(self.output_layout, Replicate)
+            and self.use_local_output
+            and mesh.size() > 1
+        )
 
     def _local_input(self, x: Any, mesh: DeviceMesh) -> torch.Tensor:
         """The rank's input as the convolution takes it: whole (colwise), whose gradient is
