@@ -210,15 +210,20 @@ def test_fused_cut_at_literal_sizes_is_gathered() -> None:
 
 def test_phi3_gate_up_by_chunk_and_sliced_qkv() -> None:
     """gate_up_proj is cut by chunk(2): equal pieces, no size to divide. qkv_proj is cut by
-    slices at positions computed from the config: gathered, as transformers' own plan does."""
+    slices at positions computed from the config (`self.config.num_attention_heads *
+    self.head_dim`): the head count is divided on the attention's own copy of the config,
+    and q|k|v splits as each rank's slice of each piece, where transformers' own plan
+    gathers it."""
     model = phi3()
     plan = tpplan.infer_plan(model)
     gate_up = rule_for(plan, model, "model.layers.0.mlp.gate_up_proj")
     assert (gate_up.style, gate_up.parts) == ("colwise", [96, 96])
     assert rule_for(plan, model, "model.layers.0.mlp.down_proj").style == "rowwise"
     qkv = rule_for(plan, model, "model.layers.0.self_attn.qkv_proj")
-    assert (qkv.style, qkv.output) == ("colwise", "replicate")
-    assert "takes part of the split dim" in qkv.why
+    assert (qkv.style, qkv.output_layout()) == ("colwise", "shard(-1)")
+    assert rule_for(plan, model, "model.layers.0.self_attn.o_proj").style == "rowwise"
+    divided = {a for attr in plan.attributes for a in attr.divide}
+    assert "config.num_attention_heads" in divided and "head_dim" not in divided
     assert_parity(model, plan, 2, _tokens())
 
 

@@ -28,17 +28,19 @@ WIDTH, HEADS, HEAD_DIM = 32, 4, 8
 
 
 class _Config:
-    """Sizes every layer reads from one shared object (so no plan may divide them)."""
+    """Sizes every layer reads from one shared object (a plan divides them on each
+    module's own copy)."""
 
     n_head, head_dim = HEADS, HEAD_DIM
 
 
 class _SharedKv(nn.Module):
-    """Attention with `kv` key/value heads, written `style`'s way."""
+    """Attention with `kv` key/value heads, written `style`'s way, its sizes literals (or
+    read from a config object, `sizes="config"`)."""
 
-    def __init__(self, style: str, kv: int) -> None:
+    def __init__(self, style: str, kv: int, sizes: str = "literal") -> None:
         super().__init__()
-        self.style, self.cfg, self.kv = style, _Config(), kv
+        self.style, self.cfg, self.kv, self.sizes = style, _Config(), kv, sizes
         if style == "raw":  # raw weights used as `x @ w`
             self.w_q = nn.Parameter(torch.randn(WIDTH, HEADS * HEAD_DIM) * WIDTH**-0.5)
             self.w_k = nn.Parameter(torch.randn(WIDTH, kv * HEAD_DIM) * WIDTH**-0.5)
@@ -52,7 +54,7 @@ class _SharedKv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        h, d = self.cfg.n_head, self.cfg.head_dim
+        h, d = (self.cfg.n_head, self.cfg.head_dim) if self.sizes == "config" else (HEADS, HEAD_DIM)
         if self.style == "raw":
             q, k, v = x @ self.w_q, x @ self.w_k, x @ self.w_v
         else:
@@ -77,10 +79,10 @@ class _SharedKv(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self, style: str, kv: int) -> None:
+    def __init__(self, style: str, kv: int, sizes: str = "literal") -> None:
         super().__init__()
         self.embed = nn.Embedding(64, WIDTH)
-        self.attn = _SharedKv(style, kv)
+        self.attn = _SharedKv(style, kv, sizes)
         self.head = nn.Linear(WIDTH, 64)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -129,6 +131,30 @@ def test_shared_key_value_heads_stay_whole_in_a_region(style: str, kv: int, tp: 
                 assert "every split head shares it" in rules[name].why
             else:
                 assert rules[name].style == "colwise", plan.to_yaml()
+    assert tpplan.check_plan(plan, model, tp_size=tp) == []
+    assert_parity(model, plan, tp, x)
+    assert _gathers(model, plan, tp, x) == {"all_reduce": 1}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("style", ["linear", "batch"])
+def test_shared_key_value_heads_sized_from_a_shared_config_split_on_local_shards(
+    style: str, tp: int
+) -> None:
+    """The same attention with its sizes read from a config object: the plan divides its
+    head count on the module's own copy of the config, so the layers run on local shards,
+    with no region: the one key/value head goes whole to every rank (`replicate_heads`),
+    the query and output split by heads. One all-reduce, no gather, parity."""
+    model = seeded(_Model, style=style, kv=1, sizes="config")
+    x = token_batch(64)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=x)
+    rules = {r.match: r for r in plan.rules}
+    assert plan.regions == [], plan.to_yaml()
+    assert rules["attn.q_proj"].style == "colwise"
+    assert rules["attn.o_proj"].style == "rowwise"
+    for name in ("attn.k_proj", "attn.v_proj"):
+        assert (rules[name].style, rules[name].replicate_heads) == ("colwise", True)
+    assert "cfg.n_head" in {a for attr in plan.attributes for a in attr.divide}
     assert tpplan.check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, x)
     assert _gathers(model, plan, tp, x) == {"all_reduce": 1}

@@ -69,7 +69,7 @@ def test_an_uneven_vocab_splits_and_matches_the_unsharded_model(name: str, tp: i
     step = -(-VOCAB // tp)
     shares = " or ".join(map(str, sorted({step, VOCAB - (tp - 1) * step}, reverse=True)))
     assert f"ranks hold {shares} entries each (uneven)" in rules[table].why
-    assert plan.tpplan == 14
+    assert plan.tpplan >= 14  # uneven came in schema 14
     assert check_plan(plan, model, tp_size=tp) == []
     assert_parity(model, plan, tp, ids)
 
