@@ -9,12 +9,18 @@ gives each rank query heads of one key/value head, so that head can live whole o
 ranks: attention and its cache shrink by tp, one all-reduce per block as before. What must
 hold for it, each checked on the trace:
 
-- the key/value openers are plain Linears of K whole heads, not fused with other features;
+- the key/value openers are plain Linears of K whole heads; or the key and value pieces of
+  one fused Linear (q|k|v of unequal pieces, `kv_parts` in the trace), told from its query
+  piece where attention meets them, each of K whole heads (colwise `parts` with
+  `replicate_heads`: each rank computes with a copy of its own rows);
 - no parameter holds one entry per key/value head (it would be split, not shared);
 - each count the forward reads to size the split features sizes one side only: a
   key/value count shrinks to the heads a rank holds (`by: shards`), a query count by tp;
 - each count that repeats a key/value head to its query heads (`repeat_kv`'s n_rep) is an
-  attribute read in forward, divided by the ranks sharing a head (`by: replicas`).
+  attribute read in forward, divided by the ranks sharing a head (`by: replicas`);
+- a fused layer's sizes computed from its width (`qkv.shape[-1] // (self.groups + 2)`) give
+  each rank its own pieces with some of their attributes divided by those ranks
+  (`_width_cuts`).
 """
 
 from __future__ import annotations
