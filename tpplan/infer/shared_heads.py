@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compile.own_rows import own_order
-from ..trace.counted import at_width, evaluate, render, values_read
+from ..trace.counted import evaluate, render, values_read
 from .context import Context
 from .decision import Divided
 from .names import inside, relative
@@ -341,7 +341,7 @@ def _gives_own(
     local = sum(1 for r in rows if start <= r < start + size)
     want = sum(1 for r in rows if piece[1] <= r < piece[1] + piece[2])
     values = {read: v // (tp // k) for read, v in values_read(expr).items() if read in divided}
-    return at_width(expr, width, local, values) == want
+    return evaluate(expr, values, width=(width, local)) == want
 
 
 def _heads(sharing: Sharing, sized: set[str]) -> int:

@@ -20,7 +20,6 @@ from typing import Any
 __all__ = [
     "Counted",
     "Expr",
-    "at_width",
     "attributes_in",
     "evaluate",
     "kept_by_dividing",
@@ -110,18 +109,12 @@ def scaled_reads(expr: Expr) -> list[tuple[str, str, int]] | None:
     """(module, attribute, value) of each attribute of a formula that is a sum of attributes,
     each maybe times a positive constant (`self.q_size + 2 * self.kv_size`): dividing every
     one of them by tp divides the whole by tp. None for any other formula (a product of two
-    attributes, a constant added), which no division of its attributes shrinks so."""
-    kind = expr[0]
-    if kind == "attr":
-        return [(expr[1], expr[2], expr[3])]
-    if kind == "+":
-        left, right = scaled_reads(expr[1]), scaled_reads(expr[2])
-        return None if left is None or right is None else left + right
-    if kind == "*":
-        for const, other in ((expr[1], expr[2]), (expr[2], expr[1])):
-            if const[0] == "const" and const[1] > 0:
-                return scaled_reads(other)
-    return None
+    attributes, a constant added), which no division of its attributes shrinks so: the
+    `product_terms` of one factor each."""
+    terms = product_terms(expr)
+    if terms is None or any(len(t) != 1 for t in terms):
+        return None
+    return [t[0] for t in terms]
 
 
 def product_terms(expr: Expr) -> list[tuple[tuple[str, str, int], ...]] | None:
@@ -152,37 +145,10 @@ def shrinks_with_width(expr: Expr, width: int, want: int) -> bool:
     (`qkv.shape[-1] // (self.groups + 2)`, the width a constant equal to `width`) gives
     `want` / tp on a shard, whose width is `width` / tp, at each tp up to 8 that divides
     both, with its attributes as read (there must be one such tp)."""
-
-    def local(e: Expr, tp: int) -> int | None:
-        if e[0] == "const":
-            return e[1] // tp if e[1] == width else e[1]
-        if e[0] == "attr":
-            return int(e[3])
-        left, right = local(e[1], tp), local(e[2], tp)
-        if left is None or right is None or (e[0] in ("//", "%") and right == 0):
-            return None
-        return _OPS[e[0]](left, right)
-
     tps = [tp for tp in range(2, 9) if width % tp == 0 and want % tp == 0]
-    return bool(tps) and all(local(expr, tp) == want // tp for tp in tps)
-
-
-def at_width(
-    expr: Expr, width: int, local_width: int, values: Mapping[tuple[str, str], int]
-) -> int | None:
-    """A formula holding the split features' width as read off their tensor (a constant
-    equal to `width`), with that width read as `local_width` (a rank's) and these values of
-    (module, attribute) (the others as read); None where it divides by zero."""
-    kind = expr[0]
-    if kind == "const":
-        return local_width if expr[1] == width else int(expr[1])
-    if kind == "attr":
-        return values.get((expr[1], expr[2]), expr[3])
-    left = at_width(expr[1], width, local_width, values)
-    right = at_width(expr[2], width, local_width, values)
-    if left is None or right is None or (kind in ("//", "%") and right == 0):
-        return None
-    return _OPS[kind](left, right)
+    return bool(tps) and all(
+        evaluate(expr, {}, width=(width, width // tp)) == want // tp for tp in tps
+    )
 
 
 def kept_by_dividing(expr: Expr) -> bool:
@@ -205,15 +171,22 @@ def attributes_in(expr: Expr) -> set[tuple[str, str]]:
     return set(values_read(expr))
 
 
-def evaluate(expr: Expr, values: Mapping[tuple[str, str], int]) -> int | None:
+def evaluate(
+    expr: Expr,
+    values: Mapping[tuple[str, str], int],
+    *,
+    width: tuple[int, int] | None = None,
+) -> int | None:
     """The formula with these values of (module, attribute) (the others as read); None where
-    it divides by zero."""
+    it divides by zero. `width`: (the split features' width as read off their tensor, a
+    rank's), for a formula holding that width (a constant equal to it), read as the rank's."""
     kind = expr[0]
     if kind == "const":
-        return int(expr[1])
+        return width[1] if width is not None and expr[1] == width[0] else int(expr[1])
     if kind == "attr":
         return values.get((expr[1], expr[2]), expr[3])
-    left, right = evaluate(expr[1], values), evaluate(expr[2], values)
+    left = evaluate(expr[1], values, width=width)
+    right = evaluate(expr[2], values, width=width)
     if left is None or right is None or (kind in ("//", "%") and right == 0):
         return None
     return _OPS[kind](left, right)
