@@ -36,6 +36,7 @@ from .._runtime.torch_compat import StridedShard, rowwise_prepare_output
 from ..errors import TpplanError
 from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
+from .region_pieces import mark_pieces
 from .strided import equal_parts, gather_pieces, own_slices
 
 __all__ = ["Colwise", "Rowwise"]
@@ -102,10 +103,16 @@ class Colwise(ColwiseParallel):
                 # is the unsplit fused output the model's code cuts into its pieces
                 return out
             if not local:
-                raise TpplanError(
-                    f"a fused colwise layer of unequal parts {list(parts)} has no DTensor layout "
-                    "for its output; drop local_output: false from its rule."
-                )
+                # a DTensor region: DTensor has no layout for a rank's slice of each of
+                # pieces of several sizes, so its own rows go on held in pieces, to be cut
+                # apart at their bounds by the region's code (region_pieces.py)
+                if unit is not None:
+                    raise TpplanError(
+                        f"a fused colwise layer of parts {list(parts)} sharing its key/value "
+                        "heads among ranks (replicate_heads) cannot hand DTensors on; drop "
+                        "local_output: false from its rule."
+                    )
+                return mark_pieces(own_slices(out, mesh, parts, -1), mesh, parts, out.shape)
             if equal_parts(parts):
                 # its weight is a _StridedShard: the local output already holds this rank's
                 # slice of each part, in order
@@ -145,6 +152,7 @@ class Colwise(ColwiseParallel):
                 output_fn,
                 parts=self.parts,
                 unit=self.unit,
+                held=not self.use_local_output and len(set(self.parts or ())) > 1,
             )
             install(module, run)
             return module

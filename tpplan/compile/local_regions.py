@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from .._runtime.torch_compat import StridedShard, tree_flatten, tree_unflatten
 from ..errors import TpplanError
 from .local_run import group_name
+from .region_pieces import contiguous_dtensor, contiguous_strides, held_in_pieces
 from .region_rewrites import (
     EXPAND,
     NARROW,
@@ -55,6 +56,7 @@ from .region_rewrites import (
     Context,
     Cut,
     Cuts,
+    Narrow,
     NotLocal,
     Shape,
     Site,
@@ -212,11 +214,16 @@ class Recorder(TorchFunctionMode):
             if cut is None or any(d == at[0] and isinstance(e, int) for d, e in cut):
                 raise NotLocal("an index into the split dim other than a slice")
             if any(d == at[0] and isinstance(e, slice) and e != slice(None) for d, e in cut):
-                if not isinstance(at[1], StridedShard):
+                if not isinstance(at[1], StridedShard) and held_in_pieces(args[0]) is None:
                     raise NotLocal("a slice of the split dim that is not a fused piece")
                 steps.append(Slice(at[0]))
         elif func in NARROW and at is not None:
-            raise NotLocal("narrow on a split tensor")
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if not isinstance(dim, int) or dim % args[0].ndim != at[0]:
+                raise NotLocal("narrow on a split tensor")
+            if not isinstance(at[1], StridedShard) and held_in_pieces(args[0]) is None:
+                raise NotLocal("a narrow of the split dim that is not a fused piece")
+            steps.append(Narrow())
         return steps
 
     def _merge(self, site: Site, func: Any, steps: list[Any]) -> None:
@@ -327,30 +334,6 @@ def _returned(out: Any, notes: RegionNotes, ctx: Context, name: str) -> Any:
         shape[dim] *= ctx.tp
         leaves[i] = contiguous_dtensor(t, ctx.mesh, [Shard(dim)], shape)
     return tree_unflatten(leaves, spec)
-
-
-def contiguous_dtensor(local: torch.Tensor, mesh: Any, placements: Any, shape: Any) -> DTensor:
-    """`local`, each rank's part, as a DTensor of global `shape` whose strides are a
-    contiguous tensor's: stated, not inferred (inference would gather the shapes)."""
-    shape = tuple(shape)
-    return DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=contiguous_strides(shape),
-    )
-
-
-def contiguous_strides(shape: Any) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of `shape` (a DTensor made from a local shard
-    states its global ones)."""
-    out, n = [], 1
-    for size in reversed(list(shape)):
-        out.append(n)
-        n *= size
-    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from .._runtime.torch_compat import (
 from .known_forwards import forward_of, known_base, local_class
 from .own_rows import OwnRows, own_order, own_rows
 from .params import own_start
+from .region_pieces import mark_pieces
 from .strided import shard_step
 
 __all__ = [
@@ -190,6 +191,9 @@ class LocalRun:
     unit: int | None = None
     """The head size of `parts` whose heads ranks share past their count (colwise
     `replicate_heads` with `parts`): each rank's copy holds its one head of such a part."""
+    held: bool = False
+    """Its unequal `parts` open a DTensor region: the output, its own rows, is handed on
+    held in pieces (region_pieces.py)."""
 
 
 def _forward_reason(module: nn.Module, kind: Kind, transposed: bool) -> str | None:
@@ -238,9 +242,16 @@ def local_run_reason(
         return "its lookup renormalizes rows in place (max_norm)"
     if forward == "embedding" and (module.scale_grad_by_freq or module.sparse):
         return "its gradient is scaled by id counts or sparse"
+    # a fused output of unequal pieces handed on in a DTensor region: its own rows, held
+    # in pieces (region_pieces.py)
+    held = False
     if parts is not None and len(set(parts)) > 1:
-        if kind != "colwise" or not local_output:
+        if kind != "colwise":
             return "its fused pieces are of unequal sizes (no local layout)"
+        if not local_output:
+            if unit is not None or output_layout not in (None, Shard(-1)):
+                return "its fused pieces of unequal sizes stay DTensors (a DTensor region)"
+            held = True
         if sum(parts) % tp:
             return f"its {sum(parts)} output features do not split {tp} ways"
         try:
@@ -248,7 +259,7 @@ def local_run_reason(
         except ValueError:
             shared = " (nor share whole heads among ranks)" if unit else ""
             return f"its fused pieces {list(parts)} do not all split {tp} ways{shared}"
-    if not local_output:
+    if not local_output and not held:
         return "its output stays a DTensor (a DTensor region)"
     want_in = Shard(-1) if kind == "rowwise" else Replicate()
     if input_layout not in (None, want_in):
@@ -368,7 +379,11 @@ def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     else:
         x = copy_to_ranks(x, run.group, run.tp)
         if run.own is not None:
-            return _own_matmul(self, run, run.own, x)
+            out = _own_matmul(self, run, run.own, x)
+            if not run.held:
+                return out
+            assert run.parts is not None
+            return mark_pieces(out, run.mesh, run.parts, (*out.shape[:-1], sum(run.parts)))
         out = _matmul(self, run, x, _local(self._parameters.get("bias")))
     if not run.gather or run.tp == 1:
         return out

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from .._runtime.torch_compat import StridedShard, tree_flatten, tree_unflatten
 from ..errors import TpplanError
 from .local_run import _rank, copy_to_ranks, group_name
+from .region_pieces import slice_dims
 
 __all__ = [
     "EXPAND",
@@ -38,6 +39,7 @@ __all__ = [
     "Context",
     "Cut",
     "Cuts",
+    "Narrow",
     "NotLocal",
     "Shape",
     "Site",
@@ -264,20 +266,6 @@ def reads_shape(func: Any) -> bool:
     return func in _SHAPES or func == _SHAPE_GET
 
 
-def slice_dims(x: torch.Tensor, index: Any) -> list[tuple[int, Any]] | None:
-    """[(dim, entry)] of an index of slices, ints and one Ellipsis; None for anything else
-    (a new axis, a tensor index)."""
-    index = index if isinstance(index, tuple) else (index,)
-    if index.count(Ellipsis) > 1 or any(
-        not isinstance(i, (slice, int)) and i is not Ellipsis for i in index
-    ):
-        return None
-    at = index.index(Ellipsis) if Ellipsis in index else len(index)
-    dims = list(range(at)) + list(range(x.ndim - (len(index) - at - 1), x.ndim))
-    entries = [i for i in index if i is not Ellipsis]
-    return list(zip(dims, entries, strict=True))
-
-
 @dataclass
 class Slice:
     """A slice on a split dim cut on the bounds of fused pieces split alike (q|k|v cut at
@@ -304,6 +292,20 @@ class Slice:
             entries[pos] = slice(start // ctx.tp, stop // ctx.tp, entry.step)
         new = tuple(entries) if isinstance(index, tuple) else entries[0]
         return (x, new, *args[2:]), kwargs
+
+
+@dataclass
+class Narrow:
+    """A narrow of a split dim on the bounds of fused pieces split alike: its start and
+    length become the rank's."""
+
+    def rewrite(self, func: Any, args: Any, kwargs: Any, ctx: Context) -> Any:
+        given = dict(zip(("dim", "start", "length"), args[1:], strict=False)) | kwargs
+        start = _divided(
+            given["start"] % (args[0].shape[given["dim"]] * ctx.tp), ctx.tp, "a narrow's start"
+        )
+        length = _divided(given["length"], ctx.tp, "a narrow's length")
+        return (args[0], given["dim"], start, length), {}
 
 
 # --- whole tensors meeting split ones --------------------------------------------------------

@@ -31,6 +31,7 @@ from .dtensor_ops import teach_dtensor
 from .local_regions import Recorder, RegionNotes, contiguous_dtensor, note_outputs
 from .params import REGION_FLAG
 from .region_heads import BATCHED, MATMULS, batched_alike, heads_attention, own_heads
+from .region_pieces import NOT_HELD, PIECES, pieces_call
 from .region_whole import (
     ELEMENTWISE,
     NORMS,
@@ -51,6 +52,11 @@ class _ReplicatePlain(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if PIECES:
+            # a fused output held in unequal pieces: cut apart at their bounds, or refused
+            found = pieces_call(func, args, kwargs)
+            if found is not NOT_HELD:
+                return found
         if func is F.scaled_dot_product_attention:
             found = heads_attention(*args, **kwargs)
             if found is not None:

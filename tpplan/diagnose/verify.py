@@ -21,6 +21,7 @@ from .._runtime.tree import first_tensor
 from ..apply.api import apply_plan
 from ..compile.experts import EXPERTS_MARK
 from ..compile.own_rows import own_order
+from ..compile.region_pieces import held_in_pieces
 from ..plan.patterns import match_names, wildcard
 from ..plan.schema import Plan
 from ..plan.styles import ColwiseRule
@@ -79,6 +80,12 @@ def _error(
     if got.numel() == 0:
         return 0.0
     return (got.detach().double() - want.detach().double()).abs().max().item()
+
+
+def _own(t: Any) -> Any:
+    """A fused output held in its unequal pieces in a DTensor region (its DTensor label is
+    no layout of them): the rank's own rows, compared as a fused layer's."""
+    return t.to_local() if held_in_pieces(t) is not None else t
 
 
 def _shared_error(got: torch.Tensor, want: torch.Tensor, rank: int, tp: int) -> float:
@@ -150,7 +157,13 @@ def verify_plan(
         sharded = apply_plan(copy.deepcopy(model), mesh, plan)
         stage("running the sharded copy and comparing every module's output")
         _compare(
-            report, sharded, inputs, want, want_grads, backward, lambda t: enumerate(rank_values(t))
+            report,
+            sharded,
+            inputs,
+            want,
+            want_grads,
+            backward,
+            lambda t: enumerate(rank_values(_own(t))),
         )
     return report
 
@@ -279,6 +292,7 @@ def _verify_rank(
     def local(t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         # A DTensor is made whole (a collective: every rank reaches it in the same order);
         # a plain tensor is this rank's own value, whole or its piece of a split output.
+        t = _own(t)
         return [(rank, t.full_tensor() if isinstance(t, DTensor) else t)]
 
     mesh = init_device_mesh("cpu", (tp_size,))

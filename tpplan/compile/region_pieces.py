@@ -1,0 +1,267 @@
+"""A fused output of unequal pieces inside a DTensor region (q|k|v with fewer key/value
+heads than query heads, cut at sizes no attribute holds).
+
+Start at `mark_pieces`. DTensor has no layout for rank r holding its slice of each of
+several pieces of different sizes (`[q_r | k_r | v_r]`, what a fused layer's own rows
+compute): a `Shard` would say rank r holds one contiguous run, a `_StridedShard` pieces of
+one size. So the fused layer hands on its own rows labelled as a `Shard` of the fused
+output (its global shape is right, so the code's shape reads are) and noted here as held
+in pieces. The label is wrong for anything but cutting the pieces apart, so while the
+region runs (`pieces_call`, called by regions.py's mode before anything else):
+
+- a cut along the features at the pieces' bounds (`split`, `split_with_sizes`, `chunk`,
+  `narrow`, a slice) hands out each run of pieces as what it truly is on DTensor: one
+  piece a `Shard`, several of one size a `_StridedShard`, several of unequal sizes held
+  in pieces again;
+- a shape read, or a conversion that keeps every element where it is (`contiguous`, `to`),
+  passes (the conversion's result is held in pieces too);
+- anything else is refused with a `TpplanError`, so the wrong label is never computed
+  with: a region proof that meets one fails, and the layers keep their split-and-gather
+  rules.
+
+On local shards (local_regions.py) nothing of this is needed: the layer's output is the
+plain local tensor, and a cut's sizes are divided by tp as any split's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._runtime.torch_compat import StridedShard, tree_flatten
+from ..errors import TpplanError
+
+__all__ = [
+    "CUTS",
+    "NOT_HELD",
+    "PIECES",
+    "Pieces",
+    "contiguous_dtensor",
+    "contiguous_strides",
+    "cut_spans",
+    "held_in_pieces",
+    "mark_pieces",
+    "pieces_call",
+    "slice_dims",
+]
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """How a marked tensor's last dim is held: the pieces' global sizes, laid end to end."""
+
+    parts: tuple[int, ...]
+
+    def bounds(self) -> list[int]:
+        return [0, *itertools.accumulate(self.parts)]
+
+
+PIECES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""{tensor: its Pieces}, for the tensors held in pieces now alive."""
+
+
+def held_in_pieces(t: Any) -> Pieces | None:
+    return PIECES.get(t) if PIECES and isinstance(t, DTensor) else None
+
+
+def mark_pieces(local: torch.Tensor, mesh: Any, parts: Any, shape: Any) -> DTensor:
+    """`local`, rank r's slice of each of `parts` along the last dim (in order), as a
+    DTensor of the fused output's global `shape`, held in pieces (see the module
+    docstring)."""
+    out = contiguous_dtensor(local, mesh, [Shard(local.dim() - 1)], shape)
+    PIECES[out] = Pieces(tuple(int(n) for n in parts))
+    return out
+
+
+# the calls that may take a tensor held in pieces and what they do with it
+_SPLITS = {
+    torch.Tensor.split,
+    torch.split,
+    torch.Tensor.split_with_sizes,
+    torch.split_with_sizes,
+    torch.Tensor.chunk,
+    torch.chunk,
+}
+_NARROWS = {torch.Tensor.narrow, torch.narrow}
+CUTS = _SPLITS | _NARROWS | {torch.Tensor.__getitem__}
+"""The calls `cut_spans` reads."""
+_KEEPS = {
+    torch.Tensor.contiguous,
+    torch.Tensor.to,
+    torch.Tensor.float,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
+    torch.Tensor.type_as,
+    # of its own shape: autograd's alias of a tensor a Function hands back as it came (a
+    # module's backward hooks wrap its output so)
+    torch.Tensor.view_as,
+}
+_READS = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.numel,
+    torch.Tensor.__len__,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.is_floating_point,
+    # hooks on the output's gradient (torch's module trackers): they see it, held alike
+    torch.Tensor.register_hook,
+}
+NOT_HELD = object()
+
+
+def pieces_call(func: Any, args: Any, kwargs: Any) -> Any:
+    """`func(*args, **kwargs)` where a tensor held in pieces takes part (see the module
+    docstring); `NOT_HELD` (for the caller to go on) where none does."""
+    leaves, _ = tree_flatten((args, kwargs))
+    found = next((t for t in leaves if held_in_pieces(t) is not None), None)
+    if found is None:
+        return NOT_HELD
+    held: DTensor = found
+    pieces = PIECES[held]
+    name = getattr(func, "__name__", str(func))
+    if args and args[0] is found:
+        if func in CUTS:
+            spans = cut_spans(func, held, args[1:], kwargs)
+            if spans is not None:
+                cut = [_taken(held, pieces, a, b) for a, b in spans]
+                return (
+                    cut[0] if func in _NARROWS or func is torch.Tensor.__getitem__ else tuple(cut)
+                )
+        elif func in _READS or (name == "__get__" and not _values(func)):
+            out = func(*args, **kwargs)
+            if not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+                return out  # a size, a dtype, a hook's handle
+        elif func in _KEEPS:
+            out = func(*args, **kwargs)
+            if isinstance(out, DTensor) and out.shape == held.shape:
+                PIECES[out] = pieces
+                return out
+    raise TpplanError(
+        f"{name} on a fused output held in its unequal pieces {list(pieces.parts)} (a DTensor "
+        "region): DTensor has no layout for them, so only a cut at the pieces' bounds may "
+        "read it. Fix: apply the plan with apply_plan(..., local_shards=True) (the default), "
+        "or keep the fused layer split and gathered (output: replicate), and report the model."
+    )
+
+
+def _values(getter: Any) -> bool:
+    """Whether a property getter hands out the tensor's values (`.data`, `.T`, `.grad`)."""
+    owner = getattr(getter, "__self__", None)
+    return getattr(owner, "__name__", "") in {"data", "T", "mT", "H", "mH", "grad", "real", "imag"}
+
+
+def cut_spans(func: Any, x: torch.Tensor, rest: Any, kwargs: Any) -> list[tuple[int, int]] | None:
+    """The [start, stop) runs of the last dim a cut takes, in order; None where it cuts
+    another dim, or in a way other than these."""
+    last = x.ndim - 1
+    width = x.shape[last]
+    if func is torch.Tensor.__getitem__:
+        return _sliced(x, rest[0]) if rest else None
+    if func in _NARROWS:
+        dim, start, length = (list(rest) + [kwargs.get(k) for k in ("dim", "start", "length")])[:3]
+        if not all(isinstance(v, int) for v in (dim, start, length)) or dim % x.ndim != last:
+            return None
+        start %= width
+        return [(start, start + length)]
+    how = rest[0] if rest else next(
+        (kwargs[k] for k in ("split_size_or_sections", "split_sizes", "split_size", "chunks")
+         if k in kwargs),
+        None,
+    )  # fmt: skip
+    dim = rest[1] if len(rest) > 1 else kwargs.get("dim", 0)
+    if not isinstance(dim, int) or dim % x.ndim != last or how is None:
+        return None
+    if func in (torch.Tensor.chunk, torch.chunk):
+        if not isinstance(how, int) or how < 1:
+            return None
+        step = -(-width // how)
+        sizes = [min(step, width - s) for s in range(0, width, step)]
+    elif isinstance(how, int):
+        sizes = [min(how, width - s) for s in range(0, width, how)]
+    else:
+        sizes = [int(n) for n in how]
+    bounds = [0, *itertools.accumulate(sizes)]
+    return list(itertools.pairwise(bounds))
+
+
+def _sliced(x: torch.Tensor, index: Any) -> list[tuple[int, int]] | None:
+    """The run a slice of the last dim takes, every other dim whole; None otherwise."""
+    cut = slice_dims(x, index)
+    if cut is None:
+        return None
+    last = x.ndim - 1
+    at = [(d, e) for d, e in cut if e != slice(None)]
+    if len(at) != 1 or at[0][0] != last or not isinstance(at[0][1], slice):
+        return None
+    start, stop, step = at[0][1].indices(x.shape[last])
+    return [(start, stop)] if step == 1 else None
+
+
+def _taken(x: DTensor, pieces: Pieces, start: int, stop: int) -> DTensor:
+    """The pieces from `start` to `stop` (both on the pieces' bounds) as a DTensor of what
+    this rank holds of them; a `TpplanError` where a bound falls inside a piece."""
+    bounds = pieces.bounds()
+    if start not in bounds or stop not in bounds or stop <= start:
+        raise TpplanError(
+            f"a cut of [{start}, {stop}) from a fused output held in its pieces "
+            f"{list(pieces.parts)} (a DTensor region) falls inside a piece: each rank holds "
+            "its slice of every piece, so no rank holds that run. Fix: keep the fused layer "
+            "split and gathered (output: replicate), and report the model."
+        )
+    i, j = bounds.index(start), bounds.index(stop)
+    taken = pieces.parts[i:j]
+    tp = x.device_mesh.size()
+    local = x.to_local()
+    last = x.ndim - 1
+    begin = sum(n // tp for n in pieces.parts[:i])
+    mine = local.narrow(last, begin, sum(n // tp for n in taken))
+    shape = list(x.shape)
+    shape[last] = stop - start
+    if len(set(taken)) > 1:
+        return mark_pieces(mine, x.device_mesh, taken, shape)
+    placement = StridedShard(last, split_factor=len(taken)) if len(taken) > 1 else Shard(last)
+    return contiguous_dtensor(mine, x.device_mesh, [placement], shape)
+
+
+def slice_dims(x: torch.Tensor, index: Any) -> list[tuple[int, Any]] | None:
+    """[(dim, entry)] of an index of slices, ints and one Ellipsis; None for anything else
+    (a new axis, a tensor index)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if index.count(Ellipsis) > 1 or any(
+        not isinstance(i, (slice, int)) and i is not Ellipsis for i in index
+    ):
+        return None
+    at = index.index(Ellipsis) if Ellipsis in index else len(index)
+    dims = list(range(at)) + list(range(x.ndim - (len(index) - at - 1), x.ndim))
+    entries = [i for i in index if i is not Ellipsis]
+    return list(zip(dims, entries, strict=True))
+
+
+def contiguous_dtensor(local: torch.Tensor, mesh: Any, placements: Any, shape: Any) -> DTensor:
+    """`local`, each rank's part, as a DTensor of global `shape` whose strides are a
+    contiguous tensor's: stated, not inferred (inference would gather the shapes)."""
+    shape = tuple(shape)
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_strides(shape),
+    )
+
+
+def contiguous_strides(shape: Any) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (a DTensor made from a local shard
+    states its global ones)."""
+    out, n = [], 1
+    for size in reversed(list(shape)):
+        out.append(n)
+        n *= size
+    return tuple(reversed(out))
