@@ -198,13 +198,17 @@ def test_fused_pieces_of_unequal_size(tp: int) -> None:
     assert_parity(model, plan, tp, _tokens())
 
 
-def test_fused_cut_at_literal_sizes_is_gathered() -> None:
-    """Sizes written as numbers cannot become per-rank sizes: the output is gathered instead."""
+def test_fused_cut_at_literal_sizes_is_a_region() -> None:
+    """Sizes written as numbers cannot become per-rank sizes a plan divides: the attention
+    is a DTensor region instead, the fused layer opening it in the pieces its code cuts
+    (held as such, compile/region_pieces.py); it was split then gathered before."""
     model = fused_gqa(literal_sizes=True)
     plan = tpplan.infer_plan(model, example_inputs=_tokens())
     rule = rule_for(plan, model, "attn.qkv")
-    assert (rule.style, rule.output, rule.parts) == ("colwise", "replicate", None)
-    assert "no module attribute read in forward holds it" in rule.why
+    assert (rule.style, rule.output, rule.parts, rule.local_output) == (
+        "colwise", None, [64, 32, 32], False,
+    )  # fmt: skip
+    assert [r.match for r in plan.regions] == ["attn"], plan.to_yaml()
     assert_parity(model, plan, 2, _tokens())
 
 

@@ -61,8 +61,10 @@ __all__ = ["call_fake", "collapsed", "example_call", "per_module", "try_dtensor_
 
 # the ways to cut a region's layers, tried in turn: plain, in 3 equal fused pieces, in 2, in
 # pieces of the size every opener's width shares (`_rewrite`); a region of raw weights is
-# tried raw_regions.py's `RAW_WAYS`
+# tried raw_regions.py's `RAW_WAYS`. Last, once every other way of every cut has failed, in
+# the unequal pieces the code cuts an opener's features into (-1, `_UNEQUAL`)
 _PIECES = (1, 3, 2, 0)
+_UNEQUAL = -1
 # how a key/value layer kept whole for every split head to share begins its reason
 _SHARED = "kept whole: its output is narrower than"
 
@@ -85,7 +87,8 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         return plan
     args, kwargs = example_call(model, example_inputs)
     dims: dict[str, ParamDims] = {}
-    candidates = cuts(model, gathered, args, kwargs, raw, dims)
+    bounds: dict[str, set[int]] = {}
+    candidates = cuts(model, gathered, args, kwargs, raw, dims, bounds)
     if candidates is None:
         return plan
     for ways in candidates.values():
@@ -96,7 +99,11 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     # a cut whose openers' outputs leave the module is tried apart, after the others: a
     # use outside that fails on a DTensor fails the whole run, not only its module's
     attempts = range(max(len(_PIECES), len(RAW_WAYS)))
-    for leaky, variant, attempt in itertools.product((False, True), (0, 1, 2), attempts):
+    tries = itertools.chain(
+        itertools.product((False, True), (0, 1, 2), attempts),
+        itertools.product((False, True), (0, 1, 2), [_UNEQUAL]),
+    )
+    for leaky, variant, attempt in tries:
         trial = {
             m: c[variant]
             for m, c in candidates.items()
@@ -108,9 +115,11 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
         for m, cut in trial.items():
             rewritten: dict[str, Rule] | None = None
             if not raw & {*cut.opens, *cut.closes}:
-                if attempt < len(_PIECES):
-                    rewritten = _rewrite(model, rules, m, cut, _PIECES[attempt], tp)
-            elif attempt < len(RAW_WAYS):
+                if attempt == _UNEQUAL:
+                    rewritten = _rewrite(model, rules, m, cut, _UNEQUAL, tp, bounds)
+                elif attempt < len(_PIECES):
+                    rewritten = _rewrite(model, rules, m, cut, _PIECES[attempt], tp, bounds)
+            elif 0 <= attempt < len(RAW_WAYS):
                 rewritten = rewrite_raw(model, m, cut, *RAW_WAYS[attempt], tp, dims)
             if rewritten is not None:
                 made[m] = rewritten
@@ -195,7 +204,7 @@ def _in_common_pieces(attempt: int, raw: set[str], cut: Cut) -> bool:
     every opener shares (`_PIECES`' 0)."""
     if raw & {*cut.opens, *cut.closes}:
         return False
-    return attempt < len(_PIECES) and _PIECES[attempt] == 0
+    return 0 <= attempt < len(_PIECES) and _PIECES[attempt] == 0
 
 
 def _shared(model: nn.Module, cut: Cut) -> list[Cut]:
@@ -303,11 +312,14 @@ def _rewrite(
     cut: Cut,
     pieces: int,
     tp: int,
+    bounds: dict[str, set[int]],
 ) -> dict[str, Rule] | None:
     """The region's rules: openers colwise handing DTensors on (cut into `pieces` equal
     fused pieces when more than 1), closers rowwise, kept layers whole; None when the
     pieces do not fit. `pieces` 0: every opener and closer in pieces of the size all the
-    openers' widths share (`_common_pieces`)."""
+    openers' widths share (`_common_pieces`). `_UNEQUAL`: each opener whose features the
+    code cuts apart at `bounds` into pieces of several sizes opens in those pieces, held as
+    such (compile/region_pieces.py); None where no opener is."""
     opens, closes = cut.opens, cut.closes
     out: dict[str, Rule] = {}
     by = ", ".join(n[len(holder) + 1 :] for n in opens)
@@ -321,15 +333,21 @@ def _rewrite(
         if features is None:
             return None
         parts = common.get(o)
+        if pieces == _UNEQUAL:
+            parts = _unequal(bounds.get(o, set()), features, tp)
         if pieces > 1:
             if features % (pieces * tp):
                 return None
             parts = [features // pieces] * pieces
-        split = (
-            f"as {len(parts)} pieces of {parts[0]}, each rank its slice of every piece, "
-            if parts
-            else ""
-        )
+        split = ""
+        if parts and len(set(parts)) > 1:
+            split = (
+                f"as the pieces its code cuts them into, {parts}, each rank its slice of every "
+                "piece (held as such: no DTensor layout has pieces of several sizes), "
+            )
+        elif parts:
+            split = f"as {len(parts)} pieces of {parts[0]}, each rank its slice of every piece, "
+
         out[o] = ColwiseRule(
             match=o,
             parts=parts,
@@ -341,6 +359,8 @@ def _rewrite(
                 "(rowwise)"
             ),
         )
+    if pieces == _UNEQUAL and not any(isinstance(r, ColwiseRule) and r.parts for r in out.values()):
+        return None  # the plain way, tried already
     for c in closes:
         parts = common.get(c)
         joined = (
@@ -378,6 +398,16 @@ def _rewrite(
             ),
         )
     return out
+
+
+def _unequal(bounds: set[int], features: int, tp: int) -> list[int] | None:
+    """The pieces `bounds` cut `features` into, where they differ in size and each splits
+    `tp` ways; None otherwise (pieces of one size are `_PIECES`' other ways)."""
+    at = sorted({0, features, *(b for b in bounds if 0 < b < features)})
+    parts = [b - a for a, b in itertools.pairwise(at)]
+    if len(set(parts)) < 2 or any(n % tp for n in parts):
+        return None
+    return parts
 
 
 def _common_pieces(

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from .._runtime.fake import meta_copy
 from .._runtime.torch_compat import FakeTensorMode, tree_flatten
 from ..check.blame import MetaKernels
+from ..compile.region_pieces import CUTS, cut_spans
 from ..trace import quiet_fake_tensor_log
 
 __all__ = ["Cut", "ParamDims", "call_fake", "cuts", "param_dims"]
@@ -30,18 +31,24 @@ def cuts(
     kwargs: dict[str, Any],
     raw: set[str] = frozenset(),  # type: ignore[assignment]
     dims: dict[str, ParamDims] | None = None,
+    bounds: dict[str, set[int]] | None = None,
 ) -> dict[str, list[Cut]] | None:
     """{module: the ways to make it a region, first first} for the modules holding
     `gathered` layers or the `raw` parameters (`module.param`, used by its own code in a
     matmul or einsum, where each use is a call of a layer); None when the fake forward
-    fails. `dims` receives, for each raw parameter used, the dims it may be split on."""
+    fails. `dims` receives, for each raw parameter used, the dims it may be split on;
+    `bounds`, for each gathered layer whose features the code cuts apart, where it cuts
+    them (the bounds of its fused pieces)."""
     modules = dict(model.named_modules())
     holder = {n: _holder(n, modules) for n in gathered}
     holder.update({n: n.rpartition(".")[0] for n in raw})
     found = _reads(model, holder, args, kwargs, raw, {} if dims is None else dims)
     if found is None:
         return None
-    return _candidates(holder, *found)
+    calls, used, cut_at = found
+    if bounds is not None:
+        bounds.update(cut_at)
+    return _candidates(holder, calls, used)
 
 
 class ParamDims(NamedTuple):
@@ -95,6 +102,8 @@ _MATMULS = (
     | _RMATMULS
 )
 _EINSUMS = frozenset((torch.einsum,))
+_VIEWS = frozenset((torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten))
+_UNBINDS = frozenset((torch.Tensor.unbind, torch.unbind, torch.Tensor.chunk, torch.chunk))
 
 
 def call_fake(
@@ -123,6 +132,57 @@ class _Taint(TorchFunctionMode):
         self.keep: list[Any] = []  # tensors whose ids are keys: alive, so ids stay unique
         self.leaked: dict[int, tuple[str, frozenset[str]]] = {}  # id -> (holder, sources)
         self.used: dict[str, frozenset[str]] = {}  # holder -> what of it was used outside
+        # a layer's output and the runs cut from its features: id -> (layer, first feature)
+        self.runs: dict[int, tuple[str, int]] = {}
+        # such a run viewed with its features as (k, ...): id -> (layer, first, width, dim, k)
+        self.viewed: dict[int, tuple[str, int, int, int, int]] = {}
+        self.bounds: dict[str, set[int]] = {}  # layer -> where the code cuts its features
+
+    def output(self, name: str, out: Any) -> None:
+        """A gathered layer's output: the code's cuts of its features are followed."""
+        if isinstance(out, torch.Tensor) and out.dim() >= 1:
+            self.runs[id(out)] = (name, 0)
+            self.keep.append(out)
+
+    def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Where `func` cuts a layer's features (or a run of them) apart: split, chunk, a
+        slice or narrow of the last dim, or a view of it as (k, ...) unbound or chunked at
+        its k: noted as bounds of the layer's fused pieces."""
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            return
+        at = self.runs.get(id(x))
+        if at is not None and func in CUTS:
+            spans = cut_spans(func, x, args[1:], kwargs)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            if spans is None or len(spans) != len(outs):
+                return
+            layer, first = at
+            for (a, b), t in zip(spans, outs, strict=True):
+                self.bounds.setdefault(layer, set()).update((first + a, first + b))
+                self.runs[id(t)] = (layer, first + a)
+                self.keep.append(t)
+            return
+        if at is not None and func in _VIEWS and isinstance(out, torch.Tensor):
+            d, width = x.dim() - 1, x.shape[-1]
+            if (
+                out.dim() > x.dim()
+                and out.shape[:d] == x.shape[:d]
+                and out.shape[d:].numel() == width
+            ):
+                self.viewed[id(out)] = (at[0], at[1], width, d, out.shape[d])
+                self.keep.append(out)
+            return
+        seen = self.viewed.get(id(x))
+        if seen is not None and func in _UNBINDS:
+            layer, first, width, d, k = seen
+            chunk = func in (torch.Tensor.chunk, torch.chunk)
+            dim = kwargs.get("dim", ((args[2:3] if chunk else args[1:2]) or (0,))[0])
+            count = len(out) if isinstance(out, (tuple, list)) else 0
+            if isinstance(dim, int) and dim % x.dim() == d and count == k:
+                self.bounds.setdefault(layer, set()).update(
+                    first + i * width // k for i in range(k + 1)
+                )
 
     def note_use(self, tree: Any) -> None:
         """A tensor a holder handed out with split features in it, used after all."""
@@ -157,6 +217,8 @@ class _Taint(TorchFunctionMode):
         found = self.sources((args, kwargs))
         if found:
             self.mark(out, found | self.sources(out))
+        if self.runs:
+            self._follow(func, args, kwargs, out)
         return out
 
     def _param_calls(self, func: Any, args: Any, kwargs: Any) -> frozenset[str]:
@@ -200,11 +262,12 @@ def _reads(
     kwargs: dict[str, Any],
     raw: set[str],
     dims: dict[str, ParamDims],
-) -> tuple[list[tuple[str, frozenset[str]]], dict[str, frozenset[str]]] | None:
+) -> tuple[list[tuple[str, frozenset[str]]], dict[str, frozenset[str]], dict[str, set[int]]] | None:
     """The calls of the gathered layers (and uses of the raw parameters), in order, each
-    with the gathered layers whose outputs reached its inputs; and {holder: the layers in
-    it (or in holders inside it) whose outputs reach what it hands back and its caller
-    uses}. None when the fake forward fails."""
+    with the gathered layers whose outputs reached its inputs; {holder: the layers in it
+    (or in holders inside it) whose outputs reach what it hands back and its caller uses};
+    and {gathered layer: where the code cuts its features}. None when the fake forward
+    fails."""
     gathered = set(holder) - raw
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     copy_ = meta_copy(model, fake=fake).eval()
@@ -222,6 +285,7 @@ def _reads(
     def post(name: str) -> Any:
         def hook(m: nn.Module, a: Any, kw: Any, out: Any) -> None:
             taint.mark(out, frozenset({name}))
+            taint.output(name, out)
 
         return hook
 
@@ -259,7 +323,7 @@ def _reads(
     finally:
         for handle in handles:
             handle.remove()
-    return calls, taint.used
+    return calls, taint.used, taint.bounds
 
 
 class Cut(NamedTuple):
