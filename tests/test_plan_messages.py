@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16"
 
 
 def _error(text: str) -> str:
@@ -182,6 +182,12 @@ def test_a_bad_layout(text: str, message: str) -> None:
             "line 1: plan: rules[0].replicate_heads with parts need schema version 15; "
             "change the first line to 'tpplan: 15'.",
             version=14,
+        ),
+        _case(
+            "style: colwise, parts: [64, 32, 32], local_output: false",
+            "line 1: plan: rules[0].local_output: false with parts of unequal sizes need schema "
+            "version 16; change the first line to 'tpplan: 16'.",
+            version=15,
         ),
         _case(
             "style: rowwise, parts: [8, 8]",
@@ -364,8 +370,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 16\nrules: []\n",
-            f"schema version 16 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 17\nrules: []\n",
+            f"schema version 17 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -383,7 +389,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 15' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 16' (the schema version) is missing.",
             id="missing",
         ),
         _case(

@@ -150,7 +150,7 @@ class RegionRule(Strict):
 class Plan(Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] = 15  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] = 16  # SCHEMA_VERSION
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None

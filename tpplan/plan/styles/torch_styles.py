@@ -117,6 +117,10 @@ class ColwiseRule(_Layouts):
         if self.replicate_heads and self.parts and "parts" in given:
             # a tpplan before 15 would refuse it: shared heads took no fused pieces
             out.append((15, "replicate_heads with parts"))
+        if self.local_output is False and "parts" in given and len(set(self.parts or ())) > 1:
+            # a tpplan before 16 would refuse it: a DTensor region took fused pieces of one
+            # size only
+            out.append((16, "local_output: false with parts of unequal sizes"))
         return out
 
     def splits_unevenly(self) -> bool:
