@@ -5,7 +5,9 @@ writes a split parameter over rows, with its inferred plan (each rank finds wher
 shares of the vocab and of the parameter start on its own, without a collective); with
 `uneven`, a tied GPT-2 whose vocab of 257 no tp size divides, with its inferred plan (each
 rank's share of the rows as DTensor holds it, the head's output padded to gather). With
-`refuse`, each rank first has a plan refused that only the dry run finds unrunnable (its
+`pieces`, test_region_pieces.py's attention whose fused q|k|v of unequal pieces opens a
+DTensor region (held in its pieces until cut, with a norm over all query heads), inferred.
+With `refuse`, each rank first has a plan refused that only the dry run finds unrunnable (its
 fake ranks beside this real group, at tp 2 and at a tp of 4 larger than the world), then
 applies the good plan."""
 
@@ -65,6 +67,20 @@ def main() -> None:
         plan = tpplan.infer_plan(model, tp_size=world)
         assert any(getattr(r, "written", None) for r in plan.rules), plan.to_yaml()
         tpplan.apply_plan(model, mesh["tp"], plan)
+        want, got = ref(x), model(x)
+    elif sys.argv[1:] == ["pieces"]:
+        from support.models import seeded
+        from test_region_pieces import _Model
+
+        ref, model = (
+            seeded(_Model, cut="slices", norm=True),
+            seeded(_Model, cut="slices", norm=True),
+        )
+        x = token_batch(64)
+        plan = tpplan.infer_plan(model, tp_size=world, example_inputs=x)
+        assert [r.match for r in plan.regions] == ["attn"], plan.to_yaml()
+        tpplan.apply_plan(model, mesh["tp"], plan)
+        assert model.attn.__dict__["_tpplan_region"].startswith("DTensor"), "not on DTensors"
         want, got = ref(x), model(x)
     elif sys.argv[1:] == ["uneven"]:
         from test_uneven_vocab import VOCAB, _gpt2, _ids

@@ -50,6 +50,17 @@ def test_gloo_parity_of_a_table_that_writes_a_split_parameter() -> None:
 
 
 @pytest.mark.slow
+def test_gloo_parity_of_a_region_of_unequal_fused_pieces() -> None:
+    """Two real ranks run a DTensor region opened by a fused q|k|v held in its unequal
+    pieces (test_region_pieces.py), forward and backward, with DTensor's real collectives."""
+    run = torchrun(
+        HERE / "gloo_parity.py", "--standalone", "--nproc-per-node=2", script_args=("pieces",)
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _ranks(run.stdout, "/2 worst") == [0, 1], run.stdout
+
+
+@pytest.mark.slow
 def test_gloo_parity_of_an_uneven_vocab() -> None:
     """Three real ranks hold 86, 86 and 85 of GPT-2's 257 rows, tied to its head: the lookup
     and the head's padded gather on a real process group, forward and backward."""
