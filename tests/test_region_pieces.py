@@ -135,9 +135,9 @@ def test_a_fused_output_read_before_its_cut_is_gathered() -> None:
 
 
 def test_a_cut_inside_a_piece_is_refused_by_name() -> None:
-    """A cut whose bound falls inside a piece, and a use other than a cut, each raise one
-    message naming the pieces and the fix."""
-    from tpplan.compile.region_pieces import mark_pieces, pieces_call
+    """A cut whose bound falls inside a piece, a use other than a cut, and a region handing
+    the held output back uncut each raise one message naming the pieces and the fix."""
+    from tpplan.compile.region_pieces import mark_pieces, pieces_call, refuse_held
 
     with simulated_ranks(2) as mesh:
         held = mark_pieces(torch.zeros(2, 3, 64), mesh, [64, 32, 32], (2, 3, 128))
@@ -145,6 +145,8 @@ def test_a_cut_inside_a_piece_is_refused_by_name() -> None:
             pieces_call(torch.Tensor.split, (held, [40, 88]), {"dim": -1})
         with pytest.raises(TpplanError, match=r"mul on a fused output .* \[64, 32, 32\].*Fix"):
             pieces_call(torch.Tensor.mul, (held, 2.0), {})
+        with pytest.raises(TpplanError, match=r"returns a fused output held .* uncut.*Fix"):
+            refuse_held((held, None))
         q, k, v = pieces_call(torch.Tensor.split, (held, [64, 32, 32]), {"dim": -1})
         assert [tuple(t.shape) for t in (q, k, v)] == [(2, 3, 64), (2, 3, 32), (2, 3, 32)]
         assert [tuple(t.to_local().shape) for t in (q, k, v)] == [

@@ -36,7 +36,7 @@ from .._runtime.torch_compat import StridedShard, rowwise_prepare_output
 from ..errors import TpplanError
 from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
-from .region_pieces import mark_pieces
+from .region_pieces import hold_in_pieces
 from .strided import equal_parts, gather_pieces, own_slices
 
 __all__ = ["Colwise", "Rowwise"]
@@ -112,7 +112,7 @@ class Colwise(ColwiseParallel):
                         "heads among ranks (replicate_heads) cannot hand DTensors on; drop "
                         "local_output: false from its rule."
                     )
-                return mark_pieces(own_slices(out, mesh, parts, -1), mesh, parts, out.shape)
+                return hold_in_pieces(own_slices(out, mesh, parts, -1), mesh, parts, out.shape)
             if equal_parts(parts):
                 # its weight is a _StridedShard: the local output already holds this rank's
                 # slice of each part, in order

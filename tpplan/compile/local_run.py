@@ -52,7 +52,7 @@ from .._runtime.torch_compat import (
 from .known_forwards import forward_of, known_base, local_class
 from .own_rows import OwnRows, own_order, own_rows
 from .params import own_start
-from .region_pieces import mark_pieces
+from .region_pieces import hold_in_pieces
 from .strided import shard_step
 
 __all__ = [
@@ -383,7 +383,7 @@ def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if not run.held:
                 return out
             assert run.parts is not None
-            return mark_pieces(out, run.mesh, run.parts, (*out.shape[:-1], sum(run.parts)))
+            return hold_in_pieces(out, run.mesh, run.parts, (*out.shape[:-1], sum(run.parts)))
         out = _matmul(self, run, x, _local(self._parameters.get("bias")))
     if not run.gather or run.tp == 1:
         return out

@@ -45,8 +45,11 @@ __all__ = [
     "contiguous_strides",
     "cut_spans",
     "held_in_pieces",
+    "hold_in_pieces",
     "mark_pieces",
     "pieces_call",
+    "refuse_held",
+    "region_entered",
     "slice_dims",
 ]
 
@@ -67,6 +70,42 @@ PIECES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def held_in_pieces(t: Any) -> Pieces | None:
     return PIECES.get(t) if PIECES and isinstance(t, DTensor) else None
+
+
+_REGIONS = [0]
+"""How many DTensor regions' forwards are running now (regions.py counts them): a fused
+output is held in pieces only inside one, where the region's mode guards it."""
+
+
+def region_entered(by: int) -> None:
+    _REGIONS[0] += by
+
+
+def hold_in_pieces(local: torch.Tensor, mesh: Any, parts: Any, shape: Any) -> DTensor:
+    """`mark_pieces` for a fused layer's output, refused with the fix outside a running
+    DTensor region: there nothing would keep the label from being computed with."""
+    if not _REGIONS[0]:
+        raise TpplanError(
+            f"a fused colwise layer of unequal parts {list(parts)} hands DTensors on "
+            "(local_output: false) outside a DTensor region: no DTensor layout holds pieces of "
+            "several sizes, so only a region's code, which may only cut them apart, can take "
+            "them. Fix: drop local_output: false from its rule, or list the module that cuts "
+            "them in the plan's regions."
+        )
+    return mark_pieces(local, mesh, parts, shape)
+
+
+def refuse_held(out: Any) -> None:
+    """A region hands back nothing held in pieces (its label is no layout of them)."""
+    for t in tree_flatten(out)[0]:
+        found = held_in_pieces(t)
+        if found is not None:
+            raise TpplanError(
+                f"a DTensor region returns a fused output held in its unequal pieces "
+                f"{list(found.parts)}, uncut: no DTensor layout holds them outside the region. "
+                "Fix: keep the fused layer split and gathered (output: replicate), and report "
+                "the model."
+            )
 
 
 def mark_pieces(local: torch.Tensor, mesh: Any, parts: Any, shape: Any) -> DTensor:

@@ -31,7 +31,7 @@ from .dtensor_ops import teach_dtensor
 from .local_regions import Recorder, RegionNotes, contiguous_dtensor, note_outputs
 from .params import REGION_FLAG
 from .region_heads import BATCHED, MATMULS, batched_alike, heads_attention, own_heads
-from .region_pieces import NOT_HELD, PIECES, pieces_call
+from .region_pieces import NOT_HELD, PIECES, pieces_call, refuse_held, region_entered
 from .region_whole import (
     ELEMENTWISE,
     NORMS,
@@ -321,6 +321,7 @@ def hold_dtensors(
         mode = _ReplicatePlain()
         mode.__enter__()
         modes.append(mode)
+        region_entered(1)
         if notes is not None:
             recorder = Recorder(notes, mesh)
             recorder.__enter__()  # above the region's own mode: it sees the model's calls
@@ -334,6 +335,8 @@ def hold_dtensors(
             recorders.pop()
         if modes:
             modes.pop().__exit__(None, None, None)
+            region_entered(-1)
+        refuse_held(out)
         out, summed = made_whole(out) if not stream else (out, False)
         if recorded and notes is not None:
             notes.ran = True
