@@ -47,10 +47,13 @@ __all__ = [
     "held_in_pieces",
     "hold_in_pieces",
     "mark_pieces",
+    "on_bounds",
     "pieces_call",
     "refuse_held",
     "region_entered",
     "slice_dims",
+    "sliced_span",
+    "taken",
 ]
 
 
@@ -168,7 +171,7 @@ def pieces_call(func: Any, args: Any, kwargs: Any) -> Any:
         if func in CUTS:
             spans = cut_spans(func, held, args[1:], kwargs)
             if spans is not None:
-                cut = [_taken(held, pieces, a, b) for a, b in spans]
+                cut = [taken(held, pieces, a, b) for a, b in spans]
                 return (
                     cut[0] if func in _NARROWS or func is torch.Tensor.__getitem__ else tuple(cut)
                 )
@@ -231,22 +234,35 @@ def cut_spans(func: Any, x: torch.Tensor, rest: Any, kwargs: Any) -> list[tuple[
 
 def _sliced(x: torch.Tensor, index: Any) -> list[tuple[int, int]] | None:
     """The run a slice of the last dim takes, every other dim whole; None otherwise."""
+    span = sliced_span(x, index, x.ndim - 1)
+    return None if span is None else [span]
+
+
+def sliced_span(x: torch.Tensor, index: Any, dim: int) -> tuple[int, int] | None:
+    """(start, stop) of a slice `x[index]` takes of `dim` (step 1), every other dim whole;
+    None for any other index."""
     cut = slice_dims(x, index)
     if cut is None:
         return None
-    last = x.ndim - 1
     at = [(d, e) for d, e in cut if e != slice(None)]
-    if len(at) != 1 or at[0][0] != last or not isinstance(at[0][1], slice):
+    if len(at) != 1 or at[0][0] != dim or not isinstance(at[0][1], slice):
         return None
-    start, stop, step = at[0][1].indices(x.shape[last])
-    return [(start, stop)] if step == 1 else None
+    start, stop, step = at[0][1].indices(x.shape[dim])
+    return (start, stop) if step == 1 else None
 
 
-def _taken(x: DTensor, pieces: Pieces, start: int, stop: int) -> DTensor:
-    """The pieces from `start` to `stop` (both on the pieces' bounds) as a DTensor of what
-    this rank holds of them; a `TpplanError` where a bound falls inside a piece."""
+def on_bounds(pieces: Pieces, start: int, stop: int) -> bool:
+    """Whether [start, stop) is a run of whole pieces."""
     bounds = pieces.bounds()
-    if start not in bounds or stop not in bounds or stop <= start:
+    return start in bounds and stop in bounds and stop > start
+
+
+def taken(x: DTensor, pieces: Pieces, start: int, stop: int, dim: int | None = None) -> DTensor:
+    """The pieces from `start` to `stop` (both on the pieces' bounds) of `dim` (the last by
+    default) as a DTensor of what this rank holds of them; a `TpplanError` where a bound
+    falls inside a piece."""
+    bounds = pieces.bounds()
+    if not on_bounds(pieces, start, stop):
         raise TpplanError(
             f"a cut of [{start}, {stop}) from a fused output held in its pieces "
             f"{list(pieces.parts)} (a DTensor region) falls inside a piece: each rank holds "
@@ -257,7 +273,7 @@ def _taken(x: DTensor, pieces: Pieces, start: int, stop: int) -> DTensor:
     taken = pieces.parts[i:j]
     tp = x.device_mesh.size()
     local = x.to_local()
-    last = x.ndim - 1
+    last = x.ndim - 1 if dim is None else dim
     begin = sum(n // tp for n in pieces.parts[:i])
     mine = local.narrow(last, begin, sum(n // tp for n in taken))
     shape = list(x.shape)

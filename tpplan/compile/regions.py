@@ -31,7 +31,17 @@ from .dtensor_ops import teach_dtensor
 from .local_regions import Recorder, RegionNotes, contiguous_dtensor, note_outputs
 from .params import REGION_FLAG
 from .region_heads import BATCHED, MATMULS, batched_alike, heads_attention, own_heads
-from .region_pieces import NOT_HELD, PIECES, pieces_call, refuse_held, region_entered
+from .region_pieces import (
+    NOT_HELD,
+    PIECES,
+    Pieces,
+    on_bounds,
+    pieces_call,
+    refuse_held,
+    region_entered,
+    sliced_span,
+    taken,
+)
 from .region_whole import (
     ELEMENTWISE,
     NORMS,
@@ -224,34 +234,11 @@ def _pieces_sliced(x: DTensor, index: Any) -> Any:
         return None
     p = x.placements[0]
     d, k = p.dim % x.ndim, int(p.split_factor)
-    index = index if isinstance(index, tuple) else (index,)
-    if index.count(Ellipsis) > 1 or any(
-        not isinstance(i, slice) and i is not Ellipsis for i in index
-    ):
+    span = sliced_span(x, index, d)
+    if span is None or x.shape[d] % k:
         return None
-    # each index entry's dim: those after an Ellipsis count from the end
-    at = index.index(Ellipsis) if Ellipsis in index else len(index)
-    dims = list(range(at)) + list(range(x.ndim - (len(index) - at - 1), x.ndim))
-    entries = [i for i in index if i is not Ellipsis]
-    cut = [(dim, i) for dim, i in zip(dims, entries, strict=True) if i != slice(None)]
-    if len(cut) != 1 or cut[0][0] != d or cut[0][1].step not in (None, 1):
-        return None
-    start, stop, _ = cut[0][1].indices(x.shape[d])
-    piece = x.shape[d] // k
-    if x.shape[d] % k or start % piece or stop % piece or stop <= start:
-        return None
-    local = x.to_local()
-    mine = local.shape[d] // k  # this rank's share of one piece
-    sliced = local.narrow(d, start // piece * mine, (stop - start) // piece * mine)
-    taken = (stop - start) // piece
-    shape = list(x.shape)
-    shape[d] = stop - start
-    return contiguous_dtensor(
-        sliced,
-        x.device_mesh,
-        [StridedShard(d, split_factor=taken) if taken > 1 else Shard(d)],
-        shape,
-    )
+    pieces = Pieces((x.shape[d] // k,) * k)
+    return taken(x, pieces, *span, dim=d) if on_bounds(pieces, *span) else None
 
 
 def _split_alike(tensors: Any, dim: int = 0, **kw: Any) -> Any:
