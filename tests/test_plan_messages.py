@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17"
 
 
 def _error(text: str) -> str:
@@ -144,12 +144,13 @@ def test_a_bad_layout(text: str, message: str) -> None:
         _case(
             "style: colwise, shard: {w: 0}",
             "line 3: rules[0]: style 'colwise' takes no shard; its optional fields are: "
-            "head_dim, input, local_output, output, parts, replicate_heads, transposed, uneven.",
+            "group, head_dim, input, local_output, output, parts, replicate_heads, transposed, "
+            "uneven.",
         ),
         _case(
             "style: rowwise, head_dim: 8, replicate_heads: true",
             "line 3: rules[0]: style 'rowwise' takes no replicate_heads; its optional fields "
-            "are: head_dim, input, local_output, output, parts, transposed.",
+            "are: group, head_dim, input, local_output, output, parts, transposed, uneven.",
             version=11,
         ),
         _case(
@@ -190,6 +191,18 @@ def test_a_bad_layout(text: str, message: str) -> None:
             version=15,
         ),
         _case(
+            "style: colwise, head_dim: 8, uneven: true",
+            "line 1: plan: rules[0].uneven with head_dim (heads split unevenly) need schema "
+            "version 17; change the first line to 'tpplan: 17'.",
+            version=16,
+        ),
+        _case(
+            "style: rowwise, head_dim: 8, uneven: true, group: 7",
+            "line 1: plan: rules[0].uneven, rules[0].group need schema version 17; change the "
+            "first line to 'tpplan: 17'.",
+            version=16,
+        ),
+        _case(
             "style: rowwise, parts: [8, 8]",
             "line 1: plan: rules[0].parts (style rowwise) need schema version 9; change the "
             "first line to 'tpplan: 9'.",
@@ -198,7 +211,7 @@ def test_a_bad_layout(text: str, message: str) -> None:
         _case(
             "style: rowwise, sum_at: lookup",
             "line 3: rules[0]: style 'rowwise' takes no sum_at; its optional fields are: "
-            "head_dim, input, local_output, output, parts, transposed.",
+            "group, head_dim, input, local_output, output, parts, transposed, uneven.",
         ),
         _case(
             "style: vocab_parallel, head_dim: 8",
@@ -370,8 +383,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 17\nrules: []\n",
-            f"schema version 17 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 18\nrules: []\n",
+            f"schema version 18 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -389,7 +402,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 16' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 17' (the schema version) is missing.",
             id="missing",
         ),
         _case(
@@ -559,6 +572,32 @@ def test_a_schema_version(text: str, message: str) -> None:
             "line 1: plan: attributes[0].by, attributes[0].of need schema version 11; change "
             "the first line to 'tpplan: 11'.",
             id="attributes by shards in an older file",
+        ),
+        pytest.param(
+            "tpplan: 16\nattributes:\n  - {match: a, divide: [n], uneven: q_proj, why: x}\n",
+            "line 1: plan: attributes[0].uneven need schema version 17; change the first line "
+            "to 'tpplan: 17'.",
+            id="attributes of uneven heads in an older file",
+        ),
+        pytest.param(
+            "tpplan: 17\nrules:\n  - {match: a, style: colwise, group: 7, why: x}\n",
+            "line 3: rules[0]: colwise takes group with uneven heads only (uneven: true and "
+            "head_dim); drop group, or add them.",
+            id="a group without uneven heads",
+        ),
+        pytest.param(
+            "tpplan: 17\nrules:\n  - {match: a, style: rowwise, uneven: true, why: x}\n",
+            "line 3: rules[0]: rowwise with uneven takes heads tp does not divide, so it needs "
+            "their head_dim; add head_dim to the rule.",
+            id="uneven rowwise without head_dim",
+        ),
+        pytest.param(
+            "tpplan: 17\nrules:\n  - {match: a, style: colwise, uneven: true, head_dim: 8, "
+            "parts: [16, 8, 8], why: x}\n",
+            "line 3: rules[0]: colwise with uneven heads computes whole heads of its own rows on "
+            "local shards, so it takes no parts, input or output layouts, replicate_heads or "
+            "local_output: false; drop them, or uneven.",
+            id="uneven heads with parts",
         ),
     ],
 )

@@ -65,7 +65,7 @@ def no_fake_kernel() -> Sandwich:
 # up's 16 features are two fused pieces of 8 (`parts`), gathered after it (output: replicate):
 # torch's own gather of such pieces reads values on fake tensors; tpplan's does not
 FUSED_PLAN = Plan.from_yaml(
-    "tpplan: 16\nrules:\n"
+    "tpplan: 17\nrules:\n"
     "  - {match: up, style: colwise, parts: [8, 8], output: replicate, why: x}\n"
 )
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.overrides import TorchFunctionMode
 
 from .torch_compat import (
     create_fake_backend,
@@ -157,8 +158,36 @@ def simulated_ranks(world_size: int) -> Iterator[DeviceMesh]:
     """
     from .torch_compat import LocalTensorMode
 
-    with _fake_group(world_size), LocalTensorMode(world_size):
+    with _fake_group(world_size), LocalTensorMode(world_size), _SizedReshape():
         yield init_device_mesh("cpu", (world_size,))
+
+
+class _SizedReshape(TorchFunctionMode):
+    """A `reshape` with a -1 of a tensor whose sizes differ across simulated ranks (heads
+    split unevenly: a SymInt of each rank's own) given that size computed: torch's reshape
+    infers it only where it can view, and raises NYI where it must copy (a transposed
+    attention output). Real ranks hold numbers and never need it."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.reshape, torch.reshape) and len(args) >= 2:
+            t, sizes = args[0], args[1:]
+            if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+                sizes = tuple(sizes[0])
+            if -1 in [s for s in sizes if isinstance(s, int)] and any(
+                isinstance(d, torch.SymInt) for d in t.shape
+            ):
+                known = 1
+                for s in sizes:
+                    if not (isinstance(s, int) and s == -1):
+                        known = known * s
+                sizes = tuple(
+                    t.numel() // known if isinstance(s, int) and s == -1 else s for s in sizes
+                )
+                return func(t, sizes, **kwargs)
+        return func(*args, **kwargs)
 
 
 def rank_values(t: Any) -> list[torch.Tensor]:

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..compile.shard import attribute_divisor, attribute_value
+from ..compile.shard import attribute_divisor, attribute_value, own_attributes
 from ..errors import Problem, TpplanError, did_you_mean
 from ..plan.patterns import collapse, match_names
-from ..plan.schema import Plan
+from ..plan.schema import AttributeRule, Plan
 from ..trace.counted import values_read
 from .shared import Match, attribute_label, legal_sizes, rule_label, traced_name
 
@@ -43,6 +43,9 @@ def check_attributes(
                 )
             )
         for name in hits:
+            if rule.uneven is not None:
+                out += _check_uneven(plan, modules, rule, where, name, tp)
+                continue
             try:
                 by = attribute_divisor(plan, modules[""], rule, name, tp)
             except TpplanError as e:
@@ -56,6 +59,33 @@ def check_attributes(
                 found = _check_attribute(where, name, modules[name], attr, by, rule.of, tp)
                 if found is not None:
                     out.append(found)
+    return out
+
+
+def _check_uneven(
+    plan: Plan,
+    modules: dict[str, nn.Module],
+    rule: AttributeRule,
+    where: str,
+    name: str,
+    tp: int,
+) -> list[Problem]:
+    """Each rank's own value of every attribute an `uneven` rule names is a whole number
+    (compile/shard.py's `own_attributes`)."""
+    out: list[Problem] = []
+    for attr in rule.divide:
+        # an integer (divided by 1: no other problem)
+        found = _check_attribute(where, name, modules[name], attr, 1)
+        if found is not None:
+            out.append(found)
+            continue
+        try:
+            own_attributes(
+                plan, modules[""], rule, name, attr, tp, attribute_value(modules[name], attr)
+            )
+        except TpplanError as e:
+            out.append(Problem("attribute", where, name, str(e), "see the message."))
+            break
     return out
 
 

@@ -9,7 +9,8 @@ from torch import nn
 
 from .._runtime.facts import weight_kind
 from .._runtime.torch_compat import ConvNd
-from ..errors import Problem
+from ..compile.uneven_heads import head_shares
+from ..errors import Problem, TpplanError
 from ..plan.rule import Rule
 from ..plan.styles import HeadsRule
 from .shared import legal_sizes, rule_label
@@ -82,6 +83,8 @@ def check_size(
                     "correct head_dim in the rule.",
                 )
             )
+        elif rule.uneven_group() is not None:
+            out += _check_uneven_heads(i, rule, name, what, size // head_dim, tp)
         elif rule.shares_heads() and tp % (size // head_dim) == 0:
             pass  # each head goes whole to tp/heads ranks (compile/shared_heads.py)
         elif (size // head_dim) % tp:
@@ -93,8 +96,14 @@ def check_size(
                     name,
                     f"{heads} heads (of head_dim {head_dim}) do not split evenly over tp size {tp}; "
                     "every rank must hold whole heads.",
-                    f"use a tp size among {_legal(heads, bool(rule.shares_heads()))}, or keep "
-                    "this module replicated.",
+                    f"use a tp size among {_legal(heads, bool(rule.shares_heads()))}, "
+                    + (
+                        "split them unevenly (uneven: true, with group on the query and "
+                        "output layers: `tpplan infer` writes it), "
+                        if tp < heads
+                        else ""
+                    )
+                    + "or keep this module replicated.",
                 )
             )
     elif size % tp:
@@ -108,3 +117,18 @@ def check_size(
             )
         )
     return out
+
+
+def _check_uneven_heads(
+    i: int, rule: Rule, name: str, what: str, heads: int, tp: int
+) -> list[Problem]:
+    """Heads split unevenly (compile/uneven_heads.py): whole heads of whole or shared
+    key/value heads for every rank."""
+    group = rule.uneven_group()
+    assert group is not None and rule.head_size() is not None
+    try:
+        head_shares(heads, group, tp)
+    except TpplanError as e:
+        fix = "fix group (the query heads per key/value head), or keep this module replicated."
+        return [Problem("divisibility", rule_label(i, rule), name, str(e), fix)]
+    return []

@@ -184,6 +184,12 @@ def check_heads(
             continue
         features, heads = trace.spans.openers[t], trace.spans.heads.get(t)
         size = features // heads if heads and features % heads == 0 else None
+        if (
+            plan.rules[i].uneven_group() is not None
+            and heads == units
+            and size == plan.rules[i].head_size()
+        ):
+            continue  # whole heads split unevenly: each rank's are whole (compile/uneven_heads.py)
         what = f"{heads} heads of {size}" if size else f"{features} features"
         if heads != units:
             what += f", which must stay together in {units} groups"

@@ -38,6 +38,7 @@ from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
 from .region_pieces import hold_in_pieces
 from .strided import equal_parts, gather_pieces, own_slices
+from .uneven_heads import head_shares, share_rows
 
 __all__ = ["Colwise", "Rowwise"]
 
@@ -67,6 +68,7 @@ class Colwise(ColwiseParallel):
         transposed: bool = False,
         local_shards: bool = True,
         shared_head_dim: int | None = None,
+        uneven_heads: tuple[int, int] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -74,6 +76,7 @@ class Colwise(ColwiseParallel):
         self.transposed = transposed
         self.local_shards = local_shards
         self.unit = shared_head_dim
+        self.uneven_heads = uneven_heads
 
     def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
         """Why `module` cannot run on its local shards (local_run.py); None: it can."""
@@ -136,6 +139,8 @@ class Colwise(ColwiseParallel):
         return out.to_local() if local else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.uneven_heads is not None:
+            return _uneven_heads(self, module, device_mesh, "colwise", self._partition)
         input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
         output_fn = partial(
             self._own_output, self.output_layouts, self.use_local_output, self.parts, self.unit
@@ -162,9 +167,51 @@ class Colwise(ColwiseParallel):
 
     def __repr__(self) -> str:
         shared = f", shared_head_dim={self.unit}" if self.unit else ""
+        uneven = f", uneven_heads={self.uneven_heads}" if self.uneven_heads else ""
         return (
-            f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed}{shared})"
+            f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed}"
+            f"{shared}{uneven})"
         )
+
+
+def _uneven_heads(
+    style: Colwise | Rowwise, module: nn.Module, mesh: DeviceMesh, kind: Any, partition: Any
+) -> nn.Module:
+    """A layer whose heads tp does not divide (uneven_heads.py): its weight a plain Shard
+    of the original, and each call on its local shards computes with a working copy of the
+    rank's own heads' rows (colwise) or columns (rowwise). Such a layer runs on local shards
+    only, also where the plan is applied with local_shards=False: DTensor has no layout for
+    uneven whole heads."""
+    assert style.uneven_heads is not None
+    head_dim, group = style.uneven_heads
+    tp = mesh.size()
+    weight = module.get_parameter("weight")
+    features = int(weight.shape[0 if (kind == "colwise") != style.transposed else 1])
+    where = f"{type(module).__name__} of {features} {'output' if kind == 'colwise' else 'input'} features"
+    reason = style.local_run_reason(module, tp)
+    if features % head_dim or reason is not None:
+        why = (
+            f"they are no whole number of heads of head_dim {head_dim}"
+            if features % head_dim
+            else f"it cannot run on its local shards: {reason}"
+        )
+        raise TpplanError(
+            f"a {kind} layer with uneven heads ({where}) needs whole heads on local shards, "
+            f"and {why}. Fix the rule's head_dim, or drop uneven and keep the layer whole."
+        )
+    shares = head_shares(features // head_dim, group, tp)
+    order = tuple(tuple(rows) for rows in share_rows(shares, head_dim))
+    distribute_module(module, mesh, partition)
+
+    def refuse(*_: Any) -> Any:
+        raise TpplanError(
+            f"a {kind} layer with uneven heads ({where}) was handed a DTensor (a DTensor "
+            "region or a sequence-parallel input); its heads split unevenly have no DTensor "
+            "layout. Drop uneven from its rule, or the region or sequence parallelism."
+        )
+
+    install(module, LocalRun(kind, mesh, style.transposed, False, refuse, None, order=order))
+    return module
 
 
 def _local_run_reason(style: Any, module: nn.Module, kind: Any, tp: int) -> str | None:
@@ -209,9 +256,11 @@ class Rowwise(RowwiseParallel):
         parts: list[int] | None = None,
         transposed: bool = False,
         local_shards: bool = True,
+        uneven_heads: tuple[int, int] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.uneven_heads = uneven_heads
         if parts and not equal_parts(parts):
             raise TpplanError(
                 f"a rowwise layer takes input pieces of one size only, not {list(parts)}."
@@ -265,6 +314,8 @@ class Rowwise(RowwiseParallel):
             output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
             install(module, LocalRun("lookup", device_mesh, False, False, input_fn, output_fn))
             return module
+        if self.uneven_heads is not None:
+            return _uneven_heads(self, module, device_mesh, "rowwise", self._partition_linear_fn)
         self.desired_input_layouts = (Shard(-1),)
         prepare = (
             partial(self._pieces_input, len(self.parts))
@@ -280,4 +331,7 @@ class Rowwise(RowwiseParallel):
         return distribute_module(module, device_mesh, self._partition_linear_fn, prepare, output_fn)
 
     def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed})"
+        uneven = f", uneven_heads={self.uneven_heads}" if self.uneven_heads else ""
+        return (
+            f"{super().__repr__()[:-1]}, parts={self.parts}, transposed={self.transposed}{uneven})"
+        )

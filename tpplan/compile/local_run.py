@@ -15,7 +15,8 @@ and the only communication is the one Megatron's layers make (the f and g of its
   an embedding split on its features (T5's relative position bias, split by heads) looks up
   the rank's columns;
 - rowwise: the partial outputs are summed over the ranks (`_Sum`), then the bias is added
-  once;
+  once; heads split unevenly (colwise and rowwise) compute with a working copy of the
+  rank's own heads' rows or columns (own_rows.py, uneven_heads.py);
 - vocab-parallel lookup: each rank looks up the ids in its share of the rows, zeroes the
   others' rows, and the rows are summed over the ranks (`_Sum`).
 
@@ -194,6 +195,10 @@ class LocalRun:
     held: bool = False
     """Its unequal `parts` open a DTensor region: the output, its own rows, is handed on
     held in pieces (region_pieces.py)."""
+    order: tuple[tuple[int, ...], ...] | None = None
+    """Per rank, the rows it computes with (a colwise layer's output rows, a rowwise one's
+    input columns): heads split unevenly (uneven_heads.py); a working copy of them is kept
+    (own_rows.py)."""
 
 
 def _forward_reason(module: nn.Module, kind: Kind, transposed: bool) -> str | None:
@@ -292,6 +297,9 @@ def install(module: nn.Module, run: LocalRun) -> None:
     )
     if run.parts is not None and len(set(run.parts)) > 1 and run.tp > 1:
         run = replace(run, own=OwnRows(run.parts, run.mesh, run.group, unit=run.unit))
+    elif run.order is not None and run.tp > 1:
+        order = [list(rows) for rows in run.order]
+        run = replace(run, own=OwnRows((), run.mesh, run.group, order=order))
     module._tpplan_local_run = run  # type: ignore[assignment]
     for p in module.parameters(recurse=False):
         if isinstance(p, DTensor):
@@ -402,7 +410,13 @@ def _rowwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     bias = _local(self._parameters.get("bias"))
     if run.tp == 1:
         return _matmul(self, run, x, bias)
-    out = _sum(_matmul(self, run, x, None), run.group)
+    if run.own is not None:
+        # heads split unevenly: the working copy of this rank's heads' columns
+        w = own_rows(run.own, "weight", self._parameters["weight"], 0 if run.transposed else 1)
+        partial_out = F.linear(x, w.t() if run.transposed else w)
+    else:
+        partial_out = _matmul(self, run, x, None)
+    out = _sum(partial_out, run.group)
     # the bias is whole on every rank: added once, to the sum
     return out if bias is None else out + bias
 

@@ -106,6 +106,28 @@ class _OwnRows(torch.autograd.Function):
         return _scatter_sum(whole, ctx.dim, ctx.group, ctx.tp), None, None, None, None, None
 
 
+class _OwnRowsUneven(torch.autograd.Function):
+    """_OwnRows for a parameter whose split dim tp does not divide (DTensor's uneven
+    shares, the first ranks one row more): gathered and scattered back through DTensor,
+    which pads the shares (its weight copied once per change, so the cost is rare)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, shard: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, p: DTensor, dim: int
+    ) -> torch.Tensor:
+        ctx.index, ctx.dim, ctx.mesh, ctx.whole = index, dim, p.device_mesh, list(p.shape)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        from torch.distributed.tensor import Partial, Shard
+
+        whole = grad.new_zeros(ctx.whole).index_copy(ctx.dim, ctx.index, grad)
+        summed = DTensor.from_local(whole, ctx.mesh, [Partial()], run_check=False)
+        shard = summed.redistribute(placements=[Shard(ctx.dim)]).to_local()
+        return shard, None, None, None, None
+
+
 @dataclass
 class _Cache:
     local: torch.Tensor
@@ -119,10 +141,18 @@ class OwnRows:
     the rank's slice of each of `parts` along `dim`, rebuilt when the parameter changes."""
 
     def __init__(
-        self, parts: Sequence[int], mesh: DeviceMesh, group: str, *, unit: int | None = None
+        self,
+        parts: Sequence[int],
+        mesh: DeviceMesh,
+        group: str,
+        *,
+        unit: int | None = None,
+        order: list[list[int]] | None = None,
     ) -> None:
         self.parts = tuple(parts)
         self.unit = unit
+        # per rank, its rows where they are given (heads split unevenly, uneven_heads.py)
+        self.order = order
         self.mesh = mesh
         self.group = group
         self.tp = mesh.size()
@@ -137,12 +167,18 @@ class OwnRows:
         if self._index is None or self._index.device != device:
             from torch.distributed.tensor import Shard, distribute_tensor
 
-            order = own_order(self.parts, self.tp, self.unit)
+            order = self.order or own_order(self.parts, self.tp, self.unit)
             every = torch.tensor([i for rows in order for i in rows], device=device)
-            # each rank its own list (all of one length), also on simulated ranks
-            self._index = distribute_tensor(
-                every, self.mesh, [Shard(0)], src_data_rank=None
-            ).to_local()
+            if len({len(rows) for rows in order}) == 1:
+                # each rank its own list (all of one length), also on simulated ranks
+                self._index = distribute_tensor(
+                    every, self.mesh, [Shard(0)], src_data_rank=None
+                ).to_local()
+            else:
+                # lists of several lengths (heads split unevenly)
+                from .uneven_heads import own_tensor
+
+                self._index = own_tensor(self.mesh, order, device)
         return self._index
 
     def kept(self) -> list[torch.Tensor]:
@@ -156,6 +192,9 @@ class OwnRows:
         versions = (p._version, local._version)
         index = self.index(local.device)
         found = self._cache.get(name)
+        # a dim tp does not divide: DTensor's uneven shares (heads split unevenly of a
+        # layer whose features tp does not divide either)
+        uneven = p.shape[dim] % self.tp != 0
         if (
             not self.keeps
             or found is None
@@ -163,10 +202,17 @@ class OwnRows:
             or found.versions != versions
         ):
             with torch.no_grad():
-                whole = _gather(local, dim, self.group, self.tp)
+                if uneven:
+                    from torch.distributed.tensor import Replicate
+
+                    whole = p.redistribute(placements=[Replicate()]).to_local()
+                else:
+                    whole = _gather(local, dim, self.group, self.tp)
                 rows = whole.index_select(dim, index)
             found = self._cache[name] = _Cache(local, versions, rows)
         if torch.is_grad_enabled() and p.requires_grad:
+            if uneven:
+                return _OwnRowsUneven.apply(p.to_local(), found.rows, index, p, dim)
             return _OwnRows.apply(p.to_local(), found.rows, index, dim, self.group, self.tp)
         return found.rows
 

@@ -7,6 +7,8 @@ PrepareModuleInput/Output); the styles torch lacks are built in the modules besi
 
 - colwise with `parts`, `transposed` or `output`: `Colwise` (linear.py);
 - colwise with `replicate_heads`: `SharedHeadsColwise` (shared_heads.py);
+- colwise and rowwise with uneven heads: `Colwise` and `Rowwise` on their own rows (linear.py,
+  uneven_heads.py);
 - rowwise: `Rowwise` (linear.py);
 - colwise and rowwise on a convolution of one group: `ChannelConv` (conv.py);
 - vocab_parallel with `sum_at: lookup`: `SumAtLookup` (embeddings.py);
@@ -157,6 +159,15 @@ def _colwise(rule: ColwiseRule, build: Build) -> ParallelStyle:
     if build.conv:
         return _conv_style(rule, rowwise=False)
     kw = _layouts(rule)
+    group = rule.uneven_group()
+    if group is not None:
+        # heads tp does not divide, each rank its own whole heads (uneven_heads.py)
+        assert rule.head_dim is not None  # uneven_group says it has one
+        return Colwise(
+            transposed=bool(rule.transposed),
+            local_shards=build.local_shards,
+            uneven_heads=(rule.head_dim, group),
+        )
     if rule.replicate_heads and rule.parts:
         # q|k|v in one Linear: its key/value pieces' heads shared, on its own rows
         assert rule.head_dim is not None, "plan_to_torch takes a plan complete_plan completed"
@@ -183,10 +194,12 @@ def _colwise(rule: ColwiseRule, build: Build) -> ParallelStyle:
 def _rowwise(rule: RowwiseRule, build: Build) -> ParallelStyle:
     if build.conv:
         return _conv_style(rule, rowwise=True)
+    group = rule.uneven_group()
     return Rowwise(
         parts=rule.parts,
         transposed=bool(rule.transposed),
         local_shards=build.local_shards,
+        uneven_heads=None if group is None else (rule.head_dim or 0, group),
         **_layouts(rule),
     )
 
@@ -212,9 +225,10 @@ def _conv_style(rule: ColwiseRule | RowwiseRule, *, rowwise: bool) -> ChannelCon
     """colwise or rowwise on a convolution of one group: its channels are split as a Linear's
     features (conv.py), fused pieces (`parts`) included. Its weight is never stored
     transposed."""
-    if rule.transposed:
+    if rule.transposed or rule.uneven_group() is not None:
+        what = "transposed" if rule.transposed else "uneven heads"
         raise TpplanError(
-            f"rule {rule.match!r} splits a convolution, which takes no transposed; "
+            f"rule {rule.match!r} splits a convolution, which takes no {what}; "
             "drop it from the rule."
         )
     shared = isinstance(rule, ColwiseRule) and rule.replicate_heads and rule.parts

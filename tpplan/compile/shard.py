@@ -24,8 +24,9 @@ from .local_regions import RegionNotes, run_locally
 from .regions import hold_dtensors
 from .rules import plan_to_torch
 from .shared_heads import head_replicas
+from .uneven_heads import head_shares, own_value
 
-__all__ = ["attribute_divisor", "retie", "shard_model", "tied_holders"]
+__all__ = ["attribute_divisor", "own_attributes", "retie", "shard_model", "tied_holders"]
 
 
 def shard_model(
@@ -67,7 +68,7 @@ def shard_model(
     retie(tied)
     # after every style: a LoRA wrapper's forward folds its adapters into its base's collective
     fuse_adapters(model, mesh, styles, local_shards=local_shards)
-    _divide_attributes(plan, model, mesh.size())
+    _divide_attributes(plan, model, mesh)
     for name in regions:
         module = model.get_submodule(name)
         found = _local_notes(notes, module)
@@ -135,16 +136,70 @@ def retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
             module.register_parameter(name, shared)
 
 
-def _divide_attributes(plan: Plan, model: nn.Module, tp_size: int) -> None:
+def _divide_attributes(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
     """Each rank now holds 1/tp of the heads, so reshapes by stored counts use the local count
-    (with `by: replicas` or `shards`, counts of heads that tp/heads ranks share)."""
+    (with `by: replicas` or `shards`, counts of heads that tp/heads ranks share; with
+    `uneven`, each rank's own count of heads split unevenly)."""
     modules = dict(model.named_modules())
+    tp_size = mesh.size()
     for rule in plan.attributes:
         for name in match_names(rule.match, list(modules)):
+            if rule.uneven is not None:
+                for attr in rule.divide:
+                    holder, own = _holder(modules[name], attr)
+                    values = own_attributes(
+                        plan, model, rule, name, attr, tp_size, getattr(holder, own)
+                    )
+                    setattr(holder, own, own_value(mesh, values))
+                continue
             by = attribute_divisor(plan, model, rule, name, tp_size)
             for attr in rule.divide:
                 holder, own = _holder(modules[name], attr)
                 setattr(holder, own, getattr(holder, own) // by)
+
+
+def own_attributes(
+    plan: Plan, model: nn.Module, rule: AttributeRule, name: str, attr: str, tp: int, value: int
+) -> list[int]:
+    """Per rank, its own value of attribute `attr` (`value` on the whole model) of module `name`
+    whose rule names the query layer of heads split unevenly (`uneven`): by tp its share
+    of the query heads, by shards of the key/value heads, by replicas the query heads each
+    of its key/value heads serves on it. A TpplanError where one is no whole number."""
+    assert rule.uneven is not None
+    layer = f"{name}.{rule.uneven}"
+    found = next(
+        (r for r in plan.rules if r.uneven_group() is not None and matches(r.match, layer)), None
+    )
+    try:
+        module = model.get_submodule(layer)
+    except AttributeError:
+        module = None
+    if found is None or module is None:
+        raise TpplanError(
+            f"an attribute rule takes its uneven heads from {layer}, which no colwise rule "
+            "with uneven and head_dim splits; name the query projection in `uneven`."
+        )
+    head_dim, group = found.head_size(), found.uneven_group()
+    assert head_dim is not None and group is not None
+    weight = module._parameters["weight"]
+    assert weight is not None
+    heads = int(weight.shape[1 if found.stored_transposed() else 0]) // head_dim
+    kv = heads // group
+    out = []
+    for s in head_shares(heads, group, tp):
+        own, whole = {
+            "tp": (s.count, heads),
+            "shards": (s.kv_count, kv),
+            "replicas": (s.count, s.kv_count * group),
+        }[rule.by or "tp"]
+        if (value * own) % whole:
+            raise TpplanError(
+                f"{name}.{attr} = {value} has no "
+                f"whole share for a rank of {own} of {whole} heads (uneven heads of {layer} at "
+                f"tp {tp}); use a tp size that divides the heads, or keep the attention replicated."
+            )
+        out.append(value * own // whole)
+    return out
 
 
 def attribute_value(module: nn.Module, attr: str) -> Any:
@@ -173,8 +228,9 @@ def attribute_divisor(
     plan: Plan, model: nn.Module, rule: AttributeRule, name: str, tp_size: int
 ) -> int:
     """What `rule` divides the attributes of module `name` by at `tp_size`: tp, or the
-    replicas (tp/heads, at least 1) or shards (min(tp, heads)) of the heads of `rule.of`."""
-    if rule.of is None:
+    replicas (tp/heads, at least 1) or shards (min(tp, heads)) of the heads of `rule.of`.
+    With `uneven` (each rank its own value, `own_attributes`): tp, for what divides them."""
+    if rule.of is None or rule.uneven is not None:
         return tp_size
     heads = shared_heads(plan, model, f"{name}.{rule.of}")
     replicas = head_replicas(heads, tp_size)

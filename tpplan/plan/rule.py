@@ -241,6 +241,11 @@ class Rule(Strict):
         """It could take `uneven: true` (a vocab, or features gathered right after)."""
         return False
 
+    def uneven_group(self) -> int | None:
+        """With heads tp does not divide split unevenly (`uneven` with head_dim): the query
+        heads one key/value head serves (`group`, 1 by default); None otherwise."""
+        return None
+
     def states_sizes(self) -> bool:
         """It states a size of the model's (a head_dim, fused parts or pieces), which the
         model must show alike."""

@@ -114,6 +114,12 @@ class AttributeRule(Strict):
     of: str | None = None
     """by replicas or shards: the module, by its dotted name under the matched one, whose
     rule has replicate_heads (`k_proj`); its heads are counted on the model."""
+    uneven: str | None = None
+    """The query layer, by its dotted name under the matched module, whose heads tp does not
+    divide and are split unevenly (its rule: colwise with uneven and head_dim, schema 17).
+    Each rank's attributes are then its own: an attribute divided by tp becomes its share of
+    the rank's query heads (v x own query heads / all of them), by shards of its key/value
+    heads, by replicas the query heads each of its key/value heads serves on it."""
 
     @model_validator(mode="after")
     def _of_fits_by(self) -> AttributeRule:
@@ -150,7 +156,9 @@ class RegionRule(Strict):
 class Plan(Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] = 16  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17] = (
+        17  # SCHEMA_VERSION
+    )
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""
     model: ModelInfo | None = None

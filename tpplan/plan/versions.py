@@ -20,16 +20,16 @@ __all__ = [
 
 # A new version is added here, to READABLE_VERSIONS and to Plan.tpplan's Literal (schema.py),
 # with its schema hash in plans/schema_versions.json (tests/test_plan.py checks it).
-SCHEMA_VERSION = 16
+SCHEMA_VERSION = 17
 # Older versions whose files this tpplan still reads unchanged (each is a subset of the next).
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
 # What each version added outside the rules (a rule's own are on its style's class,
 # styles/: `since`, `field_since`, `style_field_since`, `omissions`): a file naming any of
 # these needs at least that version.
 _ADDED_MODEL_FIELDS = {4: ("command",)}
 _ADDED_TOP_LEVEL = {8: ("regions",)}
 # fields of `attributes` entries, by the version that added them
-_ADDED_ATTRIBUTE_FIELDS = {11: ("by", "of")}
+_ADDED_ATTRIBUTE_FIELDS = {11: ("by", "of"), 17: ("uneven",)}
 
 
 def version_problem(data: dict[str, Any]) -> str | None:

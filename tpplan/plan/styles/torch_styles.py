@@ -70,17 +70,27 @@ class ColwiseRule(_Layouts):
     """The weight is stored (in_features, out_features), as in GPT-2's Conv1D, so the split
     is of its dim 1."""
     uneven: bool | None = None
-    """The output features need not divide by the tp size (GPT-2's vocab of 50257): the ranks hold
-    DTensor's shares of them (torch.chunk's sizes, the first ranks ceil(n/tp) each and the last ranks
-    what is left), and the full tensor is the original. Without it, a size tp does not divide
-    is refused. Only with output replicate (gathered
-    right after, so what follows sees the unsplit output)."""
+    """The output features need not divide by the tp size. With output replicate (gathered
+    right after, so what follows sees the unsplit output: GPT-2's vocab of 50257), the ranks
+    hold DTensor's shares of them (torch.chunk's sizes, the first ranks ceil(n/tp) each and
+    the last ranks what is left). With head_dim (schema 17), the features are heads tp does
+    not divide (28 query heads at tp 8): each rank takes whole heads, as evenly as they go,
+    of its own key/value heads (`group`), and computes with a copy of their rows; the weight
+    stays a plain shard of the original. Either way the full tensor is the original. Without
+    it, a size tp does not divide is refused."""
+    group: int | None = Field(default=None, gt=0)
+    """With uneven heads: the query heads one key/value head serves (grouped-query
+    attention's num_attention_heads / num_key_value_heads; 1, the default, for key/value
+    layers and attention without grouping). Ranks take whole groups while there are at least
+    as many as ranks; past that each key/value head is shared (its layer's rule says
+    replicate_heads) and its group's query heads split among the ranks sharing it (schema 17)."""
 
     field_since: ClassVar[dict[str, int]] = {
         "parts": 2,
         "transposed": 2,
         "replicate_heads": 11,
         "uneven": 14,
+        "group": 17,
     }
     sized: ClassVar[bool] = True
 
@@ -100,12 +110,19 @@ class ColwiseRule(_Layouts):
                 "colwise with replicate_heads (whole key/value heads shared among ranks) takes "
                 "no transposed, output or local_output: false."
             )
-        if self.uneven and (self.output != "replicate" or self.parts or self.replicate_heads):
+        heads = self.uneven and self.head_dim is not None and self.output != "replicate"
+        if (
+            self.uneven
+            and not heads
+            and (self.output != "replicate" or self.parts or self.replicate_heads)
+        ):
             raise ValueError(
                 "colwise with uneven splits features tp need not divide, which only a layer "
                 "whose output is gathered right after can take (output: replicate, no parts "
-                "or replicate_heads): the layers after it see the unsplit output."
+                "or replicate_heads), or heads of a head_dim: the layers after it see the "
+                "unsplit output, or whole heads."
             )
+        _check_uneven_heads(self, bool(heads))
         return self
 
     def omissions(self, given: Collection[str]) -> list[tuple[int, str]]:
@@ -121,10 +138,18 @@ class ColwiseRule(_Layouts):
             # a tpplan before 16 would refuse it: a DTensor region took fused pieces of one
             # size only
             out.append((16, "local_output: false with parts of unequal sizes"))
+        if self.uneven_group() is not None and "uneven" in given:
+            # a tpplan before 17 would refuse it: uneven took gathered outputs only
+            out.append((17, "uneven with head_dim (heads split unevenly)"))
         return out
 
     def splits_unevenly(self) -> bool:
-        return bool(self.uneven)
+        return bool(self.uneven) and self.uneven_group() is None
+
+    def uneven_group(self) -> int | None:
+        if self.uneven and self.head_dim is not None and self.output != "replicate":
+            return self.group or 1
+        return None
 
     def may_split_unevenly(self) -> bool:
         # only where gathered right after (its own _check refuses the rest)
@@ -198,8 +223,21 @@ class RowwiseRule(_Layouts):
     transposed: bool | None = None
     """The weight is stored (in_features, out_features), as in GPT-2's Conv1D, so the split
     is of its dim 0."""
+    uneven: bool | None = None
+    """With head_dim: the input features are heads tp does not divide, split as the colwise
+    layers opening them split theirs (whole heads per rank, as evenly as they go, `group`);
+    each rank contracts a copy of its heads' columns, and the weight stays a plain shard of
+    the original (schema 17)."""
+    group: int | None = Field(default=None, gt=0)
+    """With uneven: the query heads one key/value head serves, as on the colwise query
+    layer's rule (1, the default, without grouping)."""
 
-    field_since: ClassVar[dict[str, int]] = {"parts": 2, "transposed": 2}
+    field_since: ClassVar[dict[str, int]] = {
+        "parts": 2,
+        "transposed": 2,
+        "uneven": 17,
+        "group": 17,
+    }
     sized: ClassVar[bool] = True
     style_field_since: ClassVar[dict[str, int]] = {"parts": 9}
 
@@ -211,7 +249,16 @@ class RowwiseRule(_Layouts):
                 f"of every piece, a layout only equal pieces have); {list(self.parts)} are not. "
                 "Give the pieces as equal ones (64 and 256 are 5 pieces of 64), or drop parts."
             )
+        if self.uneven and self.head_dim is None:
+            raise ValueError(
+                "rowwise with uneven takes heads tp does not divide, so it needs their "
+                "head_dim; add head_dim to the rule."
+            )
+        _check_uneven_heads(self, bool(self.uneven))
         return self
+
+    def uneven_group(self) -> int | None:
+        return (self.group or 1) if self.uneven else None
 
     def weight_dim(self, kind: WeightKind) -> int | None:
         if kind == "embedding":
@@ -241,6 +288,30 @@ class RowwiseRule(_Layouts):
 
     def stored_transposed(self) -> bool:
         return bool(self.transposed)
+
+
+def _check_uneven_heads(rule: ColwiseRule | RowwiseRule, heads: bool) -> None:
+    """Heads split unevenly (`uneven` with head_dim) run on local shards, of the layer's
+    own rows: a group only with them, and no fused parts, DTensor outputs or layouts."""
+    name = rule.style
+    if rule.group is not None and not heads:
+        raise ValueError(
+            f"{name} takes group with uneven heads only (uneven: true and head_dim); drop "
+            "group, or add them."
+        )
+    if heads and (
+        rule.parts
+        or rule.local_output is False
+        or rule.input is not None
+        or (rule.output is not None and isinstance(rule, ColwiseRule))
+        or (isinstance(rule, RowwiseRule) and rule.output not in (None, "replicate"))
+        or getattr(rule, "replicate_heads", None)
+    ):
+        raise ValueError(
+            f"{name} with uneven heads computes whole heads of its own rows on local shards, "
+            "so it takes no parts, input or output layouts, replicate_heads or local_output: "
+            "false; drop them, or uneven."
+        )
 
 
 def _head_dim_size(
