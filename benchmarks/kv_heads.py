@@ -1,10 +1,15 @@
-"""More tp than key/value heads: what each rank holds and sends in attention.
+"""More tp than key/value heads, or than tp divides: what each rank holds and sends in
+attention.
 
 Builds Llama-3-70B's and Qwen3-30B-A3B's shapes (2 layers, on the meta device), infers a
-plan at a tp size above their key/value head counts (16 for 8 heads, 8 for 4), applies it
-on a fake process group and prints, per rank: the attention parameters (query and output
-projections, key and value projections) and the KV cache as fractions of the model's, and
-the collectives of each block's attention in the forward. Run it at two commits to compare.
+plan at a tp size above their key/value head counts (16 for 8 heads, 8 for 4), and
+Qwen2-7B's and Qwen2-0.5B's at a tp size that does not divide their query heads (28 at tp 8,
+14 at tp 4: heads split unevenly, issue 35 h), applies it on a fake process group and
+prints, for rank 0 (the most loaded one): the attention parameters (query and output
+projections, key and value projections) and the KV cache as fractions of the model's, the
+working copies of its own rows a layer of heads split unevenly keeps beside its shard (as a
+fraction of the query and output projections), and the collectives of each block's
+attention in the forward. Run it at two commits to compare.
 
     python benchmarks/kv_heads.py
 """
@@ -51,6 +56,28 @@ CASES: dict[str, tuple[str, dict[str, Any], int]] = {
         },
         8,
     ),
+    "Qwen2-7B": (
+        "qwen2",
+        {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152064,
+        },
+        8,
+    ),
+    "Qwen2-0.5B": (
+        "qwen2",
+        {
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+        },
+        4,
+    ),
 }
 SEQ = 32
 
@@ -83,6 +110,7 @@ def measure(label: str) -> dict[str, Any]:
     model = model.to(torch.bfloat16)  # the meta grouped matmul of experts runs in bf16 only
     plan = tpplan.infer_plan(model, tp_size=tp)
     shared = any(getattr(r, "replicate_heads", None) for r in plan.rules)
+    uneven = any(r.uneven_group() is not None for r in plan.rules)
     # gathered: split and gathered right after (colwise with output replicate; only colwise
     # rules can gather, and the other styles' rules have no `output` or sum it)
     gathered = any(
@@ -100,8 +128,18 @@ def measure(label: str) -> dict[str, Any]:
         tpplan.apply_plan(sharded, mesh, plan)
         mine = dict(sharded.named_parameters())
         held = {k: sum(local_bytes(mine[n]) for n in v) for k, v in sides.items()}
-        with torch.no_grad(), CommDebugMode() as comm:
+        with torch.no_grad(), CommDebugMode() as first:
             cache = _cache(sharded(input_ids=ids, use_cache=True))
+        # every call's collectives: the second call's (a layer of heads split unevenly
+        # gathers its weight's own rows once, at its first call: counted apart)
+        with torch.no_grad(), CommDebugMode() as comm:
+            sharded(input_ids=ids, use_cache=True)
+        copies = sum(
+            local_bytes(t)
+            for m in sharded.modules()
+            if (run := getattr(m, "_tpplan_local_run", None)) is not None and run.own is not None
+            for t in run.own.kept()
+        )
         # the collectives inside each block's attention module (its fqn ends in self_attn)
         attn = [
             counts.get("forward", {})
@@ -110,22 +148,31 @@ def measure(label: str) -> dict[str, Any]:
         ]
     reduce = sum(v for c in attn for k, v in c.items() if "all_reduce" in str(k))
     gather = sum(v for c in attn for k, v in c.items() if "all_gather" in str(k))
+    once = sum(
+        v
+        for fqn, counts in first.comm_module_counts.items()
+        if fqn.endswith("self_attn")
+        for k, v in counts.get("forward", {}).items()
+        if "all_gather" in str(k)
+    )
     return {
         "model": label,
         "tp": tp,
         "kv heads": config["num_key_value_heads"],
-        "plan": "shared" if shared else "gathered" if gathered else "split",
+        "plan": "uneven" if uneven else "shared" if shared else "gathered" if gathered else "split",
         "q, o per rank": held["q, o"] / total["q, o"],
         "k, v per rank": held["k, v"] / total["k, v"],
         "attention per rank": sum(held.values()) / sum(total.values()),
         "KV cache per rank": cache / whole_cache,
+        "row copies per rank": copies / total["q, o"],
         "attention all-reduces per block": reduce / LAYERS,
         "attention all-gathers per block": gather / LAYERS,
+        "weight-row gathers per block, first call": (once - gather) / LAYERS,
     }
 
 
 def _cell(key: str, value: object) -> str:
-    if isinstance(value, float) and key.endswith("per block"):
+    if isinstance(value, float) and (value == 0 or "per block" in key):
         return f"{value:g}"
     if isinstance(value, float) and 0 < value < 1:
         return f"1/{1 / value:.3g}"

@@ -509,19 +509,37 @@ def test_tp_past_the_kv_heads_shares_them() -> None:
 
 
 def test_odd_tp_shards_what_it_can() -> None:
-    """tp 3 divides the MLP (96) but not the heads; the vocab (128) splits unevenly (43, 43
-    and 42 rows: `uneven`)."""
+    """tp 3 divides the MLP (96) but not the heads (8 query heads in 4 groups of 2): those
+    split unevenly, whole groups per rank (4, 2 and 2 query heads: `uneven` with `group`);
+    the vocab (128) splits unevenly too (43, 43 and 42 rows: `uneven`)."""
     model = llama_gqa()
     plan = tpplan.infer_plan(model, tp_size=3)
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
     assert set(styles(plan, model)) == {
         f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")
-    } | {"model.embed_tokens", "lm_head"}
+    } | {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in attention} | {
+        "model.embed_tokens",
+        "lm_head",
+    }
     assert all(r.uneven for r in plan.rules if r.match in ("model.embed_tokens", "lm_head"))
+    groups = {r.match.rpartition(".")[2]: r.uneven_group() for r in plan.rules}
+    assert [groups[p] for p in attention] == [2, 1, 1, 2]
+    # whole groups on every rank: num_key_value_groups stays as it is, no rule divides it
+    assert plan.attributes == []
     assert tpplan.check_plan(plan, model, tp_size=3) == []
-    assert_parity(model, plan, 3, _tokens())
+    # ranks of 2 and 1 key/value heads: simulated ranks cannot run it (one process decides
+    # views for all of them), real ones do (test_processes.py's uneven heads at tp 3)
+    assert_parity(model, _even_attention(plan), 3, _tokens())
 
 
 @pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def _even_attention(plan: Plan) -> Plan:
+    """`plan` less its rules of heads split unevenly (their attention kept whole)."""
+    return plan.model_copy(
+        update={"rules": [r for r in plan.rules if r.uneven_group() is None], "attributes": []}
+    )
+
+
 def test_plan_without_tp_checks_at_2_and_4_and_round_trips(family: str) -> None:
     model = HF_FAMILIES[family]()
     plan = tpplan.infer_plan(model)
@@ -1398,10 +1416,11 @@ _LLAMA_TP3 = {"num_hidden_layers": 1, "vocab_size": 513, "hidden_size": 96, "hea
         ),
         (
             "llama",
-            {**_LLAMA_TP3, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 96},
+            {**_LLAMA_TP3, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 96},
             3,
             "model.layers.0.self_attn.q_proj",
-            "kept whole: tp 3 does not divide its 4 heads",
+            "kept whole: tp 3 does not divide its 2 heads; nor can its heads split unevenly (2 "
+            "query heads in 2 key/value groups have no split into whole heads at tp 3)",
         ),
         (
             "phi3",

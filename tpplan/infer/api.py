@@ -206,6 +206,7 @@ def _attribute_rules(model: nn.Module, attributes: Attributes) -> list[Attribute
             divide=list(d.attrs),
             why=d.why,
             **({} if d.by is None else {"by": d.by, "of": d.of}),
+            **({} if d.uneven is None else {"uneven": d.uneven}),
         )
         for d, members in groups.items()
         for p in collapse(members, names)

@@ -64,6 +64,8 @@ class Divided:
     by: str | None = None
     """None: the tp size; "replicas" or "shards": of the heads of the layer `of`."""
     of: str | None = None
+    uneven: str | None = None
+    """The query layer whose heads split unevenly: each rank its own value."""
 
 
 # module -> what its plan divides, one entry per divisor

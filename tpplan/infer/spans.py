@@ -17,6 +17,7 @@ from .context import Context, Decided, Found
 from .decision import Divided, decided
 from .names import PLAIN_OPS, join, join_names, own_split_state, relative
 from .shared_heads import Sharing, kv_sharing
+from .uneven_heads import Uneven, split_unevenly, uneven_heads
 
 __all__ = ["decide_span", "find_spans", "split_unit"]
 
@@ -73,15 +74,24 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
     counts |= product_counts
     sharing = kv_sharing(ctx, openers, counts)
     shared = sharing if sharing is not None and sharing.refused is None else None
+    uneven: Uneven | None = None
     if openers and units % ctx.tp and not (shared is not None and shared.fits(ctx.tp)):
-        unshared = (
-            f"; its key/value heads cannot be shared among ranks ({sharing.refused})"
-            if sharing is not None and sharing.refused
-            else ""
-        )
-        reasons.append(
-            f"tp {ctx.tp} does not divide its {units} {_blocks(ctx, openers, units)}{unshared}"
-        )
+        # heads (a model's views cut the features so) may split unevenly
+        tried = uneven_heads(ctx, openers, closers, sharing, counts)
+        if isinstance(tried, Uneven) and not product_counts:
+            uneven = tried
+        else:
+            unshared = (
+                f"; its key/value heads cannot be shared among ranks ({sharing.refused})"
+                if sharing is not None and sharing.refused
+                else ""
+            )
+            why_not = "its fused cut sizes are products" if isinstance(tried, Uneven) else tried
+            unevenly = f"; nor can its heads split unevenly ({why_not})" if why_not else ""
+            reasons.append(
+                f"tp {ctx.tp} does not divide its {units} {_blocks(ctx, openers, units)}"
+                f"{unshared}{unevenly}"
+            )
     holders = _param_holders(ctx, set(openers), reasons)
     if shared is not None:
         # key/value counts are divided by the heads' shards, not the tp size
@@ -92,6 +102,10 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
     if reasons:
         for m in members:
             found.kept[m] = f"kept whole: {'; '.join(dict.fromkeys(reasons))}"
+        return found
+    if uneven is not None:
+        split_unevenly(ctx, found, so_far, uneven, openers, closers, short)
+        _style_param_holders(ctx, found, holders, openers, short)
         return found
     found.split_spans.append((openers, closers))
     _open(ctx, found, openers, closers, short, units, shared)

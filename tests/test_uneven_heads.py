@@ -1,0 +1,231 @@
+"""Attention heads a tp size does not divide (issue 35 h): 28 query heads at tp 8, 14 at tp 4,
+5 at tp 2 split unevenly in whole heads, each rank's its own key/value heads'
+(compile/uneven_heads.py, infer/uneven_heads.py). Simulated ranks here; real gloo ranks,
+generate included, in test_processes.py (slow)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tr
+from model_zoo.measure import measure
+from support.models import token_batch
+from support.parity import assert_parity, assert_the_original_state
+from support.uneven_heads import HEAD_DIM, VOCAB, qwen2, uneven_plan
+from torch.distributed.tensor import DTensor
+
+import tpplan
+from tpplan._runtime.local import simulated_ranks
+from tpplan.compile.shard import own_attributes
+from tpplan.compile.uneven_heads import head_shares
+from tpplan.errors import TpplanError
+
+IDS = token_batch(VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("heads", "group", "tp", "counts", "kv_first"),
+    [
+        # Qwen2-7B's 28 heads in 4 groups at tp 8: each key/value head on 2 ranks
+        (28, 7, 8, [4, 3] * 4, [0, 0, 1, 1, 2, 2, 3, 3]),
+        (14, 7, 4, [4, 3, 4, 3], [0, 0, 1, 1]),
+        # Falcon-7B's 71 heads and one key/value head at tp 8
+        (71, 71, 8, [9] * 7 + [8], [0] * 8),
+        # 25 heads of their own (GPT-2 XL's count) at tp 2
+        (25, 1, 2, [13, 12], [0, 13]),
+        # 3 groups of 2 at tp 2: whole groups, 2 and 1
+        (6, 2, 2, [4, 2], [0, 2]),
+        # tp dividing them: the even split, unchanged
+        (32, 4, 8, [4] * 8, [0, 1, 2, 3, 4, 5, 6, 7]),
+    ],
+)
+def test_each_rank_takes_whole_heads_of_its_own_key_value_heads(
+    heads: int, group: int, tp: int, counts: list[int], kv_first: list[int]
+) -> None:
+    shares = head_shares(heads, group, tp)
+    assert [s.count for s in shares] == counts
+    assert [s.kv_first for s in shares] == kv_first
+    # the query heads of every rank, in order, are every head once, of its own groups
+    assert [h for s in shares for h in range(s.first, s.first + s.count)] == list(range(heads))
+    for s in shares:
+        assert s.first // group == s.kv_first
+        assert (s.first + s.count - 1) // group == s.kv_first + s.kv_count - 1
+
+
+@pytest.mark.parametrize(
+    ("heads", "group", "tp", "message"),
+    [
+        (
+            6,
+            2,
+            4,
+            "6 query heads in 3 key/value groups have no split into whole heads at tp 4: every "
+            "rank needs whole query heads of whole or shared key/value heads. Use a tp size "
+            "among 2, 3, 6, or keep the attention replicated.",
+        ),
+        (
+            4,
+            4,
+            8,
+            "4 query heads in 1 key/value groups have no split into whole heads at tp 8: every "
+            "rank needs whole query heads of whole or shared key/value heads. Use a tp size "
+            "among 2, 3, 4, or keep the attention replicated.",
+        ),
+    ],
+)
+def test_no_split_into_whole_heads_is_refused_with_the_sizes_that_have_one(
+    heads: int, group: int, tp: int, message: str
+) -> None:
+    with pytest.raises(TpplanError) as e:
+        head_shares(heads, group, tp)
+    assert str(e.value) == message
+
+
+def _model(arch: str, heads: int, kv: int) -> torch.nn.Module:
+    if arch == "qwen2":
+        return qwen2(heads, kv)
+    config = {"llama": tr.LlamaConfig, "qwen3": tr.Qwen3Config}[arch](
+        vocab_size=VOCAB,
+        hidden_size=HEAD_DIM * heads,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = {"llama": tr.LlamaForCausalLM, "qwen3": tr.Qwen3ForCausalLM}[arch](config)
+    return model.eval()
+
+
+CASES = [
+    pytest.param("qwen2", 14, 2, 4, id="qwen2-14q-2kv-tp4"),
+    pytest.param("qwen2", 28, 4, 8, id="qwen2-28q-4kv-tp8"),
+    pytest.param("llama", 5, 5, 2, id="llama-5-heads-tp2"),
+    pytest.param("qwen3", 14, 2, 4, id="qwen3-qk-norm-14q-2kv-tp4"),
+]
+
+
+@pytest.mark.parametrize(("arch", "heads", "kv", "tp"), CASES)
+# CommDebugMode hooks every module's backward; transformers' models hand back a ModelOutput,
+# which torch warns backward hooks cannot see (the forwards are what is counted)
+@pytest.mark.filterwarnings("ignore:For backward hooks to be called:UserWarning")
+def test_inferred_uneven_heads_match_the_unsharded_model(
+    arch: str, heads: int, kv: int, tp: int
+) -> None:
+    """infer_plan splits heads tp does not divide unevenly (not split then gathered), says
+    so in its reasons, `check` takes the plan, and forward and backward match the unsharded
+    model on both paths; the state dict is the original's and no attention all-gathers."""
+    model = _model(arch, heads, kv)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=IDS)
+    rules = {r.match.rpartition(".")[2]: r for r in plan.rules if "self_attn" in r.match}
+    group = heads // kv
+    assert rules["q_proj"].uneven_group() == group
+    assert rules["o_proj"].uneven_group() == group
+    assert rules["o_proj"].style == "rowwise"
+    for name in ("k_proj", "v_proj"):
+        if tp > kv:
+            assert rules[name].shares_heads() and rules[name].uneven_group() is None
+        else:
+            assert rules[name].uneven_group() == 1
+    assert "split unevenly" in rules["q_proj"].why, rules["q_proj"].why
+    assert not tpplan.check_plan(plan, model, tp_size=tp)
+    assert_parity(model, plan, tp, IDS)
+    measured = measure(model, plan, tp, IDS, {"attention": r"model\.layers\.\d+\.self_attn"})
+    for block, kinds in measured.collectives.items():
+        # each rank's copy of its rows is gathered once, with the weight (the first call);
+        # every call after gathers nothing: one all-reduce, as an even split
+        assert not any(k.startswith("all_gather") for k in kinds), (block, kinds)
+        assert kinds.get("all_reduce") == 1, (block, kinds)
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        assert_the_original_state(sharded, model)
+
+
+def test_each_rank_holds_its_own_heads_and_attribute_values() -> None:
+    """At tp 4, 14 query heads in 2 groups: ranks hold 4, 3, 4, 3 query heads, one key/value
+    head each, and read num_key_value_groups as their own count."""
+    model, tp = qwen2(14, 2), 4
+    plan = uneven_plan(14, 2, tp)
+    attention = model.model.layers[0].self_attn
+    rule = plan.attributes[0]
+    values = own_attributes(
+        plan, model, rule, "model.layers.0.self_attn", "num_key_value_groups", tp, 7
+    )
+    assert values == [4, 3, 4, 3]
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        attention = sharded.model.layers[0].self_attn
+        own = attention.q_proj._tpplan_local_run.own
+        index = own.index(torch.device("cpu"))
+        from tpplan._runtime.local import rank_values
+
+        assert [v.numel() // HEAD_DIM for v in rank_values(index)] == [4, 3, 4, 3]
+        groups = attention.num_key_value_groups
+        assert [int(str(groups.node._local_ints[r])) for r in range(tp)] == [4, 3, 4, 3]
+        # the parameters stay plain shards of the original: equal rows on every rank
+        assert isinstance(attention.q_proj.weight, DTensor)
+        shapes = {tuple(v.shape) for v in rank_values(attention.q_proj.weight.to_local())}
+        assert shapes == {(14 * HEAD_DIM // tp, 64)}
+
+
+def test_check_refuses_uneven_heads_with_no_split_in_whole_heads() -> None:
+    """A hand plan splitting 6 query heads in 3 groups unevenly at tp 4: no rank split
+    exists (tp above the groups and no multiple of them); check names the sizes."""
+    model = qwen2(6, 3)
+    plan = uneven_plan(6, 3, 2)
+    problems = tpplan.check_plan(plan, model, tp_size=4)
+    messages = {p.message for p in problems}
+    assert (
+        "6 query heads in 3 key/value groups have no split into whole heads at tp 4: every "
+        "rank needs whole query heads of whole or shared key/value heads. Use a tp size "
+        "among 2, 3, 6, or keep the attention replicated." in messages
+    ), messages
+
+
+def test_a_dtensor_reaching_an_uneven_layer_is_refused_by_name() -> None:
+    model, tp = qwen2(14, 2), 4
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, uneven_plan(14, 2, tp))
+        q = sharded.model.layers[0].self_attn.q_proj
+        from torch.distributed.tensor import Replicate
+
+        x = DTensor.from_local(torch.randn(2, 8, 64), mesh, [Replicate()])
+        with pytest.raises(TpplanError) as e:
+            q(x)
+    assert str(e.value) == (
+        "a colwise layer with uneven heads (Linear of 112 output features) was handed a "
+        "DTensor (a DTensor region or a sequence-parallel input); its heads split unevenly "
+        "have no DTensor layout. Drop uneven from its rule, or the region or sequence "
+        "parallelism."
+    )
+
+
+def test_a_fused_layer_of_heads_tp_does_not_divide_stays_gathered() -> None:
+    """Phi-3's fused q|k|v at a tp that does not divide its heads stays split then
+    gathered (uneven heads take layers of their own), with its reason and parity."""
+    config = tr.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=HEAD_DIM * 14,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = tr.Phi3ForCausalLM(config).eval()
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=IDS)
+    qkv = next(r for r in plan.rules if r.match.endswith("qkv_proj"))
+    assert qkv.output_layout() == "replicate"
+    assert "tp 4 does not divide its 2 key/value heads" in qkv.why, qkv.why
+    assert_parity(model, plan, 4, IDS)

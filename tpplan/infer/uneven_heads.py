@@ -1,0 +1,270 @@
+"""Attention heads tp does not divide: whether a span that tp would otherwise leave whole
+(28 query heads at tp 8, 25 at tp 2) splits its heads unevenly instead, each rank whole
+heads of its own key/value heads (compile/uneven_heads.py lays them out), and what the
+plan then says.
+
+Start at `uneven_heads`. It holds, each checked on the trace, where:
+- every opener is a Linear of its own (no fused pieces), its features cut into heads by
+  the model's views (the split's unit is its head count), all of one head size;
+- the query openers hold H heads alike; with grouped-query attention (shared_heads.py's
+  `Sharing`, not refused) the key/value openers hold K heads each serving g = H/K query
+  heads, else every opener holds H (g = 1);
+- tp has a split into whole heads of whole or shared key/value heads (`head_shares`):
+  past K the key/value openers share their heads (replicate_heads, as for even splits);
+- every closer contracts heads of that size;
+- every count the forward reads comes to a whole number on every rank (a head count, a
+  width of whole heads: its share of the query heads; a repeat count: the query heads each
+  of the rank's key/value heads serves), and the module reading it holds a query opener,
+  which its attribute rule names (`uneven`); a repeat computed in forward from counts
+  gives each rank its own;
+- nothing else in the span holds one entry per head (a per-head norm's weight, a bias
+  per head): those split with DTensor's even shares, which whole heads of several counts
+  per rank do not match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..compile.uneven_heads import HeadShare, head_shares
+from ..errors import TpplanError
+from ..plan.styles import ColwiseRule, RowwiseRule
+from ..trace.counted import Expr, evaluate, values_read
+from .context import Context, Decided, Found
+from .decision import Divided, decided
+from .names import inside, join_names
+from .shared_heads import Sharing
+
+__all__ = ["Uneven", "split_unevenly", "uneven_heads"]
+
+
+@dataclass
+class Uneven:
+    """A span whose heads split unevenly at the context's tp."""
+
+    heads: int
+    """H: the query openers' heads."""
+    group: int
+    """g: the query heads each key/value head serves (1 without grouping)."""
+    head_dim: int
+    query: list[str]
+    """The openers of H heads (every opener, without grouping)."""
+    kv: list[str]
+    """The key/value openers of grouped-query attention."""
+    shares: list[HeadShare]
+    attributes: dict[str, list[Divided]] = field(default_factory=dict)
+    """Module -> the counts it reads, each rank's own value (`uneven` names its query opener)."""
+
+    @property
+    def shared(self) -> bool:
+        """The key/value heads are shared past their count (replicate_heads)."""
+        return len(self.shares) > self.heads // self.group
+
+
+def uneven_heads(
+    ctx: Context,
+    openers: list[str],
+    closers: list[str],
+    sharing: Sharing | None,
+    counts: set[tuple[str, str, int]],
+) -> Uneven | str | None:
+    """The uneven split of a span's heads at ctx.tp, or why there is none; None where it
+    does not apply: no heads, or query heads tp divides (only key/value heads it does not:
+    shared_heads.py and the DTensor regions keep the query heads even there, where whole
+    groups per rank would not)."""
+    t = ctx.trace
+    spans = t.spans
+    kv_openers = set(sharing.kv) if sharing is not None else set()
+    query_heads = [spans.heads[o] for o in openers if o in spans.heads and o not in kv_openers]
+    if not query_heads or all(h % ctx.tp == 0 for h in query_heads):
+        return None
+    if any(o in spans.parts or o in spans.kv_parts for o in openers):
+        return "a fused layer's pieces split evenly only"
+    if any(o not in t.layers.linears for o in openers):
+        return "an opener is not a Linear"
+    kv = sorted(sharing.kv) if sharing is not None else []
+    if sharing is not None and sharing.refused:
+        return f"its key/value heads cannot be shared ({sharing.refused})"
+    query = [o for o in openers if o not in kv]
+    heads = {spans.heads.get(o) for o in query}
+    if not query or len(heads) != 1 or None in heads:
+        return "its query openers' features are not all cut into heads of one count"
+    (h,) = heads
+    assert h is not None
+    own = {o: spans.heads.get(o) or (sharing.kv.get(o) if sharing else None) for o in openers}
+    sizes = {spans.openers[o] // (own[o] or 1) for o in openers}
+    if len(sizes) != 1 or any(
+        not own[o] or spans.units.get(o, spans.openers[o]) != own[o] for o in openers
+    ):
+        return "its openers' splits are not whole heads of one size"
+    (head_dim,) = sizes
+    k = {sharing.kv[o] for o in kv} if sharing is not None else {h}
+    if len(k) != 1 or h % next(iter(k)):
+        return "its key/value openers hold unequal head counts"
+    group = h // next(iter(k))
+    try:
+        shares = head_shares(h, group, ctx.tp)
+    except TpplanError as e:
+        return str(e).split(":")[0]
+    for c in closers:
+        if spans.closers[c].inner != head_dim:
+            return f"a closer contracts blocks of {spans.closers[c].inner}, not heads of {head_dim}"
+    for p, sources in t.params.in_span.items():
+        if sources & set(openers) and p in t.params.split_vectors:
+            return f"{p} holds one entry per head, which whole heads split unevenly do not match"
+    found = Uneven(h, group, head_dim, query, kv, shares)
+    refused = _attributes(ctx, found, sharing, counts)
+    return refused or found
+
+
+def _attributes(
+    ctx: Context, found: Uneven, sharing: Sharing | None, counts: set[tuple[str, str, int]]
+) -> str | None:
+    """Fill `found.attributes`: each count each rank's own; why not, where one is not."""
+    kv_divided = sharing.divided() if sharing is not None else set()
+    entries: dict[tuple[str, str], tuple[str, str]] = {}  # (module, attr) -> (by, why)
+    for module, attr, value in sorted(counts):
+        if (module, attr) in kv_divided:
+            continue
+        reads = f"its forward reads {attr} = {value} to view or cut the split heads"
+        entries[(module, attr)] = ("tp", reads)
+        if not _whole_everywhere(found, "tp", value):
+            return f"{attr} = {value} has no whole share of the heads on every rank"
+    if sharing is not None:
+        for module, divided in sharing.attributes.items():
+            for d in divided:
+                for attr in d.attrs:
+                    by = d.by or "tp"
+                    whole = _value(ctx, module, attr)
+                    if whole is None or not _whole_everywhere(found, by, whole):
+                        return f"{attr} has no whole value of its {by} on every rank"
+                    reads = f"its forward reads {attr} = {whole} for the key/value heads"
+                    entries[(module, attr)] = (by, reads)
+    for o in found.kv:
+        formula = ctx.trace.spans.repeat_formulas.get(o)
+        if formula is not None and not _repeats_own(found, formula, entries):
+            return "the repeat of the key/value heads it computes in forward is no rank's own"
+    for (module, attr), (by, why) in sorted(entries.items()):
+        whole = _value(ctx, module, attr)
+        if whole is not None and all(_own(found, s, by, whole) == whole for s in found.shares):
+            continue  # every rank's own is the whole value (whole groups on every rank)
+        under = sorted(o for o in found.query if inside(o, module) and o != module)
+        if not module or not under:
+            return f"{attr} is read by {module or 'the model'}, which holds no query layer to name"
+        words = {
+            "tp": "each rank's share of the query heads",
+            "shards": "each rank's count of key/value heads",
+            "replicas": "the query heads each of the rank's key/value heads serves",
+        }[by]
+        found.attributes.setdefault(module, []).append(
+            Divided(
+                (attr,),
+                f"{why}; the heads split unevenly, so it becomes {words} (rank by rank)",
+                by=None if by == "tp" else by,
+                of=None if by == "tp" else _kv_of(found, module),
+                uneven=under[0][len(module) + 1 :],
+            )
+        )
+    return None
+
+
+def _kv_of(found: Uneven, module: str) -> str | None:
+    under = sorted(o for o in found.kv if inside(o, module) and o != module)
+    return under[0][len(module) + 1 :] if under else None
+
+
+def _own(found: Uneven, share: HeadShare, by: str, value: int) -> float:
+    """A count's value on the rank of `share` (compile/shard.py's `own_attributes`)."""
+    own, whole = {
+        "tp": (share.count, found.heads),
+        "shards": (share.kv_count, found.heads // found.group),
+        "replicas": (share.count, share.kv_count * found.group),
+    }[by]
+    return value * own / whole
+
+
+def _whole_everywhere(found: Uneven, by: str, value: int) -> bool:
+    return all(_own(found, s, by, value).is_integer() for s in found.shares)
+
+
+def _value(ctx: Context, module: str, attr: str) -> int | None:
+    """A count's whole value on the model (a dotted one on an object the module holds)."""
+    obj: object = ctx.modules.get(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, int) and not isinstance(obj, bool) else None
+
+
+def _repeats_own(
+    found: Uneven, formula: Expr, entries: dict[tuple[str, str], tuple[str, str]]
+) -> bool:
+    """A repeat count computed in forward gives every rank the query heads each of its
+    key/value heads serves."""
+    for s in found.shares:
+        local = {}
+        for read, value in values_read(formula).items():
+            by = entries.get(read, (None, ""))[0]
+            local[read] = value if by is None else int(_own(found, s, by, value))
+        if evaluate(formula, local) != s.count // s.kv_count:
+            return False
+    return True
+
+
+def split_unevenly(
+    ctx: Context,
+    found: Found,
+    so_far: Decided,
+    uneven: Uneven,
+    openers: list[str],
+    closers: list[str],
+    short: dict[str, str],
+) -> None:
+    """A span whose heads tp does not divide, split unevenly (uneven_heads.py): the query
+    openers colwise with uneven heads of their group, the key/value ones shared past their
+    count (replicate_heads) or split unevenly in whole heads, the closers rowwise alike, the
+    counts read each rank's own."""
+    found.split_spans.append((openers, closers))
+    h, g, d, tp = uneven.heads, uneven.group, uneven.head_dim, ctx.tp
+    counts = sorted({s.count for s in uneven.shares}, reverse=True)
+    each = " or ".join(map(str, counts))
+    grouped = f" in {h // g} groups of {g} (one per key/value head)" if g > 1 else ""
+    how = (
+        f"tp {tp} does not divide its {h} heads{grouped}, so they split unevenly: each rank "
+        f"holds {each} whole heads of {d}"
+        + (", of its own key/value head" if uneven.shared else "")
+        + " and computes with a copy of their rows (the weight a plain shard of the original)"
+    )
+    to = join_names([short[c] for c in closers])
+    group = g if g > 1 else None
+    for o in openers:
+        if o in uneven.kv and uneven.shared:
+            found.rules[o] = decided(
+                ColwiseRule,
+                f"its {uneven.heads // g} key/value heads each serve {g} query heads; {how}, "
+                "so each key/value head stays whole on the ranks holding its query heads, its "
+                "gradient summed over them",
+                head_dim=d,
+                replicate_heads=True,
+            )
+            continue
+        found.rules[o] = decided(
+            ColwiseRule,
+            f"its output features are heads of {d} that {to} contracts (rowwise); {how}",
+            head_dim=d,
+            uneven=True,
+            group=group if o in uneven.query else None,
+            transposed=ctx.trace.layers.linears[o][2] or None,
+        )
+    for c in closers:
+        found.rules[c] = decided(
+            RowwiseRule,
+            f"contracts the heads split by {join_names([short[o] for o in openers])} on its "
+            f"input dim; {how}; its output is a partial sum, one all-reduce",
+            head_dim=d,
+            uneven=True,
+            group=group,
+            transposed=ctx.trace.layers.linears[c][2] or None,
+        )
+    found.attributes = {m: so_far.attributes.get(m, ()) for m in uneven.attributes}
+    for module, entries in uneven.attributes.items():
+        found.attributes[module] = (*found.attributes[module], *entries)
