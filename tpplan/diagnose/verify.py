@@ -22,6 +22,7 @@ from ..apply.api import apply_plan
 from ..compile.experts import EXPERTS_MARK
 from ..compile.own_rows import own_order
 from ..compile.region_pieces import held_in_pieces
+from ..compile.uneven_heads import head_shares, share_rows
 from ..plan.patterns import match_names, wildcard
 from ..plan.schema import Plan
 from ..plan.styles import ColwiseRule
@@ -58,12 +59,14 @@ def _error(
     tp: int,
     parts: tuple[int, ...] | None = None,
     unit: int | None = None,
+    order: list[list[int]] | None = None,
 ) -> float:
     """Max abs difference; a rank's piece of an output split over one dim is compared with
     that rank's chunk of the whole (of each of the whole's `parts`, for a fused layer: its
-    own rows, with the heads of parts shared past their count whole, `unit` their size)."""
-    if parts is not None and got.dim() == want.dim() and sum(parts) == want.shape[-1] > 1:
-        rows = own_order(parts, tp, unit)[rank]
+    own rows, with the heads of parts shared past their count whole, `unit` their size; of
+    heads split unevenly, `order`: each rank's rows)."""
+    if (order is not None or parts is not None) and got.dim() == want.dim() and want.shape[-1] > 1:
+        rows = order[rank] if order is not None else own_order(parts or (), tp, unit)[rank]
         if got.shape[-1] == len(rows) != want.shape[-1]:
             want = want.index_select(-1, torch.tensor(rows, device=want.device))
     if got.shape != want.shape:
@@ -101,16 +104,28 @@ def _shared_error(got: torch.Tensor, want: torch.Tensor, rank: int, tp: int) -> 
     return _error(got, want.chunk(k, dim=dims[0])[rank // (tp // k)], 0, 1)
 
 
-def _fused_outputs(sharded: nn.Module) -> dict[str, tuple[tuple[int, ...], int | None]]:
-    """{module name: (parts, the head size of parts shared past their head count)} for the
-    fused colwise layers of the plan `sharded` was given."""
+def _fused_outputs(
+    sharded: nn.Module, tp: int
+) -> dict[str, tuple[tuple[int, ...] | None, int | None, list[list[int]] | None]]:
+    """{module name: (parts, the head size of parts shared past their head count, each
+    rank's rows of heads split unevenly)} for the fused colwise layers, and those of uneven
+    heads, of the plan `sharded` was given."""
     plan = sharded.__dict__.get("_tpplan_plan")
     names = [n for n, _ in sharded.named_modules() if n]
-    out: dict[str, tuple[tuple[int, ...], int | None]] = {}
+    out: dict[str, tuple[tuple[int, ...] | None, int | None, list[list[int]] | None]] = {}
     for rule in plan.rules if plan is not None else []:
-        if isinstance(rule, ColwiseRule) and rule.parts:
+        if not isinstance(rule, ColwiseRule):
+            continue
+        if rule.parts:
             unit = rule.head_dim if rule.replicate_heads else None
-            out.update((n, (tuple(rule.parts), unit)) for n in match_names(rule.match, names))
+            out.update((n, (tuple(rule.parts), unit, None)) for n in match_names(rule.match, names))
+        group = rule.uneven_group()
+        if group is not None and rule.head_dim:
+            for n in match_names(rule.match, names):
+                weight = sharded.get_submodule(n).get_parameter("weight")
+                heads = int(weight.shape[1 if rule.transposed else 0]) // rule.head_dim
+                shares = head_shares(heads, group, tp)
+                out[n] = (None, None, share_rows(shares, rule.head_dim))
     return out
 
 
@@ -201,7 +216,7 @@ def _compare(
     report; `values` gives each (rank, value) of a tensor this process can see. A fused
     layer's output is a rank's slice of each of its parts (parameters and gradients are in the
     unsharded layout)."""
-    fused = _fused_outputs(sharded)
+    fused = _fused_outputs(sharded, report.tp_size)
     got: dict[str, Any] = {}
     handles = _record(sharded, got)
     out = sharded(**inputs)
@@ -216,7 +231,9 @@ def _compare(
         if value is None or ref is None or any(name.startswith(e + ".") for e in experts):
             continue
         for rank, v in values(value):
-            report.add(name, "output", _error(v, ref, rank, tp, *fused.get(name, (None, None))))
+            report.add(
+                name, "output", _error(v, ref, rank, tp, *fused.get(name, (None, None, None)))
+            )
     if not backward:
         return
     _loss(out).backward()
