@@ -265,3 +265,16 @@ def test_verify_on_real_ranks_where_simulated_ones_cannot_run_it() -> None:
     assert any(r.uneven_group() for r in plan.rules), plan.to_yaml()
     report = verify_in_processes("qwen2", overrides, plan, tp_size=2, backward=True)
     assert report.ok, report.rows
+
+
+def test_verify_on_simulated_ranks_names_real_ranks_where_it_cannot_run() -> None:
+    """Ranks of 4, 2 and 2 query heads (8 in 4 groups at tp 3): one process cannot decide
+    each rank's views in the backward; verify says so and names the command that can."""
+    from tpplan.diagnose.verify import verify_plan
+
+    model = qwen2(8, 4)
+    plan = tpplan.infer_plan(model, tp_size=3, example_inputs=IDS)
+    with pytest.raises(TpplanError) as e:
+        verify_plan(model, plan, tp_size=3, backward=True, inputs={"input_ids": IDS})
+    assert str(e.value).startswith("simulated ranks could not run this plan's heads split")
+    assert str(e.value).endswith("Verify it on real ranks: tpplan verify --processes.")

@@ -23,6 +23,7 @@ from ..compile.experts import EXPERTS_MARK
 from ..compile.own_rows import own_order
 from ..compile.region_pieces import held_in_pieces
 from ..compile.uneven_heads import head_shares, share_rows
+from ..errors import TpplanError
 from ..plan.patterns import match_names, wildcard
 from ..plan.schema import Plan
 from ..plan.styles import ColwiseRule
@@ -171,15 +172,26 @@ def verify_plan(
         stage(f"applying the plan to a copy over {tp_size} simulated ranks")
         sharded = apply_plan(copy.deepcopy(model), mesh, plan)
         stage("running the sharded copy and comparing every module's output")
-        _compare(
-            report,
-            sharded,
-            inputs,
-            want,
-            want_grads,
-            backward,
-            lambda t: enumerate(rank_values(_own(t))),
-        )
+        try:
+            _compare(
+                report,
+                sharded,
+                inputs,
+                want,
+                want_grads,
+                backward,
+                lambda t: enumerate(rank_values(_own(t))),
+            )
+        except (RuntimeError, AssertionError) as e:
+            if not any(r.uneven_group() is not None for r in plan.rules):
+                raise
+            # one process deciding a view, or a branch, for ranks whose sizes differ
+            raise TpplanError(
+                f"simulated ranks could not run this plan's heads split unevenly ({e}): one "
+                "process runs every rank, and where the model's code branches on a head "
+                "count that differs rank by rank, or views a tensor laid out by one, it cannot "
+                "take each rank's own way. Verify it on real ranks: tpplan verify --processes."
+            ) from e
     return report
 
 
