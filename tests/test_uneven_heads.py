@@ -278,3 +278,31 @@ def test_verify_on_simulated_ranks_names_real_ranks_where_it_cannot_run() -> Non
         verify_plan(model, plan, tp_size=3, backward=True, inputs={"input_ids": IDS})
     assert str(e.value).startswith("simulated ranks could not run this plan's heads split")
     assert str(e.value).endswith("Verify it on real ranks: tpplan verify --processes.")
+
+
+def test_sequence_parallel_keeps_heads_tp_does_not_divide_as_before() -> None:
+    """Sequence parallel hands the attention's layers DTensors, which heads split unevenly
+    cannot take: they stay split then gathered, the reason saying why, with parity."""
+    model = qwen2(14, 2)
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=IDS, sequence_parallel=True)
+    q = next(r for r in plan.rules if r.match.endswith("q_proj"))
+    assert q.output_layout() == "replicate" and q.uneven_group() is None
+    assert "sequence parallel hands its layers DTensors" in q.why, q.why
+    assert_parity(model, plan, 4, IDS)
+
+
+def test_lora_adapters_keep_heads_tp_does_not_divide_as_before() -> None:
+    """peft LoRA wrappers on the attention's layers: heads split unevenly take plain layers
+    only, so the attention stays split then gathered, its reason saying why, with parity."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(qwen2(14, 2), LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=IDS)
+    assert not any(r.uneven_group() for r in plan.rules)
+    q = next(r for r in plan.rules if r.match.endswith("q_proj.base_layer"))
+    assert "a LoRA adapter wraps one of its layers" in q.why, q.why
+    assert_parity(model, plan, 4, IDS)

@@ -82,7 +82,12 @@ def fused_kind(
     """'colwise' or 'rowwise' where the base and its adapters are split as infer/adapters.py
     splits them and the base's layouts are the plain ones; else None."""
     base = styles.get(adapter.base)
-    if base is None or getattr(base, "parts", None) or getattr(base, "transposed", False):
+    if (
+        base is None
+        or getattr(base, "parts", None)
+        or getattr(base, "transposed", False)
+        or getattr(base, "uneven_heads", None)  # each rank its own rows: child by child
+    ):
         return None
     kind: Literal["colwise", "rowwise"]
     if isinstance(base, ColwiseParallel):

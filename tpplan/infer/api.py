@@ -154,7 +154,12 @@ def _decide(model: nn.Module, trace: Trace, asked: _Asked) -> tuple[Decisions, A
     decided and hands back what it found, which `Decided.merge` lays over it (a later
     step's word on a module replaces an earlier one's: the order below is the precedence)."""
     ctx = Context.of(
-        model, trace, tp=asked.tp, gather_tp=asked.gather_tp, loss_parallel=asked.loss_parallel
+        model,
+        trace,
+        tp=asked.tp,
+        gather_tp=asked.gather_tp,
+        loss_parallel=asked.loss_parallel,
+        sequence_parallel=asked.sequence_parallel,
     )
     out = Decided()
     for members in find_spans(trace):

@@ -40,10 +40,19 @@ class Context:
     alike_experts: dict[str, list[str]]
     """Module holding 3-D expert weights -> the modules of its structure (class, parameter
     shapes, submodules), itself included: one forward, so what one shows holds for all."""
+    sequence_parallel: bool = False
+    """The stream between spans is to be split over the sequence (infer_plan's option)."""
 
     @classmethod
     def of(
-        cls, model: nn.Module, trace: Trace, *, tp: int, gather_tp: int, loss_parallel: bool
+        cls,
+        model: nn.Module,
+        trace: Trace,
+        *,
+        tp: int,
+        gather_tp: int,
+        loss_parallel: bool,
+        sequence_parallel: bool = False,
     ) -> Context:
         modules = dict(model.named_modules())
         alike: dict[str, list[str]] = {}
@@ -62,6 +71,7 @@ class Context:
             modules=modules,
             tied=shared_params(model),
             alike_experts=alike,
+            sequence_parallel=sequence_parallel,
         )
 
     def used_outside(self, name: str) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .._runtime.adapters import lora_layers
 from ..compile.uneven_heads import HeadShare, head_shares
 from ..errors import TpplanError
 from ..plan.styles import ColwiseRule, RowwiseRule
@@ -78,6 +79,13 @@ def uneven_heads(
     query_heads = [spans.heads[o] for o in openers if o in spans.heads and o not in kv_openers]
     if not query_heads or all(h % ctx.tp == 0 for h in query_heads):
         return None
+    bases = {a.base for a in lora_layers(ctx.model).values()}
+    if bases & {*openers, *closers}:
+        return "a LoRA adapter wraps one of its layers, and uneven heads take plain layers only"
+    if ctx.sequence_parallel:
+        # its layers would take the stream split over the sequence as DTensors, and heads
+        # split unevenly have no DTensor layout
+        return "sequence parallel hands its layers DTensors, which uneven heads cannot take"
     if any(o in spans.parts or o in spans.kv_parts for o in openers):
         return "a fused layer's pieces split evenly only"
     if any(o not in t.layers.linears for o in openers):
