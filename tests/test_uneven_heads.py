@@ -306,3 +306,35 @@ def test_lora_adapters_keep_heads_tp_does_not_divide_as_before() -> None:
     q = next(r for r in plan.rules if r.match.endswith("q_proj.base_layer"))
     assert "a LoRA adapter wraps one of its layers" in q.why, q.why
     assert_parity(model, plan, 4, IDS)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"head_dim": 5},
+            "a colwise layer with uneven heads (Linear of 112 output features) needs whole "
+            "heads on local shards, and they are no whole number of heads of head_dim 5. Fix "
+            "the rule's head_dim, or drop uneven and keep the layer whole.",
+        ),
+        (
+            {"head_dim": 8, "embedding": 1},
+            "a colwise layer with uneven heads (Embedding of 112 output features) needs whole "
+            "heads on local shards, and it cannot run on its local shards: an embedding's "
+            "lookup takes no rows of its own. Fix the rule's head_dim, or drop uneven and "
+            "keep the layer whole.",
+        ),
+    ],
+)
+def test_a_hand_rule_of_uneven_heads_that_cannot_run_is_refused_by_name(
+    fields: dict[str, int], message: str
+) -> None:
+    from tpplan.compile.linear import Colwise
+
+    model = qwen2(14, 2)
+    layer = copy.deepcopy(model.model.layers[0].self_attn.q_proj)
+    if fields.get("embedding"):
+        layer = torch.nn.Embedding(10, 14 * HEAD_DIM)
+    with simulated_ranks(4) as mesh, pytest.raises(TpplanError) as e:
+        Colwise(uneven_heads=(fields["head_dim"], 7))._apply(layer, mesh)
+    assert str(e.value) == message

@@ -186,9 +186,12 @@ def _uneven_heads(
     head_dim, group = style.uneven_heads
     tp = mesh.size()
     weight = module.get_parameter("weight")
-    features = int(weight.shape[0 if (kind == "colwise") != style.transposed else 1])
+    embedding = isinstance(module, nn.Embedding)  # its features are its weight's columns
+    features = int(weight.shape[0 if (kind == "colwise") != (style.transposed or embedding) else 1])
     where = f"{type(module).__name__} of {features} {'output' if kind == 'colwise' else 'input'} features"
     reason = style.local_run_reason(module, tp)
+    if embedding:
+        reason = "an embedding's lookup takes no rows of its own"
     if features % head_dim or reason is not None:
         why = (
             f"they are no whole number of heads of head_dim {head_dim}"
