@@ -9,25 +9,21 @@ prints, for rank 0 (the most loaded one): the attention parameters (query and ou
 projections, key and value projections) and the KV cache as fractions of the model's, the
 working copies of its own rows a layer of heads split unevenly keeps beside its shard (as a
 fraction of the query and output projections), and the collectives of each block's
-attention in the forward. Run it at two commits to compare.
+attention in the forward. Saves results/kv_heads.json; `--render` prints it again without
+importing torch.
 
     python benchmarks/kv_heads.py
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import datetime
+import platform
 from typing import Any
 
 import _common
-import torch
-from torch.distributed.tensor.debug import CommDebugMode
-
-import tpplan
-from tpplan._runtime.local import fake_ranks
-from tpplan._runtime.models import build_model
-from tpplan._runtime.tree import local_bytes
-from tpplan.plan.styles import ColwiseRule
 
 LAYERS = 2
 CASES: dict[str, tuple[str, dict[str, Any], int]] = {
@@ -82,7 +78,7 @@ CASES: dict[str, tuple[str, dict[str, Any], int]] = {
 SEQ = 32
 
 
-def _attention(model: torch.nn.Module) -> dict[str, list[str]]:
+def _attention(model: Any) -> dict[str, list[str]]:
     """{"q, o": [...], "k, v": [...]}: the projections' parameter names of every block."""
     out: dict[str, list[str]] = {"q, o": [], "k, v": []}
     for name, _ in model.named_parameters():
@@ -95,6 +91,10 @@ def _attention(model: torch.nn.Module) -> dict[str, list[str]]:
 
 def _cache(out: Any) -> int:
     """Bytes of the key/value cache a forward returned (transformers' DynamicCache)."""
+    import torch
+
+    from tpplan._runtime.tree import local_bytes
+
     cache = out.past_key_values
     return sum(
         local_bytes(t)
@@ -105,6 +105,15 @@ def _cache(out: Any) -> int:
 
 
 def measure(label: str) -> dict[str, Any]:
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import tpplan
+    from tpplan._runtime.local import fake_ranks
+    from tpplan._runtime.models import build_model
+    from tpplan._runtime.tree import local_bytes
+    from tpplan.plan.styles import ColwiseRule
+
     spec, config, tp = CASES[label]
     model = build_model(spec, {**config, "num_hidden_layers": LAYERS}, device="meta")
     model = model.to(torch.bfloat16)  # the meta grouped matmul of experts runs in bf16 only
@@ -179,12 +188,37 @@ def _cell(key: str, value: object) -> str:
     return str(value)
 
 
-def main() -> None:
-    rows = [measure(label) for label in CASES]
-    print(
-        f"tpplan {_common.revision()}; torch {torch.__version__}; {LAYERS} layers, fake process group.\n"
+def render(data: dict[str, Any]) -> str:
+    rows = data["rows"]
+    meta = data["meta"]
+    head = (
+        f"{meta['date']}; tpplan {meta['tpplan']}; torch {meta['torch']}, Python "
+        f"{meta['python']}; {LAYERS} layers on the meta device, a fake process group; rank 0."
     )
-    print(_common.markdown(list(rows[0]), [[_cell(k, v) for k, v in r.items()] for r in rows]))
+    cols = data["columns"]  # the order measure() gives them (the file sorts its keys)
+    table = _common.markdown(cols, [[_cell(k, r[k]) for k in cols] for r in rows])
+    return f"{head}\n\n{table}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _common.render_flags(parser)
+    args = parser.parse_args()
+    if args.render:
+        print(render(_common.load("kv_heads")))
+        return
+    import torch
+
+    rows = [measure(label) for label in CASES]
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "tpplan": _common.revision(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    data = {"meta": meta, "rows": rows, "columns": list(rows[0])}
+    _common.save("kv_heads", data)
+    print(render(data))
 
 
 if __name__ == "__main__":

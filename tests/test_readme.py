@@ -102,6 +102,7 @@ RENDERS = [
     ("forward_gloo", ["--no-plot"], None),
     ("infer_bar", [], "infer_bar"),
     ("infer_time", ["--no-plot"], None),
+    ("kv_heads", [], None),
     ("memory_tp", ["--no-plot"], "memory_tp"),
     ("moe_bar", [], "moe_bar"),
     ("region_cost", [], None),
