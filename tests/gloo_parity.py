@@ -8,7 +8,8 @@ rank's share of the rows as DTensor holds it, the head's output padded to gather
 `pieces`, test_region_pieces.py's attention whose fused q|k|v of unequal pieces opens a
 DTensor region (held in its pieces until cut, with a norm over all query heads), inferred.
 With `heads H K`, a tiny Qwen2 of H query and K key/value heads whose heads tp does not
-divide, split unevenly by its inferred plan (support/uneven_heads.py), a greedy generate too.
+divide, split unevenly by its inferred plan (support/uneven_heads.py), a greedy generate too,
+and its whole checkpoint (the original weights) loaded again by `tpplan.from_pretrained`.
 With `refuse`, each rank first has a plan refused that only the dry run finds unrunnable (its
 fake ranks beside this real group, at tp 2 and at a tp of 4 larger than the world), then
 applies the good plan."""
@@ -115,6 +116,24 @@ def main() -> None:
         mine = model.generate(x, max_new_tokens=4, do_sample=False)
         if not torch.equal(same, mine):
             finish(f"rank {rank}: greedy generate differs")
+        # saved whole, the checkpoint is the original model's; loaded again at this tp by
+        # from_pretrained (its plan inferred anew), the logits are the original's
+        import tempfile
+
+        folder = [tempfile.mkdtemp() if rank == 0 else None]
+        dist.broadcast_object_list(folder, src=0)
+        tpplan.save_checkpoint(model, folder[0], sharded=False)
+        dist.barrier()
+        again = tpplan.from_pretrained(folder[0], mesh["tp"])
+        with torch.no_grad():
+            if (again(x).logits - ref(x).logits).abs().max() > TOL:
+                finish(f"rank {rank}: the model loaded from its whole checkpoint differs")
+        saved = {k: v for k, v in ref.state_dict().items()}
+        from safetensors.torch import load_file
+
+        whole = load_file(str(Path(folder[0]) / "model.safetensors"))
+        if any(not torch.equal(whole[k], saved[k]) for k in whole):
+            finish(f"rank {rank}: the whole checkpoint is not the original weights")
     else:
         ref, model, x = tiny_llama(), tiny_llama(), token_batch()  # seeded alike
         if sys.argv[1:] == ["refuse"]:
