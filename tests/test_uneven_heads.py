@@ -338,3 +338,25 @@ def test_a_hand_rule_of_uneven_heads_that_cannot_run_is_refused_by_name(
     with simulated_ranks(4) as mesh, pytest.raises(TpplanError) as e:
         Colwise(uneven_heads=(fields["head_dim"], 7))._apply(layer, mesh)
     assert str(e.value) == message
+
+
+def test_fused_heads_of_three_pieces_side_by_side_split_unevenly() -> None:
+    """GPT-NeoX's query_key_value views its output as heads of q, k and v side by side
+    (heads of 3 x 8 features) and dense contracts heads of 8: 5 heads at tp 2 split 3 and 2,
+    each layer by its own head size, with parity."""
+    config = tr.GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=5 * HEAD_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=5,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = tr.GPTNeoXForCausalLM(config).eval()
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=IDS)
+    rules = {r.match.rpartition(".")[2]: r for r in plan.rules if ".attention." in r.match}
+    assert (rules["query_key_value"].head_dim, rules["query_key_value"].uneven) == (24, True)
+    assert (rules["dense"].head_dim, rules["dense"].uneven) == (8, True)
+    assert not tpplan.check_plan(plan, model, tp_size=2)
+    assert_parity(model, plan, 2, IDS)

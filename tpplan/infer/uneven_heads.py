@@ -47,7 +47,9 @@ class Uneven:
     """H: the query openers' heads."""
     group: int
     """g: the query heads each key/value head serves (1 without grouping)."""
-    head_dim: int
+    head_dims: dict[str, int]
+    """Layer -> the size of its heads (an opener's output features per head, a closer's
+    input features per head: GPT-NeoX's fused q|k|v holds 3 pieces of a head side by side)."""
     query: list[str]
     """The openers of H heads (every opener, without grouping)."""
     kv: list[str]
@@ -100,12 +102,8 @@ def uneven_heads(
     (h,) = heads
     assert h is not None
     own = {o: spans.heads.get(o) or (sharing.kv.get(o) if sharing else None) for o in openers}
-    sizes = {spans.openers[o] // (own[o] or 1) for o in openers}
-    if len(sizes) != 1 or any(
-        not own[o] or spans.units.get(o, spans.openers[o]) != own[o] for o in openers
-    ):
-        return "its openers' splits are not whole heads of one size"
-    (head_dim,) = sizes
+    if any(not own[o] or spans.units.get(o, spans.openers[o]) != own[o] for o in openers):
+        return "its openers' splits are not their whole heads"
     k = {sharing.kv[o] for o in kv} if sharing is not None else {h}
     if len(k) != 1 or h % next(iter(k)):
         return "its key/value openers hold unequal head counts"
@@ -114,13 +112,16 @@ def uneven_heads(
         shares = head_shares(h, group, ctx.tp)
     except TpplanError as e:
         return str(e).split(":")[0]
+    head_dims = {o: spans.openers[o] // (own[o] or 1) for o in openers}
     for c in closers:
-        if spans.closers[c].inner != head_dim:
-            return f"a closer contracts blocks of {spans.closers[c].inner}, not heads of {head_dim}"
+        s = spans.closers[c]
+        if s.n != h or s.inner <= 1:
+            return f"a closer contracts {s.n} blocks of {s.inner}, not its {h} query heads"
+        head_dims[c] = s.inner
     for p, sources in t.params.in_span.items():
         if sources & set(openers) and p in t.params.split_vectors:
             return f"{p} holds one entry per head, which whole heads split unevenly do not match"
-    found = Uneven(h, group, head_dim, query, kv, shares)
+    found = Uneven(h, group, head_dims, query, kv, shares)
     refused = _attributes(ctx, found, sharing, counts)
     return refused or found
 
@@ -232,13 +233,14 @@ def split_unevenly(
     count (replicate_heads) or split unevenly in whole heads, the closers rowwise alike, the
     counts read each rank's own."""
     found.split_spans.append((openers, closers))
-    h, g, d, tp = uneven.heads, uneven.group, uneven.head_dim, ctx.tp
+    h, g, tp = uneven.heads, uneven.group, ctx.tp
+    d = uneven.head_dims
     counts = sorted({s.count for s in uneven.shares}, reverse=True)
     each = " or ".join(map(str, counts))
     grouped = f" in {h // g} groups of {g} (one per key/value head)" if g > 1 else ""
     how = (
         f"tp {tp} does not divide its {h} heads{grouped}, so they split unevenly: each rank "
-        f"holds {each} whole heads of {d}"
+        f"holds {each} whole heads"
         + (", of its own key/value head" if uneven.shared else "")
         + " and computes with a copy of their rows (the weight a plain shard of the original)"
     )
@@ -251,14 +253,14 @@ def split_unevenly(
                 f"its {uneven.heads // g} key/value heads each serve {g} query heads; {how}, "
                 "so each key/value head stays whole on the ranks holding its query heads, its "
                 "gradient summed over them",
-                head_dim=d,
+                head_dim=d[o],
                 replicate_heads=True,
             )
             continue
         found.rules[o] = decided(
             ColwiseRule,
-            f"its output features are heads of {d} that {to} contracts (rowwise); {how}",
-            head_dim=d,
+            f"its output features are heads of {d[o]} that {to} contracts (rowwise); {how}",
+            head_dim=d[o],
             uneven=True,
             group=group if o in uneven.query else None,
             transposed=ctx.trace.layers.linears[o][2] or None,
@@ -267,8 +269,8 @@ def split_unevenly(
         found.rules[c] = decided(
             RowwiseRule,
             f"contracts the heads split by {join_names([short[o] for o in openers])} on its "
-            f"input dim; {how}; its output is a partial sum, one all-reduce",
-            head_dim=d,
+            f"input dim (heads of {d[c]}); {how}; its output is a partial sum, one all-reduce",
+            head_dim=d[c],
             uneven=True,
             group=group,
             transposed=ctx.trace.layers.linears[c][2] or None,
