@@ -593,11 +593,19 @@ def test_a_schema_version(text: str, message: str) -> None:
         ),
         pytest.param(
             "tpplan: 17\nrules:\n  - {match: a, style: colwise, uneven: true, head_dim: 8, "
-            "parts: [16, 8, 8], why: x}\n",
+            "local_output: false, why: x}\n",
             "line 3: rules[0]: colwise with uneven heads computes whole heads of its own rows on "
-            "local shards, so it takes no parts, input or output layouts, replicate_heads or "
-            "local_output: false; drop them, or uneven.",
-            id="uneven heads with parts",
+            "local shards, so it takes no input or output layouts, replicate_heads or "
+            "local_output: false (nor parts, rowwise); drop them, or uneven.",
+            id="uneven heads handing DTensors on",
+        ),
+        pytest.param(
+            "tpplan: 17\nrules:\n  - {match: a, style: rowwise, uneven: true, head_dim: 8, "
+            "parts: [8, 8], why: x}\n",
+            "line 3: rules[0]: rowwise with uneven heads computes whole heads of its own rows on "
+            "local shards, so it takes no input or output layouts, replicate_heads or "
+            "local_output: false (nor parts, rowwise); drop them, or uneven.",
+            id="uneven rowwise heads with parts",
         ),
     ],
 )

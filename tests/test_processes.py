@@ -161,20 +161,28 @@ def test_a_lora_model_trains_saves_and_merges_on_gloo(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("tp", "heads", "kv"),
-    [(2, 5, 5), (3, 8, 4), (4, 7, 1), (4, 6, 6), (8, 28, 4)],
-    ids=["tp2-5-heads", "tp3-8q-4kv", "tp4-7q-1kv", "tp4-6-heads", "tp8-28q-4kv"],
+    ("tp", "heads", "kv", "arch"),
+    [
+        (2, 5, 5, "qwen2"),
+        (3, 8, 4, "qwen2"),
+        (4, 7, 1, "qwen2"),
+        (4, 6, 6, "qwen2"),
+        (8, 28, 4, "qwen2"),
+        (4, 25, 25, "gpt2"),
+    ],
+    ids=["tp2-5-heads", "tp3-8q-4kv", "tp4-7q-1kv", "tp4-6-heads", "tp8-28q-4kv", "tp4-gpt2-25"],
 )
-def test_gloo_parity_of_heads_split_unevenly(tp: int, heads: int, kv: int) -> None:
+def test_gloo_parity_of_heads_split_unevenly(tp: int, heads: int, kv: int, arch: str) -> None:
     """Real ranks infer and apply a plan splitting heads tp does not divide unevenly
     (test_uneven_heads.py), each rank its own head counts as plain numbers: forward,
-    backward and a greedy generate match the unsharded model. Simulated ranks cannot run
-    every such case (their per-rank sizes must agree on the model's control flow)."""
+    backward and a greedy generate match the unsharded model, and the whole checkpoint it
+    saves loads again. Simulated ranks cannot run every such case (their per-rank sizes must
+    agree on the model's control flow). GPT-2's q|k|v is fused in one layer."""
     run = torchrun(
         HERE / "gloo_parity.py",
         "--standalone",
         f"--nproc-per-node={tp}",
-        script_args=("heads", str(heads), str(kv)),
+        script_args=("heads", str(heads), str(kv), *([arch] if arch != "qwen2" else [])),
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert _ranks(run.stdout, f"/{tp} worst") == list(range(tp)), run.stdout

@@ -13,7 +13,7 @@ import transformers as tr
 from model_zoo.measure import measure
 from support.models import token_batch
 from support.parity import assert_parity, assert_the_original_state
-from support.uneven_heads import HEAD_DIM, VOCAB, qwen2, uneven_plan
+from support.uneven_heads import HEAD_DIM, VOCAB, gpt2, qwen2, uneven_plan
 from torch.distributed.tensor import DTensor
 
 import tpplan
@@ -358,5 +358,18 @@ def test_fused_heads_of_three_pieces_side_by_side_split_unevenly() -> None:
     rules = {r.match.rpartition(".")[2]: r for r in plan.rules if ".attention." in r.match}
     assert (rules["query_key_value"].head_dim, rules["query_key_value"].uneven) == (24, True)
     assert (rules["dense"].head_dim, rules["dense"].uneven) == (8, True)
+    assert not tpplan.check_plan(plan, model, tp_size=2)
+    assert_parity(model, plan, 2, IDS)
+
+
+def test_fused_equal_pieces_of_heads_tp_does_not_divide_split_unevenly() -> None:
+    """GPT-2's c_attn (q|k|v of 5 heads each, fused, stored (in, out)) at tp 2: each rank
+    its own heads of every piece (3 and 2), split_size each rank's own, with parity; the
+    weight a plain shard of the original (not the pieces' strided layout)."""
+    model = gpt2(5)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=IDS)
+    c_attn = next(r for r in plan.rules if r.match.endswith("c_attn"))
+    assert (c_attn.parts, c_attn.head_dim, c_attn.uneven) == ([40, 40, 40], 8, True)
+    assert [a.uneven for a in plan.attributes] == ["c_attn"]
     assert not tpplan.check_plan(plan, model, tp_size=2)
     assert_parity(model, plan, 2, IDS)

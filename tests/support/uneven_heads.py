@@ -5,7 +5,7 @@ gloo script that run it on real ranks."""
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 import tpplan
 
@@ -27,6 +27,22 @@ def qwen2(heads: int, kv_heads: int, *, layers: int = 2) -> Qwen2ForCausalLM:
     )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).eval()
+
+
+def gpt2(heads: int, kv_heads: int = 0, *, layers: int = 2) -> GPT2LMHeadModel:
+    """A seeded tiny GPT-2 of `heads` heads of HEAD_DIM (q|k|v fused in c_attn; `kv_heads`
+    is not used: its heads are their own)."""
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=HEAD_DIM * heads,
+        n_layer=layers,
+        n_head=heads,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).eval()
 
 
 def uneven_plan(heads: int, kv_heads: int, tp: int) -> tpplan.Plan:

@@ -30,7 +30,7 @@ from ..plan.styles import (
     VocabParallelRule,
 )
 from .shared import rule_label
-from .sizes import check_size, sharded_dim, split_dims
+from .sizes import check_size, check_uneven_heads, sharded_dim, split_dims
 
 __all__ = ["Matches", "check_inside_experts", "check_rules", "check_tied", "match_rules"]
 
@@ -255,6 +255,8 @@ def _check_split(i: int, rule: Rule, name: str, module: nn.Module, tp: int) -> l
             )
         ]
     out: list[Problem] = []
+    if rule.uneven_group() is not None:
+        out += check_uneven_heads(i, rule, name, [size for _, size in split_dims(rule, module)], tp)
     if not rule.splits_unevenly():
         also = (
             ", or set uneven: true (each rank then holds DTensor's share, the last ones less)"

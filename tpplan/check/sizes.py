@@ -9,13 +9,13 @@ from torch import nn
 
 from .._runtime.facts import weight_kind
 from .._runtime.torch_compat import ConvNd
-from ..compile.uneven_heads import head_shares
+from ..compile.uneven_heads import uneven_rows
 from ..errors import Problem, TpplanError
 from ..plan.rule import Rule
 from ..plan.styles import HeadsRule
 from .shared import legal_sizes, rule_label
 
-__all__ = ["check_size", "sharded_dim", "split_dims"]
+__all__ = ["check_size", "check_uneven_heads", "sharded_dim", "split_dims"]
 
 
 # (what holds the weight, the dim of it a style splits) -> the attribute that sizes the dim
@@ -84,7 +84,7 @@ def check_size(
                 )
             )
         elif rule.uneven_group() is not None:
-            out += _check_uneven_heads(i, rule, name, what, size // head_dim, tp)
+            pass  # the rule's pieces as one (check_uneven_heads)
         elif rule.shares_heads() and tp % (size // head_dim) == 0:
             pass  # each head goes whole to tp/heads ranks (compile/shared_heads.py)
         elif (size // head_dim) % tp:
@@ -119,15 +119,15 @@ def check_size(
     return out
 
 
-def _check_uneven_heads(
-    i: int, rule: Rule, name: str, what: str, heads: int, tp: int
-) -> list[Problem]:
-    """Heads split unevenly (compile/uneven_heads.py): whole heads of whole or shared
-    key/value heads for every rank."""
-    group = rule.uneven_group()
-    assert group is not None and rule.head_size() is not None
+def check_uneven_heads(i: int, rule: Rule, name: str, sizes: list[int], tp: int) -> list[Problem]:
+    """Heads split unevenly (compile/uneven_heads.py): for every rank whole heads of whole or
+    shared key/value heads, in each of the rule's pieces (`sizes`, or the whole dim)."""
+    group, head_dim = rule.uneven_group(), rule.head_size()
+    assert group is not None and head_dim is not None
+    if any(size % head_dim for size in sizes):
+        return []  # told by check_size: not whole heads
     try:
-        head_shares(heads, group, tp)
+        uneven_rows(sizes, head_dim, group, tp)
     except TpplanError as e:
         fix = "fix group (the query heads per key/value head), or keep this module replicated."
         return [Problem("divisibility", rule_label(i, rule), name, str(e), fix)]

@@ -184,11 +184,9 @@ def check_heads(
             continue
         features, heads = trace.spans.openers[t], trace.spans.heads.get(t)
         size = features // heads if heads and features % heads == 0 else None
-        if (
-            plan.rules[i].uneven_group() is not None
-            and heads == units
-            and size == plan.rules[i].head_size()
-        ):
+        rule = plan.rules[i]
+        pieces = len(rule.part_sizes() or [0])  # a fused layer's heads: of each piece
+        if rule.uneven_group() is not None and units * (rule.head_size() or 0) * pieces == features:
             continue  # whole heads split unevenly: each rank's are whole (compile/uneven_heads.py)
         what = f"{heads} heads of {size}" if size else f"{features} features"
         if heads != units:

@@ -38,7 +38,7 @@ from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
 from .region_pieces import hold_in_pieces
 from .strided import equal_parts, gather_pieces, own_slices
-from .uneven_heads import head_shares, share_rows
+from .uneven_heads import uneven_rows
 
 __all__ = ["Colwise", "Rowwise"]
 
@@ -140,7 +140,10 @@ class Colwise(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.uneven_heads is not None:
-            return _uneven_heads(self, module, device_mesh, "colwise", self._partition)
+            # a plain Shard of the output features, fused pieces or not (the rank's own
+            # rows are copied out of it, not laid out as a _StridedShard)
+            plain = partial(_plain_colwise, self.transposed, self.src_data_rank)
+            return _uneven_heads(self, module, device_mesh, "colwise", plain)
         input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
         output_fn = partial(
             self._own_output, self.output_layouts, self.use_local_output, self.parts, self.unit
@@ -174,6 +177,15 @@ class Colwise(ColwiseParallel):
         )
 
 
+def _plain_colwise(
+    transposed: bool, src: int | None, name: str, module: nn.Module, mesh: DeviceMesh
+) -> None:
+    """Colwise's partition less its fused pieces: each parameter a plain Shard."""
+    split_param(module, "weight", mesh, 1 if transposed else 0, None, src)
+    if getattr(module, "bias", None) is not None:
+        split_param(module, "bias", mesh, 0, None, src)
+
+
 def _uneven_heads(
     style: Colwise | Rowwise, module: nn.Module, mesh: DeviceMesh, kind: Any, partition: Any
 ) -> nn.Module:
@@ -202,8 +214,8 @@ def _uneven_heads(
             f"a {kind} layer with uneven heads ({where}) needs whole heads on local shards, "
             f"and {why}. Fix the rule's head_dim, or drop uneven and keep the layer whole."
         )
-    shares = head_shares(features // head_dim, group, tp)
-    order = tuple(tuple(rows) for rows in share_rows(shares, head_dim))
+    pieces = style.parts if isinstance(style, Colwise) and style.parts else (features,)
+    order = tuple(tuple(rows) for rows in uneven_rows(pieces, head_dim, group, tp))
     distribute_module(module, mesh, partition)
 
     def refuse(*_: Any) -> Any:

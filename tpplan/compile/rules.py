@@ -164,6 +164,7 @@ def _colwise(rule: ColwiseRule, build: Build) -> ParallelStyle:
         # heads tp does not divide, each rank its own whole heads (uneven_heads.py)
         assert rule.head_dim is not None  # uneven_group says it has one
         return Colwise(
+            parts=rule.parts,
             transposed=bool(rule.transposed),
             local_shards=build.local_shards,
             uneven_heads=(rule.head_dim, group),

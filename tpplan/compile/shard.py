@@ -183,7 +183,8 @@ def own_attributes(
     assert head_dim is not None and group is not None
     weight = module._parameters["weight"]
     assert weight is not None
-    heads = int(weight.shape[1 if found.stored_transposed() else 0]) // head_dim
+    features = int(weight.shape[1 if found.stored_transposed() else 0])
+    heads = max(found.part_sizes() or [features]) // head_dim  # a fused layer's query piece
     kv = heads // group
     out = []
     for s in head_shares(heads, group, tp):

@@ -33,7 +33,15 @@ from torch.distributed.tensor import DeviceMesh
 
 from ..errors import TpplanError
 
-__all__ = ["HeadShare", "even_sizes", "head_shares", "own_tensor", "own_value", "share_rows"]
+__all__ = [
+    "HeadShare",
+    "even_sizes",
+    "head_shares",
+    "own_tensor",
+    "own_value",
+    "share_rows",
+    "uneven_rows",
+]
 
 
 def even_sizes(n: int, ways: int) -> list[int]:
@@ -91,6 +99,30 @@ def share_rows(shares: Sequence[HeadShare], head_dim: int, *, kv: bool = False) 
     for s in shares:
         first, count = (s.kv_first, s.kv_count) if kv else (s.first, s.count)
         out.append(list(range(first * head_dim, (first + count) * head_dim)))
+    return out
+
+
+def uneven_rows(pieces: Sequence[int], head_dim: int, group: int, tp: int) -> list[list[int]]:
+    """Per rank, the rows it computes with of a layer whose features are `pieces` laid end
+    to end (one piece where nothing is fused), each of whole heads of `head_dim`: in a piece
+    of the most heads (H, the query heads) the rank's query heads, in one of H/group (the
+    key/value heads of fused q|k|v) its key/value heads. A TpplanError naming the sizes
+    where there is no such split."""
+    heads = max(pieces) // head_dim
+    shares = head_shares(heads, group, tp)
+    out: list[list[int]] = [[] for _ in range(tp)]
+    start = 0
+    for size in pieces:
+        n = size // head_dim
+        if size % head_dim or n not in (heads, heads // group):
+            raise TpplanError(
+                f"a piece of {size} features is neither the {heads} query heads of {head_dim} "
+                f"nor their {heads // group} key/value heads; fix the rule's parts, head_dim "
+                "or group."
+            )
+        for r, rows in enumerate(share_rows(shares, head_dim, kv=n != heads)):
+            out[r].extend(start + i for i in rows)
+        start += size
     return out
 
 

@@ -22,7 +22,7 @@ from ..apply.api import apply_plan
 from ..compile.experts import EXPERTS_MARK
 from ..compile.own_rows import own_order
 from ..compile.region_pieces import held_in_pieces
-from ..compile.uneven_heads import head_shares, share_rows
+from ..compile.uneven_heads import uneven_rows
 from ..errors import TpplanError
 from ..plan.patterns import match_names, wildcard
 from ..plan.schema import Plan
@@ -124,9 +124,8 @@ def _fused_outputs(
         if group is not None and rule.head_dim:
             for n in match_names(rule.match, names):
                 weight = sharded.get_submodule(n).get_parameter("weight")
-                heads = int(weight.shape[1 if rule.transposed else 0]) // rule.head_dim
-                shares = head_shares(heads, group, tp)
-                out[n] = (None, None, share_rows(shares, rule.head_dim))
+                pieces = rule.parts or [int(weight.shape[1 if rule.transposed else 0])]
+                out[n] = (None, None, uneven_rows(pieces, rule.head_dim, group, tp))
     return out
 
 

@@ -78,7 +78,8 @@ def uneven_heads(
     t = ctx.trace
     spans = t.spans
     kv_openers = set(sharing.kv) if sharing is not None else set()
-    query_heads = [spans.heads[o] for o in openers if o in spans.heads and o not in kv_openers]
+    of = {o: _heads_of(ctx, o) for o in openers}
+    query_heads = [n for o, n in of.items() if n and o not in kv_openers]
     if not query_heads or all(h % ctx.tp == 0 for h in query_heads):
         return None
     bases = {a.base for a in lora_layers(ctx.model).values()}
@@ -88,20 +89,20 @@ def uneven_heads(
         # its layers would take the stream split over the sequence as DTensors, and heads
         # split unevenly have no DTensor layout
         return "sequence parallel hands its layers DTensors, which uneven heads cannot take"
-    if any(o in spans.parts or o in spans.kv_parts for o in openers):
-        return "a fused layer's pieces split evenly only"
+    if any(o in spans.kv_parts or (o in spans.parts and not of[o]) for o in openers):
+        return "a fused layer's pieces of several sizes split evenly only"
     if any(o not in t.layers.linears for o in openers):
         return "an opener is not a Linear"
     kv = sorted(sharing.kv) if sharing is not None else []
     if sharing is not None and sharing.refused:
         return f"its key/value heads cannot be shared ({sharing.refused})"
     query = [o for o in openers if o not in kv]
-    heads = {spans.heads.get(o) for o in query}
+    heads = {of[o] for o in query}
     if not query or len(heads) != 1 or None in heads:
         return "its query openers' features are not all cut into heads of one count"
     (h,) = heads
     assert h is not None
-    own = {o: spans.heads.get(o) or (sharing.kv.get(o) if sharing else None) for o in openers}
+    own = {o: of[o] or (sharing.kv.get(o) if sharing else None) for o in openers}
     if any(not own[o] or spans.units.get(o, spans.openers[o]) != own[o] for o in openers):
         return "its openers' splits are not their whole heads"
     k = {sharing.kv[o] for o in kv} if sharing is not None else {h}
@@ -112,7 +113,9 @@ def uneven_heads(
         shares = head_shares(h, group, ctx.tp)
     except TpplanError as e:
         return str(e).split(":")[0]
-    head_dims = {o: spans.openers[o] // (own[o] or 1) for o in openers}
+    # a fused layer of equal pieces (q|k|v of as many heads each): heads of one piece
+    pieces = {o: len(spans.parts.get(o, (0,))) for o in openers}
+    head_dims = {o: spans.openers[o] // (own[o] or 1) // pieces[o] for o in openers}
     for c in closers:
         s = spans.closers[c]
         if s.n != h or s.inner <= 1:
@@ -175,6 +178,20 @@ def _attributes(
             )
         )
     return None
+
+
+def _heads_of(ctx: Context, o: str) -> int | None:
+    """The heads an opener's views cut its features into; for a fused layer of equal pieces
+    (q|k|v cut apart, then each viewed as heads: GPT-2's c_attn), each piece's: the split's
+    unit, where it cuts every piece into whole heads. None where neither."""
+    spans = ctx.trace.spans
+    parts = spans.parts.get(o)
+    if parts is None:
+        return spans.heads.get(o)
+    unit = spans.units.get(o)
+    if len(set(parts)) != 1 or not unit or parts[0] % unit or unit == len(parts):
+        return None
+    return unit
 
 
 def _kv_of(found: Uneven, module: str) -> str | None:
@@ -257,10 +274,14 @@ def split_unevenly(
                 replicate_heads=True,
             )
             continue
+        parts = ctx.trace.spans.parts.get(o)
         found.rules[o] = decided(
             ColwiseRule,
-            f"its output features are heads of {d[o]} that {to} contracts (rowwise); {how}",
+            f"its output features are heads of {d[o]}"
+            + (f" in {len(parts)} fused pieces of {parts[0]}" if parts else "")
+            + f" that {to} contracts (rowwise); {how}",
             head_dim=d[o],
+            parts=list(parts) if parts else None,
             uneven=True,
             group=group if o in uneven.query else None,
             transposed=ctx.trace.layers.linears[o][2] or None,

@@ -300,7 +300,7 @@ def _check_uneven_heads(rule: ColwiseRule | RowwiseRule, heads: bool) -> None:
             "group, or add them."
         )
     if heads and (
-        rule.parts
+        (rule.parts and isinstance(rule, RowwiseRule))
         or rule.local_output is False
         or rule.input is not None
         or (rule.output is not None and isinstance(rule, ColwiseRule))
@@ -309,8 +309,8 @@ def _check_uneven_heads(rule: ColwiseRule | RowwiseRule, heads: bool) -> None:
     ):
         raise ValueError(
             f"{name} with uneven heads computes whole heads of its own rows on local shards, "
-            "so it takes no parts, input or output layouts, replicate_heads or local_output: "
-            "false; drop them, or uneven."
+            "so it takes no input or output layouts, replicate_heads or local_output: false "
+            "(nor parts, rowwise); drop them, or uneven."
         )
 
 
