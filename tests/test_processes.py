@@ -169,15 +169,25 @@ def test_a_lora_model_trains_saves_and_merges_on_gloo(tmp_path: Path) -> None:
         (4, 6, 6, "qwen2"),
         (8, 28, 4, "qwen2"),
         (4, 25, 25, "gpt2"),
+        (4, 14, 2, "phi3"),
     ],
-    ids=["tp2-5-heads", "tp3-8q-4kv", "tp4-7q-1kv", "tp4-6-heads", "tp8-28q-4kv", "tp4-gpt2-25"],
+    ids=[
+        "tp2-5-heads",
+        "tp3-8q-4kv",
+        "tp4-7q-1kv",
+        "tp4-6-heads",
+        "tp8-28q-4kv",
+        "tp4-gpt2-25",
+        "tp4-phi3-14q-2kv",
+    ],
 )
 def test_gloo_parity_of_heads_split_unevenly(tp: int, heads: int, kv: int, arch: str) -> None:
     """Real ranks infer and apply a plan splitting heads tp does not divide unevenly
-    (test_uneven_heads.py), each rank its own head counts as plain numbers: forward,
-    backward and a greedy generate match the unsharded model, and the whole checkpoint it
-    saves loads again. Simulated ranks cannot run every such case (their per-rank sizes must
-    agree on the model's control flow). GPT-2's q|k|v is fused in one layer."""
+        (test_uneven_heads.py), each rank its own head counts as plain numbers: forward,
+        backward and a greedy generate match the unsharded model, and the whole checkpoint it
+        saves loads again. Simulated ranks cannot run every such case (their per-rank sizes must
+        agree on the model's control flow). GPT-2's q|k|v is fused in equal pieces, Phi-3's in
+    unequal ones (grouped heads)."""
     run = torchrun(
         HERE / "gloo_parity.py",
         "--standalone",

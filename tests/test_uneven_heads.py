@@ -13,7 +13,7 @@ import transformers as tr
 from model_zoo.measure import measure
 from support.models import token_batch
 from support.parity import assert_parity, assert_the_original_state
-from support.uneven_heads import HEAD_DIM, VOCAB, gpt2, qwen2, uneven_plan
+from support.uneven_heads import HEAD_DIM, VOCAB, gpt2, phi3, qwen2, uneven_plan
 from torch.distributed.tensor import DTensor
 
 import tpplan
@@ -207,28 +207,28 @@ def test_a_dtensor_reaching_an_uneven_layer_is_refused_by_name() -> None:
     )
 
 
-def test_a_fused_layer_of_heads_tp_does_not_divide_stays_gathered() -> None:
-    """Phi-3's fused q|k|v at a tp that does not divide its heads stays split then
-    gathered (uneven heads take layers of their own), with its reason and parity."""
-    config = tr.Phi3Config(
-        vocab_size=VOCAB,
-        hidden_size=HEAD_DIM * 14,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = tr.Phi3ForCausalLM(config).eval()
+def test_fused_unequal_pieces_of_heads_tp_does_not_divide_split_unevenly() -> None:
+    """Phi-3's fused q|k|v of grouped heads (14 query, 2 key/value) at tp 4: each rank its
+    query heads and its shared key/value head of the fused rows, the cut sizes from the
+    config each rank's own. Simulated ranks cannot hold a per-rank value in transformers'
+    config (it takes ints only): applying there says so and names real ranks, which run it
+    (test_processes.py)."""
+    model = phi3(14, 2)
     plan = tpplan.infer_plan(model, tp_size=4, example_inputs=IDS)
     qkv = next(r for r in plan.rules if r.match.endswith("qkv_proj"))
-    assert qkv.output_layout() == "replicate"
-    assert "tp 4 does not divide its 2 key/value heads" in qkv.why, qkv.why
-    assert_parity(model, plan, 4, IDS)
+    assert (qkv.parts, qkv.head_dim, qkv.uneven, qkv.group) == ([112, 16, 16], 8, True, 7)
+    divided = {a.divide[0]: (a.by, a.uneven) for a in plan.attributes}
+    assert divided == {
+        "config.num_attention_heads": (None, "qkv_proj"),
+        "num_key_value_heads": ("shards", "qkv_proj"),
+        "num_key_value_groups": ("replicas", "qkv_proj"),
+    }
+    assert not tpplan.check_plan(plan, model, tp_size=4)
+    with simulated_ranks(4) as mesh, pytest.raises(TpplanError) as e:
+        tpplan.apply_plan(copy.deepcopy(model), mesh, plan)
+    assert str(e.value).endswith(
+        "takes ints only. Run it on real ranks (torchrun; tpplan verify --processes)."
+    )
 
 
 def test_verify_compares_each_ranks_own_heads() -> None:

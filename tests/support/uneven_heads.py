@@ -5,7 +5,14 @@ gloo script that run it on real ranks."""
 from __future__ import annotations
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import tpplan
 
@@ -43,6 +50,25 @@ def gpt2(heads: int, kv_heads: int = 0, *, layers: int = 2) -> GPT2LMHeadModel:
     )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config).eval()
+
+
+def phi3(heads: int, kv_heads: int, *, layers: int = 2) -> Phi3ForCausalLM:
+    """A seeded tiny Phi-3 of `heads` query and `kv_heads` key/value heads of HEAD_DIM, its
+    q|k|v fused in one Linear of unequal pieces, cut at sizes from its config."""
+    config = Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=HEAD_DIM * heads,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(config).eval()
 
 
 def uneven_plan(heads: int, kv_heads: int, tp: int) -> tpplan.Plan:

@@ -184,9 +184,7 @@ def check_heads(
             continue
         features, heads = trace.spans.openers[t], trace.spans.heads.get(t)
         size = features // heads if heads and features % heads == 0 else None
-        rule = plan.rules[i]
-        pieces = len(rule.part_sizes() or [0])  # a fused layer's heads: of each piece
-        if rule.uneven_group() is not None and units * (rule.head_size() or 0) * pieces == features:
+        if _whole_uneven_heads(plan.rules[i], features, units):
             continue  # whole heads split unevenly: each rank's are whole (compile/uneven_heads.py)
         what = f"{heads} heads of {size}" if size else f"{features} features"
         if heads != units:
@@ -208,3 +206,16 @@ def check_heads(
             )
         )
     return out, hints
+
+
+def _whole_uneven_heads(rule: Rule, features: int, units: int) -> bool:
+    """A rule of heads split unevenly whose pieces (or whole features) are whole heads that
+    the model's indivisible blocks (`units`, as the trace saw them) never cut: each rank's
+    heads are then whole (compile/uneven_heads.py)."""
+    head_dim, pieces = rule.head_size(), rule.part_sizes() or [features]
+    return (
+        rule.uneven_group() is not None
+        and head_dim is not None
+        and sum(pieces) == features
+        and all(p % head_dim == 0 and (p // head_dim) % units == 0 for p in pieces)
+    )

@@ -150,12 +150,27 @@ def _divide_attributes(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
                     values = own_attributes(
                         plan, model, rule, name, attr, tp_size, getattr(holder, own)
                     )
-                    setattr(holder, own, own_value(mesh, values))
+                    _set_own(holder, own, own_value(mesh, values), f"{name}.{attr}")
                 continue
             by = attribute_divisor(plan, model, rule, name, tp_size)
             for attr in rule.divide:
                 holder, own = _holder(modules[name], attr)
                 setattr(holder, own, getattr(holder, own) // by)
+
+
+def _set_own(holder: Any, attr: str, value: Any, where: str) -> None:
+    """Set a rank's own value; on simulated ranks (a SymInt of each rank's own) an object
+    that takes only ints (a transformers config validating its fields) cannot hold it."""
+    try:
+        setattr(holder, attr, value)
+    except Exception as e:  # a validating setter raises an error type of its own
+        if isinstance(value, int):
+            raise
+        raise TpplanError(
+            f"{where} takes each rank's own value of heads split unevenly, which one process "
+            f"running every rank holds as a SymInt, and {type(holder).__name__} takes ints "
+            "only. Run it on real ranks (torchrun; tpplan verify --processes)."
+        ) from e
 
 
 def own_attributes(

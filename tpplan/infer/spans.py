@@ -78,7 +78,7 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
     if openers and units % ctx.tp and not (shared is not None and shared.fits(ctx.tp)):
         # heads (a model's views cut the features so) may split unevenly
         tried = uneven_heads(ctx, openers, closers, sharing, counts)
-        if isinstance(tried, Uneven) and not product_counts:
+        if isinstance(tried, Uneven):
             uneven = tried
         else:
             unshared = (
@@ -86,7 +86,7 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
                 if sharing is not None and sharing.refused
                 else ""
             )
-            why_not = "its fused cut sizes are products" if isinstance(tried, Uneven) else tried
+            why_not = tried
             unevenly = f"; nor can its heads split unevenly ({why_not})" if why_not else ""
             reasons.append(
                 f"tp {ctx.tp} does not divide its {units} {_blocks(ctx, openers, units)}"
@@ -96,7 +96,9 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
     if shared is not None:
         # key/value counts are divided by the heads' shards, not the tp size
         counts = {c for c in counts if c[:2] not in shared.divided()}
-    reasons += _count_reasons(ctx, counts)
+    if uneven is None:
+        # heads split unevenly give each count each rank's own (uneven_heads.py checked it)
+        reasons += _count_reasons(ctx, counts)
     reasons += product_reasons
     found = Found()
     if reasons:

@@ -77,8 +77,11 @@ def uneven_heads(
     groups per rank would not)."""
     t = ctx.trace
     spans = t.spans
-    kv_openers = set(sharing.kv) if sharing is not None else set()
-    of = {o: _heads_of(ctx, o) for o in openers}
+    # a fused q|k|v of grouped heads (its key/value pieces in `kv_parts`) is a query opener
+    # and a key/value one at once
+    fused = {o for o in openers if o in spans.kv_parts}
+    kv_openers = set(sharing.kv) - fused if sharing is not None else set()
+    of = {o: _heads_of(ctx, o, sharing) for o in openers}
     query_heads = [n for o, n in of.items() if n and o not in kv_openers]
     if not query_heads or all(h % ctx.tp == 0 for h in query_heads):
         return None
@@ -89,21 +92,23 @@ def uneven_heads(
         # its layers would take the stream split over the sequence as DTensors, and heads
         # split unevenly have no DTensor layout
         return "sequence parallel hands its layers DTensors, which uneven heads cannot take"
-    if any(o in spans.kv_parts or (o in spans.parts and not of[o]) for o in openers):
-        return "a fused layer's pieces of several sizes split evenly only"
+    if any(o in spans.parts and not of[o] for o in openers):
+        return "a fused layer's pieces are not whole heads of its query and key/value heads"
     if any(o not in t.layers.linears for o in openers):
         return "an opener is not a Linear"
     kv = sorted(sharing.kv) if sharing is not None else []
     if sharing is not None and sharing.refused:
         return f"its key/value heads cannot be shared ({sharing.refused})"
-    query = [o for o in openers if o not in kv]
+    query = [o for o in openers if o not in kv_openers]
     heads = {of[o] for o in query}
     if not query or len(heads) != 1 or None in heads:
         return "its query openers' features are not all cut into heads of one count"
     (h,) = heads
     assert h is not None
     own = {o: of[o] or (sharing.kv.get(o) if sharing else None) for o in openers}
-    if any(not own[o] or spans.units.get(o, spans.openers[o]) != own[o] for o in openers):
+    if any(
+        not own[o] or spans.units.get(o, spans.openers[o]) != own[o] for o in set(openers) - fused
+    ):
         return "its openers' splits are not their whole heads"
     k = {sharing.kv[o] for o in kv} if sharing is not None else {h}
     if len(k) != 1 or h % next(iter(k)):
@@ -113,9 +118,15 @@ def uneven_heads(
         shares = head_shares(h, group, ctx.tp)
     except TpplanError as e:
         return str(e).split(":")[0]
-    # a fused layer of equal pieces (q|k|v of as many heads each): heads of one piece
-    pieces = {o: len(spans.parts.get(o, (0,))) for o in openers}
-    head_dims = {o: spans.openers[o] // (own[o] or 1) // pieces[o] for o in openers}
+    # a fused layer: heads of one piece (its equal pieces, or its query piece of H heads and
+    # key/value pieces of H/g)
+    head_dims = {
+        o: spans.openers[o] // (own[o] or 1) // len(spans.parts.get(o, (0,))) for o in openers
+    }
+    for o in fused:
+        head_dims[o] = max(spans.parts[o]) // (own[o] or 1)
+        if any((n // head_dims[o]) % spans.units.get(o, 1) for n in spans.parts[o]):
+            return "its fused pieces' heads are cut finer than whole heads"
     for c in closers:
         s = spans.closers[c]
         if s.n != h or s.inner <= 1:
@@ -180,14 +191,24 @@ def _attributes(
     return None
 
 
-def _heads_of(ctx: Context, o: str) -> int | None:
+def _heads_of(ctx: Context, o: str, sharing: Sharing | None) -> int | None:
     """The heads an opener's views cut its features into; for a fused layer of equal pieces
     (q|k|v cut apart, then each viewed as heads: GPT-2's c_attn), each piece's: the split's
-    unit, where it cuts every piece into whole heads. None where neither."""
+    unit, where it cuts every piece into whole heads; for q|k|v of grouped heads (Phi-3's),
+    its query piece's, whose size is what the key/value pieces leave, in heads of theirs.
+    None where neither."""
     spans = ctx.trace.spans
     parts = spans.parts.get(o)
     if parts is None:
         return spans.heads.get(o)
+    if o in spans.kv_parts:
+        kv = sharing.kv.get(o) if sharing is not None else None
+        sizes = {n for _, n in spans.kv_parts[o]}
+        query = sum(parts) - sum(n for _, n in spans.kv_parts[o])
+        if not kv or len(sizes) != 1 or next(iter(sizes)) % kv:
+            return None
+        head_dim = next(iter(sizes)) // kv
+        return query // head_dim if query % head_dim == 0 and query in parts else None
     unit = spans.units.get(o)
     if len(set(parts)) != 1 or not unit or parts[0] % unit or unit == len(parts):
         return None
@@ -264,7 +285,7 @@ def split_unevenly(
     to = join_names([short[c] for c in closers])
     group = g if g > 1 else None
     for o in openers:
-        if o in uneven.kv and uneven.shared:
+        if o in uneven.kv and uneven.shared and o not in uneven.query:
             found.rules[o] = decided(
                 ColwiseRule,
                 f"its {uneven.heads // g} key/value heads each serve {g} query heads; {how}, "
@@ -278,7 +299,7 @@ def split_unevenly(
         found.rules[o] = decided(
             ColwiseRule,
             f"its output features are heads of {d[o]}"
-            + (f" in {len(parts)} fused pieces of {parts[0]}" if parts else "")
+            + (f" in fused pieces ({' | '.join(map(str, parts))})" if parts else "")
             + f" that {to} contracts (rowwise); {how}",
             head_dim=d[o],
             parts=list(parts) if parts else None,
