@@ -1,7 +1,9 @@
 """Spans of Linears: the openers and closers that exchanged split tensors (trace/record.py
 defines the words), found from the trace's links and split or kept whole as one.
 
-Start at `decide_span`. A span of 3-D expert weights is decided in experts.py instead.
+Start at `decide_span`. A span of 3-D expert weights is decided in experts.py instead;
+the modules beside the Linears whose parameters meet the split (per-head norms) in
+span_params.py; heads tp does not divide, split unevenly, in uneven_heads.py.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ import math
 
 from torch import nn
 
-from ..plan.styles import ColwiseRule, ReplicateGradSumRule, RowwiseRule, SplitParamsRule
+from ..plan.styles import ColwiseRule, RowwiseRule
 from ..trace import Trace
 from ..trace.record import ChannelUse
 from .context import Context, Decided, Found
 from .decision import Divided, decided
-from .names import PLAIN_OPS, join, join_names, own_split_state, relative
+from .names import PLAIN_OPS, join, join_names, relative
 from .shared_heads import Sharing, kv_sharing
+from .span_params import param_holders, style_param_holders
 from .uneven_heads import Uneven, split_unevenly, uneven_heads
 
 __all__ = ["decide_span", "find_spans", "split_unit"]
@@ -92,7 +95,7 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
                 f"tp {ctx.tp} does not divide its {units} {_blocks(ctx, openers, units)}"
                 f"{unshared}{unevenly}"
             )
-    holders = _param_holders(ctx, set(openers), reasons)
+    holders = param_holders(ctx, set(openers), reasons)
     if shared is not None:
         # key/value counts are divided by the heads' shards, not the tp size
         counts = {c for c in counts if c[:2] not in shared.divided()}
@@ -107,7 +110,7 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
         return found
     if uneven is not None:
         split_unevenly(ctx, found, so_far, uneven, openers, closers, short)
-        _style_param_holders(ctx, found, holders, openers, short)
+        style_param_holders(ctx, found, holders, openers, short)
         return found
     found.split_spans.append((openers, closers))
     _open(ctx, found, openers, closers, short, units, shared)
@@ -120,7 +123,7 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
     if shared is not None:
         for module, entries in shared.attributes.items():
             found.attributes[module] = (*found.attributes[module], *entries)
-    _style_param_holders(ctx, found, holders, openers, short)
+    style_param_holders(ctx, found, holders, openers, short)
     return found
 
 
@@ -242,64 +245,6 @@ def _product_counts(
                 f"not whole) to be divided ({which} is)"
             )
     return found, reasons
-
-
-def _param_holders(ctx: Context, openers: set[str], reasons: list[str]) -> list[str]:
-    """Modules (not Linear) whose parameters meet this span's split tensors; those that
-    cannot follow the split add their reason to `reasons` instead."""
-    t = ctx.trace
-    owners = {p.rpartition(".")[0] for p, srcs in t.params.in_span.items() if srcs & openers}
-    # buffers split with the channels (a BatchNorm's running statistics, affine or not)
-    owners |= {p.rpartition(".")[0] for p, srcs in t.params.split_vectors.items() if srcs & openers}
-    out = []
-    for owner in sorted(owners):
-        module = ctx.modules.get(owner)
-        label = owner.rpartition(".")[2] or type(module).__name__
-        if not owner:
-            # rules style submodules (parallelize_module matches child names): nothing
-            # can split or sum the gradient of the root's own parameters
-            reasons.append(
-                "the model's own parameters (not a submodule's) meet its split tensors, "
-                "and a plan styles submodules only"
-            )
-            continue
-        if module is None or owner in t.layers.linears or isinstance(module, nn.Embedding):
-            reasons.append(f"the weight of {label} is used inside the region outside its own call")
-            continue
-        own = own_split_state(module, owner, t.params.split_vectors)
-        if any(
-            p in t.params.outside or not (t.params.in_span.get(p, openers) <= openers) for p in own
-        ):
-            reasons.append(f"{label}'s parameters are used both inside and outside the region")
-            continue
-        split = [p for p in own if p in t.params.split_vectors]
-        if split and (len(split) < len(own) or any(p in t.params.whole_vectors for p in split)):
-            reasons.append(f"{label}'s parameters are used both split with the heads and whole")
-            continue
-        fused = sorted({o for p in split for o in _across_pieces(ctx, module, p)})
-        if fused:
-            reasons.append(
-                f"{label}'s parameters (one entry per feature) meet all of {join(fused)}'s "
-                "fused pieces at once, where each rank holds a slice of every piece, which "
-                "their contiguous share would not match"
-            )
-            continue
-        out.append(owner)
-    return out
-
-
-def _across_pieces(ctx: Context, module: nn.Module, param: str) -> list[str]:
-    """The openers of fused pieces (`parts`) whose whole output, every piece side by side,
-    the split vector `param` met entry by entry (before the forward cut the pieces apart)."""
-    t = ctx.trace
-    own = param.rpartition(".")[2]
-    held = module.get_buffer(own) if own in module._buffers else module.get_parameter(own)
-    size = held.shape[t.params.vector_dims.get(param, 0)]
-    return [
-        o
-        for o in t.params.split_vectors[param]
-        if len(t.spans.parts.get(o, ())) > 1 and t.spans.openers.get(o) == size
-    ]
 
 
 def _open(
@@ -468,47 +413,3 @@ def _divide_counts(
             )
         divided = Divided(attrs, why)
         found.attributes[module] = (divided, *(d for d in entries if d.by is not None))
-
-
-def _style_param_holders(
-    ctx: Context, found: Found, holders: list[str], openers: list[str], short: dict[str, str]
-) -> None:
-    """Modules whose parameters meet the split tensors: split one entry per head (a per-head
-    sink), or replicated with their gradient summed over the tp axis (a per-head norm)."""
-    for h in holders:
-        own = own_split_state(ctx.modules[h], h, ctx.trace.params.split_vectors)
-        by = join_names([short[o] for o in openers])
-        if any(p in ctx.trace.params.split_vectors for p in own):
-            names = [p.rpartition(".")[2] for p in own]
-            tables = any(ctx.trace.params.vector_dims.get(p, 0) for p in own)
-            entry, kind = (
-                ("column", "a relative position bias looked up by rows")
-                if tables
-                else ("entry", "a per-head sink")
-            )
-            unit = "head"
-            channels = {ctx.trace.params.channel_vectors.get(p) for p in own}
-            if channels == {"norm"}:
-                entry, kind, unit = "entry", "a GroupNorm's affine parameters", "channel"
-            elif channels == {"batch"}:
-                entry, kind, unit = "entry", "a BatchNorm, one channel at a time", "channel"
-            elif channels and channels <= {"depthwise", "grouped"}:
-                grouped = channels != {"depthwise"}
-                kind = "a grouped convolution" if grouped else "a depthwise convolution"
-                entry, unit = "kernel", "output channel"
-                if len(own) > 1:
-                    entry = "kernel (and bias entry)"
-            entries = {"entry": "entries", "column": "columns"}.get(entry, "kernels")
-            found.rules[h] = decided(
-                SplitParamsRule,
-                f"{join(names)} {'holds' if len(names) == 1 else 'hold'} one {entry} per "
-                f"{unit} (per element of the dim split by {by}) and meets them element by "
-                f"element ({kind}); split alike, each rank holds its own {unit}s' {entries}",
-                shard={p.rpartition(".")[2]: ctx.trace.params.vector_dims.get(p, 0) for p in own},
-            )
-            continue
-        found.rules[h] = decided(
-            ReplicateGradSumRule,
-            f"its parameters act on the split features of {by} inside the region; each "
-            "rank's gradient is a partial sum, summed over the tp axis",
-        )

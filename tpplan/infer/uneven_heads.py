@@ -4,14 +4,15 @@ heads of its own key/value heads (compile/uneven_heads.py lays them out), and wh
 plan then says.
 
 Start at `uneven_heads`. It holds, each checked on the trace, where:
-- every opener is a Linear of its own (no fused pieces), its features cut into heads by
-  the model's views (the split's unit is its head count), all of one head size;
-- the query openers hold H heads alike; with grouped-query attention (shared_heads.py's
-  `Sharing`, not refused) the key/value openers hold K heads each serving g = H/K query
-  heads, else every opener holds H (g = 1);
+- every opener is a Linear whose features the model's views cut into whole heads: its
+  heads alone, heads of q, k and v side by side (GPT-NeoX), or fused pieces each of whole
+  heads (`parts`: equal pieces, GPT-2's `c_attn`; a query piece and key/value pieces of
+  grouped heads, Phi-3's `qkv_proj`); each layer may have a head size of its own;
+- the query heads (H) are all of one count, tp does not divide them, and with grouped-query
+  attention (shared_heads.py's `Sharing`, not refused) the key/value heads number K = H/g;
 - tp has a split into whole heads of whole or shared key/value heads (`head_shares`):
   past K the key/value openers share their heads (replicate_heads, as for even splits);
-- every closer contracts heads of that size;
+- every closer contracts H heads;
 - every count the forward reads comes to a whole number on every rank (a head count, a
   width of whole heads: its share of the query heads; a repeat count: the query heads each
   of the rank's key/value heads serves), and the module reading it holds a query opener,
@@ -19,7 +20,8 @@ Start at `uneven_heads`. It holds, each checked on the trace, where:
   gives each rank its own;
 - nothing else in the span holds one entry per head (a per-head norm's weight, a bias
   per head): those split with DTensor's even shares, which whole heads of several counts
-  per rank do not match.
+  per rank do not match;
+- no LoRA wrapper or sequence parallelism hands its layers what uneven heads cannot take.
 """
 
 from __future__ import annotations
@@ -118,15 +120,9 @@ def uneven_heads(
         shares = head_shares(h, group, ctx.tp)
     except TpplanError as e:
         return str(e).split(":")[0]
-    # a fused layer: heads of one piece (its equal pieces, or its query piece of H heads and
-    # key/value pieces of H/g)
-    head_dims = {
-        o: spans.openers[o] // (own[o] or 1) // len(spans.parts.get(o, (0,))) for o in openers
-    }
-    for o in fused:
-        head_dims[o] = max(spans.parts[o]) // (own[o] or 1)
-        if any((n // head_dims[o]) % spans.units.get(o, 1) for n in spans.parts[o]):
-            return "its fused pieces' heads are cut finer than whole heads"
+    head_dims = _head_dims(ctx, openers, own, fused)
+    if head_dims is None:
+        return "its fused pieces' heads are cut finer than whole heads"
     for c in closers:
         s = spans.closers[c]
         if s.n != h or s.inner <= 1:
@@ -189,6 +185,21 @@ def _attributes(
             )
         )
     return None
+
+
+def _head_dims(
+    ctx: Context, openers: list[str], own: dict[str, int | None], fused: set[str]
+) -> dict[str, int] | None:
+    """Opener -> the size of its heads: of one piece of a fused layer (its equal pieces, or
+    its query piece of H heads beside key/value pieces of H/g); None where the trace cut a
+    fused layer's heads finer than whole."""
+    spans = ctx.trace.spans
+    out = {o: spans.openers[o] // (own[o] or 1) // len(spans.parts.get(o, (0,))) for o in openers}
+    for o in fused:
+        out[o] = max(spans.parts[o]) // (own[o] or 1)
+        if any((n // out[o]) % spans.units.get(o, 1) for n in spans.parts[o]):
+            return None
+    return out
 
 
 def _heads_of(ctx: Context, o: str, sharing: Sharing | None) -> int | None:
