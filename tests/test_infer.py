@@ -532,7 +532,6 @@ def test_odd_tp_shards_what_it_can() -> None:
     assert_parity(model, _even_attention(plan), 3, _tokens())
 
 
-@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
 def _even_attention(plan: Plan) -> Plan:
     """`plan` less its rules of heads split unevenly (their attention kept whole)."""
     return plan.model_copy(
@@ -540,6 +539,7 @@ def _even_attention(plan: Plan) -> Plan:
     )
 
 
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
 def test_plan_without_tp_checks_at_2_and_4_and_round_trips(family: str) -> None:
     model = HF_FAMILIES[family]()
     plan = tpplan.infer_plan(model)

@@ -420,6 +420,17 @@ def _local_tensor_mode() -> None:
     assert tc.local_tensor_mode() is None
 
 
+@holds("LocalIntNode")
+def _local_int_node() -> None:
+    # compile/uneven_heads.py: an int of each simulated rank's own, which shapes follow, and
+    # the mesh coordinate's node holding each rank's value by global rank
+    n = torch.SymInt(tc.LocalIntNode({0: 4, 1: 3}))
+    with tc.LocalTensorMode(2) as mode:
+        x = mode.rank_map(lambda r: torch.zeros(4 - r, 2))
+        assert x.shape[0].node._local_ints == n.node._local_ints == {0: 4, 1: 3}
+        assert x.reshape(n, 2).shape[0].node._local_ints == {0: 4, 1: 3}
+
+
 @holds("LocalTensor")
 def _local_tensor() -> None:
     t = tc.LocalTensor({0: torch.zeros(2), 1: torch.ones(2)})

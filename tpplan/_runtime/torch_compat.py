@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from torch.distributed._functional_collectives import all_reduce as funcol_all_reduce
     from torch.distributed._functional_collectives import wait_tensor as funcol_wait_tensor
     from torch.distributed._local_tensor import (
+        LocalIntNode,
         LocalTensor,
         LocalTensorMode,
         local_tensor_mode,
@@ -69,6 +70,7 @@ __all__ = [
     "DynamicOutputShapeException",
     "FakeTensor",
     "FakeTensorMode",
+    "LocalIntNode",
     "LocalTensor",
     "LocalTensorMode",
     "OpSchema",
@@ -175,7 +177,9 @@ unregister_process_group = _unregister_process_group
 # create_fake_backend(rank, size): the fake backend of that group; 2.13.
 create_fake_backend = FakeProcessGroup._create_internal
 # LocalTensor / LocalTensorMode / local_tensor_mode / maybe_disable_local_tensor_mode: every
-# rank in one process with real numbers (_runtime/local.py, ranks.py). Lazy; 2.13.
+# rank in one process with real numbers (_runtime/local.py, ranks.py). LocalIntNode: an int
+# of each simulated rank's own, a SymInt's node (compile/uneven_heads.py); the mesh's
+# coordinate is one, `_local_ints` its values by global rank. Lazy; 2.13.
 
 
 def fake_store() -> Any:
@@ -265,6 +269,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "funcol_all_reduce": ("torch.distributed._functional_collectives", "all_reduce"),
     "funcol_wait_tensor": ("torch.distributed._functional_collectives", "wait_tensor"),
     "resolve_group_name": ("torch.distributed._functional_collectives", "_resolve_group_name"),
+    "LocalIntNode": ("torch.distributed._local_tensor", "LocalIntNode"),
     "LocalTensor": ("torch.distributed._local_tensor", "LocalTensor"),
     "LocalTensorMode": ("torch.distributed._local_tensor", "LocalTensorMode"),
     "local_tensor_mode": ("torch.distributed._local_tensor", "local_tensor_mode"),

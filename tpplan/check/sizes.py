@@ -96,14 +96,8 @@ def check_size(
                     name,
                     f"{heads} heads (of head_dim {head_dim}) do not split evenly over tp size {tp}; "
                     "every rank must hold whole heads.",
-                    f"use a tp size among {_legal(heads, bool(rule.shares_heads()))}, "
-                    + (
-                        "split them unevenly (uneven: true, with group on the query and "
-                        "output layers: `tpplan infer` writes it), "
-                        if tp < heads
-                        else ""
-                    )
-                    + "or keep this module replicated.",
+                    f"use a tp size among {_legal(heads, bool(rule.shares_heads()))}, or keep "
+                    "this module replicated.",
                 )
             )
     elif size % tp:

@@ -147,7 +147,7 @@ def own_value(mesh: DeviceMesh, values: Sequence[int]) -> int | torch.SymInt:
         return values[rank]
     if len({values[c] for c in rank.values()}) == 1:
         return values[next(iter(rank.values()))]
-    from torch.distributed._local_tensor import LocalIntNode
+    from .._runtime.torch_compat import LocalIntNode
 
     return torch.SymInt(LocalIntNode({g: values[c] for g, c in rank.items()}))
 
@@ -158,7 +158,7 @@ def own_tensor(mesh: DeviceMesh, values: Sequence[Sequence[int]], device: torch.
     rank = _coordinates(mesh)
     if isinstance(rank, int):
         return torch.tensor(values[rank], dtype=torch.long, device=device)
-    from torch.distributed._local_tensor import local_tensor_mode
+    from .._runtime.torch_compat import local_tensor_mode
 
     mode = local_tensor_mode()
     assert mode is not None  # simulated ranks run inside it

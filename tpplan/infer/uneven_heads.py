@@ -221,7 +221,9 @@ def _heads_of(ctx: Context, o: str, sharing: Sharing | None) -> int | None:
         head_dim = next(iter(sizes)) // kv
         return query // head_dim if query % head_dim == 0 and query in parts else None
     unit = spans.units.get(o)
-    if len(set(parts)) != 1 or not unit or parts[0] % unit or unit == len(parts):
+    # whole heads of more than one feature in every piece (a gate|up pair's features are
+    # no heads)
+    if len(set(parts)) != 1 or not unit or parts[0] % unit or parts[0] // unit < 2:
         return None
     return unit
 
