@@ -24,7 +24,7 @@ from .local_regions import RegionNotes, run_locally
 from .regions import hold_dtensors
 from .rules import plan_to_torch
 from .shared_heads import head_replicas
-from .uneven_heads import head_shares, own_value
+from .uneven_heads import head_shares, own_share, own_value
 
 __all__ = ["attribute_divisor", "own_attributes", "retie", "shard_model", "tied_holders"]
 
@@ -200,14 +200,9 @@ def own_attributes(
     assert weight is not None
     features = int(weight.shape[1 if found.stored_transposed() else 0])
     heads = max(found.part_sizes() or [features]) // head_dim  # a fused layer's query piece
-    kv = heads // group
     out = []
     for s in head_shares(heads, group, tp):
-        own, whole = {
-            "tp": (s.count, heads),
-            "shards": (s.kv_count, kv),
-            "replicas": (s.count, s.kv_count * group),
-        }[rule.by or "tp"]
+        own, whole = own_share(s, rule.by or "tp", heads, group)
         if (value * own) % whole:
             raise TpplanError(
                 f"{name}.{attr} = {value} has no "

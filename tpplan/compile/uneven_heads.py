@@ -37,6 +37,7 @@ __all__ = [
     "HeadShare",
     "even_sizes",
     "head_shares",
+    "own_share",
     "own_tensor",
     "own_value",
     "share_rows",
@@ -90,6 +91,18 @@ def head_shares(heads: int, group: int, tp: int) -> list[HeadShare]:
         f"{tp}: every rank needs whole query heads of whole or shared key/value heads. Use a "
         f"tp size among {', '.join(map(str, fits[:12]))}, or keep the attention replicated."
     )
+
+
+def own_share(share: HeadShare, by: str, heads: int, group: int) -> tuple[int, int]:
+    """(own, whole): a count read in forward becomes `value * own / whole` on the rank of
+    `share`, by what its attribute rule divides it by: `tp` its share of the `heads` query
+    heads, `shards` of the key/value heads, `replicas` the query heads each of its key/value
+    heads serves."""
+    return {
+        "tp": (share.count, heads),
+        "shards": (share.kv_count, heads // group),
+        "replicas": (share.count, share.kv_count * group),
+    }[by]
 
 
 def share_rows(shares: Sequence[HeadShare], head_dim: int, *, kv: bool = False) -> list[list[int]]:

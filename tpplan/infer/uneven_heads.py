@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._runtime.adapters import lora_layers
-from ..compile.uneven_heads import HeadShare, head_shares
+from ..compile.uneven_heads import HeadShare, head_shares, own_share
 from ..errors import TpplanError
 from ..plan.styles import ColwiseRule, RowwiseRule
 from ..trace.counted import Expr, evaluate, values_read
@@ -235,11 +235,7 @@ def _kv_of(found: Uneven, module: str) -> str | None:
 
 def _own(found: Uneven, share: HeadShare, by: str, value: int) -> float:
     """A count's value on the rank of `share` (compile/shard.py's `own_attributes`)."""
-    own, whole = {
-        "tp": (share.count, found.heads),
-        "shards": (share.kv_count, found.heads // found.group),
-        "replicas": (share.count, share.kv_count * found.group),
-    }[by]
+    own, whole = own_share(share, by, found.heads, found.group)
     return value * own / whole
 
 
@@ -249,10 +245,12 @@ def _whole_everywhere(found: Uneven, by: str, value: int) -> bool:
 
 def _value(ctx: Context, module: str, attr: str) -> int | None:
     """A count's whole value on the model (a dotted one on an object the module holds)."""
-    obj: object = ctx.modules.get(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, int) and not isinstance(obj, bool) else None
+    # imported here: compile/shard.py brings the styles' modules, which a plan with no
+    # heads split unevenly never needs at infer time
+    from ..compile.shard import attribute_value
+
+    found = attribute_value(ctx.modules[module], attr) if module in ctx.modules else None
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def _repeats_own(
