@@ -9,11 +9,20 @@ import copy
 
 import pytest
 import torch
-import transformers as tr
 from model_zoo.measure import measure
 from support.models import token_batch
 from support.parity import assert_parity, assert_the_original_state
-from support.uneven_heads import HEAD_DIM, VOCAB, gpt2, phi3, qwen2, uneven_plan
+from support.uneven_heads import (
+    HEAD_DIM,
+    VOCAB,
+    gpt2,
+    gpt_neox,
+    llama,
+    phi3,
+    qwen2,
+    qwen3,
+    uneven_plan,
+)
 from torch.distributed.tensor import DTensor
 
 import tpplan
@@ -83,22 +92,7 @@ def test_no_split_into_whole_heads_is_refused_with_the_sizes_that_have_one(
     assert str(e.value) == message
 
 
-def _model(arch: str, heads: int, kv: int) -> torch.nn.Module:
-    if arch == "qwen2":
-        return qwen2(heads, kv)
-    config = {"llama": tr.LlamaConfig, "qwen3": tr.Qwen3Config}[arch](
-        vocab_size=VOCAB,
-        hidden_size=HEAD_DIM * heads,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = {"llama": tr.LlamaForCausalLM, "qwen3": tr.Qwen3ForCausalLM}[arch](config)
-    return model.eval()
+BUILD = {"qwen2": qwen2, "llama": llama, "qwen3": qwen3}
 
 
 CASES = [
@@ -119,7 +113,7 @@ def test_inferred_uneven_heads_match_the_unsharded_model(
     """infer_plan splits heads tp does not divide unevenly (not split then gathered), says
     so in its reasons, `check` takes the plan, and forward and backward match the unsharded
     model on both paths; the state dict is the original's and no attention all-gathers."""
-    model = _model(arch, heads, kv)
+    model = BUILD[arch](heads, kv)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=IDS)
     rules = {r.match.rpartition(".")[2]: r for r in plan.rules if "self_attn" in r.match}
     group = heads // kv
@@ -344,16 +338,7 @@ def test_fused_heads_of_three_pieces_side_by_side_split_unevenly() -> None:
     """GPT-NeoX's query_key_value views its output as heads of q, k and v side by side
     (heads of 3 x 8 features) and dense contracts heads of 8: 5 heads at tp 2 split 3 and 2,
     each layer by its own head size, with parity."""
-    config = tr.GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=5 * HEAD_DIM,
-        num_hidden_layers=2,
-        num_attention_heads=5,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = tr.GPTNeoXForCausalLM(config).eval()
+    model = gpt_neox(5)
     plan = tpplan.infer_plan(model, tp_size=2, example_inputs=IDS)
     rules = {r.match.rpartition(".")[2]: r for r in plan.rules if ".attention." in r.match}
     assert (rules["query_key_value"].head_dim, rules["query_key_value"].uneven) == (24, True)

@@ -1,74 +1,75 @@
-"""Attention whose heads tp does not divide (issue 35 h): a tiny Qwen2 of any head counts
-and the plan that splits its heads unevenly (compile/uneven_heads.py), for the tests and the
-gloo script that run it on real ranks."""
+"""Attention whose heads tp does not divide (issue 35 h): tiny transformers models of any
+head counts (each built seeded, the same weights on every rank) and the hand plan that
+splits a Qwen2's heads unevenly (compile/uneven_heads.py), for the tests and the gloo script
+that run them on real ranks."""
 
 from __future__ import annotations
 
-import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from typing import Any
+
+import transformers as tr
 
 import tpplan
+
+from .models import seeded
 
 HEAD_DIM = 8
 VOCAB = 64
 
 
-def qwen2(heads: int, kv_heads: int, *, layers: int = 2) -> Qwen2ForCausalLM:
-    """A seeded tiny Qwen2 with `heads` query and `kv_heads` key/value heads."""
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).eval()
+def _decoder(model: type[Any], config: type[Any], heads: int, kv_heads: int, **fields: Any) -> Any:
+    """A seeded tiny decoder of `heads` query and `kv_heads` key/value heads of HEAD_DIM,
+    width `HEAD_DIM * heads` unless `fields` say otherwise."""
+    sizes = {
+        "vocab_size": VOCAB,
+        "hidden_size": HEAD_DIM * heads,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 64,
+    }
+    return seeded(model, config=config(**{**sizes, **fields}))
 
 
-def gpt2(heads: int, kv_heads: int = 0, *, layers: int = 2) -> GPT2LMHeadModel:
-    """A seeded tiny GPT-2 of `heads` heads of HEAD_DIM (q|k|v fused in c_attn; `kv_heads`
-    is not used: its heads are their own)."""
-    config = GPT2Config(
+def qwen2(heads: int, kv_heads: int) -> Any:
+    """A tiny Qwen2 (of width 64 whatever its heads: head_dim stated)."""
+    return _decoder(tr.Qwen2ForCausalLM, tr.Qwen2Config, heads, kv_heads, hidden_size=64, head_dim=HEAD_DIM)  # fmt: skip
+
+
+def llama(heads: int, kv_heads: int) -> Any:
+    return _decoder(tr.LlamaForCausalLM, tr.LlamaConfig, heads, kv_heads, head_dim=HEAD_DIM)
+
+
+def qwen3(heads: int, kv_heads: int) -> Any:
+    """A tiny Qwen3: q/k norms per head."""
+    return _decoder(tr.Qwen3ForCausalLM, tr.Qwen3Config, heads, kv_heads, head_dim=HEAD_DIM)
+
+
+def phi3(heads: int, kv_heads: int) -> Any:
+    """A tiny Phi-3: q|k|v fused in one Linear of unequal pieces, cut at config sizes."""
+    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    return _decoder(tr.Phi3ForCausalLM, tr.Phi3Config, heads, kv_heads, **ids)
+
+
+def gpt_neox(heads: int, kv_heads: int = 0) -> Any:
+    """A tiny GPT-NeoX: q|k|v fused, viewed as heads of the three side by side (its heads are
+    their own: `kv_heads` is not used)."""
+    return _decoder(tr.GPTNeoXForCausalLM, tr.GPTNeoXConfig, heads, heads)
+
+
+def gpt2(heads: int, kv_heads: int = 0) -> Any:
+    """A tiny GPT-2: q|k|v fused in c_attn in equal pieces (`kv_heads` is not used)."""
+    config = tr.GPT2Config(
         vocab_size=VOCAB,
         n_embd=HEAD_DIM * heads,
-        n_layer=layers,
+        n_layer=2,
         n_head=heads,
         n_positions=64,
         bos_token_id=0,
         eos_token_id=0,
     )
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(config).eval()
-
-
-def phi3(heads: int, kv_heads: int, *, layers: int = 2) -> Phi3ForCausalLM:
-    """A seeded tiny Phi-3 of `heads` query and `kv_heads` key/value heads of HEAD_DIM, its
-    q|k|v fused in one Linear of unequal pieces, cut at sizes from its config."""
-    config = Phi3Config(
-        vocab_size=VOCAB,
-        hidden_size=HEAD_DIM * heads,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    return Phi3ForCausalLM(config).eval()
+    return seeded(tr.GPT2LMHeadModel, config=config)
 
 
 def uneven_plan(heads: int, kv_heads: int, tp: int) -> tpplan.Plan:
