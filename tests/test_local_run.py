@@ -249,8 +249,8 @@ def test_layers_left_on_dtensors_beside_local_ones_keep_parity(tp: int) -> None:
 
 
 class _FalconLinear(nn.Linear):
-    """Falcon's Linear: the matmul and the bias added apart, its own forward reading the
-    weight's values (not one tpplan knows the computation of)."""
+    """Falcon's Linear: the matmul and the bias added apart, in a forward of its own that
+    computes exactly a Linear (compile/linear_probe.py proves it by the ops it runs)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x @ self.weight.T
@@ -258,10 +258,10 @@ class _FalconLinear(nn.Linear):
 
 
 class _OwnLayers(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layer: type[nn.Linear] = _OwnForward) -> None:
         super().__init__()
-        self.up = _FalconLinear(8, 16)
-        self.down = _FalconLinear(16, 8)
+        self.up = layer(8, 16)
+        self.down = layer(16, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x)))
@@ -280,6 +280,16 @@ def test_at_tp_1_a_forward_tpplan_does_not_know_runs_as_it_is_on_local_tensors(t
         assert runs_locally(model.up) == runs_locally(model.down) == (tp == 1)
         assert isinstance(model.up.weight, DTensor)  # the parameters stay DTensors
     assert_parity(_OwnLayers(), _OWN, tp, torch.randn(3, 8), tol=TOL)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_forward_of_its_own_proved_to_compute_a_linear_runs_on_local_shards(tp: int) -> None:
+    # `x @ self.weight.T + self.bias` is F.linear written out: the local forward replaces it
+    with fake_ranks(tp) as mesh:
+        model = _OwnLayers(_FalconLinear)
+        tpplan.apply_plan(model, mesh, _OWN)
+        assert runs_locally(model.up) and runs_locally(model.down)
+    assert_parity(_OwnLayers(_FalconLinear), _OWN, tp, torch.randn(3, 8), tol=TOL)
 
 
 def test_a_rowwise_layer_handed_a_dtensor_takes_the_dtensor_path_for_that_call() -> None:

@@ -22,6 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from .linear_probe import computes_linear
+
 __all__ = ["forward_of", "known_base", "local_class"]
 
 # what an extending forward may read of a parameter: metadata, never the values
@@ -82,8 +84,11 @@ def known_base(cls: type) -> tuple[type, str] | None:
 
 def forward_of(module: nn.Module) -> str | None:
     """'linear', 'conv1d' or 'embedding' when the module's forward is one of those this path
-    knows the computation of, or extends one (see the module docstring), else None."""
+    knows the computation of, or extends one (see the module docstring), or is proved to
+    compute a Linear by its ops (linear_probe.py), else None."""
     found = known_base(type(module))
+    if found is None and computes_linear(module):
+        return "linear"  # a forward of its own, proved to compute a Linear (linear_probe.py)
     return None if found is None else found[1]
 
 
