@@ -9,7 +9,8 @@ rank's share of the rows as DTensor holds it, the head's output padded to gather
 DTensor region (held in its pieces until cut, with a norm over all query heads), inferred.
 With `heads H K`, a tiny Qwen2 of H query and K key/value heads whose heads tp does not
 divide (`heads H K gpt2`: a GPT-2 of H heads, q|k|v fused in equal pieces; `heads H K
-phi3`: a Phi-3, q|k|v fused in unequal pieces), split unevenly by its inferred plan (support/uneven_heads.py), a greedy generate too,
+phi3`: a Phi-3, q|k|v fused in unequal pieces; `heads H 1 falcon`: a multi-query Falcon),
+split unevenly by its inferred plan (support/uneven_heads.py), a greedy generate too,
 and its whole checkpoint (the original weights) loaded again by `tpplan.from_pretrained`.
 With `refuse`, each rank first has a plan refused that only the dry run finds unrunnable (its
 fake ranks beside this real group, at tp 2 and at a tp of 4 larger than the world), then
@@ -98,10 +99,12 @@ def main() -> None:
         assert rows == min(step, VOCAB - rank * step), rows
         want, got = ref(x).logits, model(x).logits
     elif sys.argv[1:2] == ["heads"]:
-        from support.uneven_heads import gpt2, phi3, qwen2
+        from support.uneven_heads import falcon, gpt2, phi3, qwen2
 
         heads, kv = int(sys.argv[2]), int(sys.argv[3])
-        build = {"gpt2": gpt2, "phi3": phi3}.get(sys.argv[4] if sys.argv[4:] else "", qwen2)
+        build = {"gpt2": gpt2, "phi3": phi3, "falcon": falcon}.get(
+            sys.argv[4] if sys.argv[4:] else "", qwen2
+        )
         ref, model, x = build(heads, kv), build(heads, kv), token_batch(64)  # seeded alike
         # inferred on every rank, as a user's script does
         plan = tpplan.infer_plan(model, tp_size=world, example_inputs=x)

@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.models import token_batch
-from support.parity import assert_parity, forward_collectives
+from support.parity import assert_parity, every_call_collectives
 from torch import nn
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.debug import CommDebugMode
 
 import tpplan
 from tpplan._runtime.local import rank_values, simulated_ranks
@@ -125,18 +124,6 @@ def _ids() -> torch.Tensor:
     return token_batch(VOCAB, batch=2, seq=6)
 
 
-def _every_call(model: nn.Module, plan: tpplan.Plan, tp: int) -> dict[str, int]:
-    """The attention's collectives on its second call: every call's (the first may copy the
-    fused layer's own rows of the weight, once)."""
-    with simulated_ranks(tp) as mesh:
-        sharded = copy.deepcopy(model)
-        tpplan.apply_plan(sharded, mesh, plan)
-        sharded(_ids())
-        with CommDebugMode() as comms:
-            sharded(_ids())
-        return forward_collectives(comms, "_Model.attn")
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("style", SPLIT)
 def test_unequal_pieces_split_the_megatron_way(style: str, tp: int) -> None:
@@ -157,7 +144,7 @@ def test_unequal_pieces_split_the_megatron_way(style: str, tp: int) -> None:
         assert {"q_size", "kv_size"} <= divided or style == "split_width"
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
-    assert _every_call(model, plan, tp) == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, tp, _ids(), "_Model.attn") == {"all_reduce": 1}
 
 
 @pytest.mark.parametrize("style", ["literal_bound", "head_dim_term", "product_of_no_count"])
@@ -228,7 +215,7 @@ def test_qkv_grouped_per_kv_head_splits_by_groups(style: str, tp: int) -> None:
     assert {a for attr in plan.attributes for a in attr.divide} == {"n_head", "n_kv"}
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
-    assert _every_call(model, plan, tp) == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, tp, _ids(), "_Model.attn") == {"all_reduce": 1}
 
 
 # ---- key/value pieces past their head count ---------------------------------------------------
@@ -266,7 +253,7 @@ def test_key_value_pieces_past_their_count_share_whole_heads(style: str, kv: int
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert tpplan.verify_plan(model, plan, tp_size=tp, backward=True, inputs={"ids": _ids()}).ok
     assert_parity(model, plan, tp, _ids())
-    assert _every_call(model, plan, tp) == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, tp, _ids(), "_Model.attn") == {"all_reduce": 1}
 
 
 def test_shared_key_value_pieces_keep_the_original_weight_and_a_shard_per_rank() -> None:
@@ -300,7 +287,7 @@ def test_sizes_read_off_the_width_divide_the_group_count_past_the_key_value_head
     assert by["groups"] == "replicas"
     assert not tpplan.check_plan(plan, model, tp_size=4)
     assert_parity(model, plan, 4, _ids())
-    assert _every_call(model, plan, 4) == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, 4, _ids(), "_Model.attn") == {"all_reduce": 1}
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -170,6 +170,8 @@ def test_a_lora_model_trains_saves_and_merges_on_gloo(tmp_path: Path) -> None:
         (8, 28, 4, "qwen2"),
         (4, 25, 25, "gpt2"),
         (4, 14, 2, "phi3"),
+        (2, 5, 1, "falcon"),
+        (8, 71, 1, "falcon"),
     ],
     ids=[
         "tp2-5-heads",
@@ -179,6 +181,8 @@ def test_a_lora_model_trains_saves_and_merges_on_gloo(tmp_path: Path) -> None:
         "tp8-28q-4kv",
         "tp4-gpt2-25",
         "tp4-phi3-14q-2kv",
+        "tp2-falcon-5q-mqa",
+        "tp8-falcon-71q-mqa",
     ],
 )
 def test_gloo_parity_of_heads_split_unevenly(tp: int, heads: int, kv: int, arch: str) -> None:
@@ -187,7 +191,8 @@ def test_gloo_parity_of_heads_split_unevenly(tp: int, heads: int, kv: int, arch:
         backward and a greedy generate match the unsharded model, and the whole checkpoint it
         saves loads again. Simulated ranks cannot run every such case (their per-rank sizes must
         agree on the model's control flow). GPT-2's q|k|v is fused in equal pieces, Phi-3's in
-    unequal ones (grouped heads)."""
+    unequal ones (grouped heads), Falcon's as its query heads and one key and one value head
+    viewed `(B, T, self.num_heads + 2, D)` (Falcon-7B's 71 heads at tp 8)."""
     run = torchrun(
         HERE / "gloo_parity.py",
         "--standalone",

@@ -210,6 +210,21 @@ def one_counted_forward(
         yield sharded, comms
 
 
+def every_call_collectives(
+    model: nn.Module, plan: Plan, tp: int, x: torch.Tensor, module: str
+) -> dict[str, int]:
+    """`forward_collectives` of `module` on the second call of `plan` applied to a copy of
+    `model` on `tp` simulated ranks: every call's (the first may copy a fused layer's own
+    rows of its weight, once)."""
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        _run(sharded, x)
+        with CommDebugMode() as comms:
+            _run(sharded, x)
+        return forward_collectives(comms, module)
+
+
 def assert_the_original_state(sharded: nn.Module, model: nn.Module) -> None:
     """The sharded copy's full state dict (gathered: call it while its ranks exist) holds
     every tensor of `model`'s, unchanged."""

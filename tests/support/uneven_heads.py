@@ -72,6 +72,26 @@ def gpt2(heads: int, kv_heads: int = 0) -> Any:
     return seeded(tr.GPT2LMHeadModel, config=config)
 
 
+def falcon(heads: int, kv_heads: int = 1) -> Any:
+    """A tiny Falcon of multi-query attention (Falcon-7B's layout): q|k|v fused as its query
+    heads, then one key and one value head, viewed `(B, T, self.num_heads + 2, D)` and cut at
+    `[..., :-2, :]`, `[..., [-2], :]`, `[..., [-1], :]` (`kv_heads` is not used)."""
+    config = tr.FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=HEAD_DIM * heads,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        new_decoder_architecture=False,
+        multi_query=True,
+        parallel_attn=True,
+        bias=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return seeded(tr.FalconForCausalLM, config=config)
+
+
 def uneven_plan(heads: int, kv_heads: int, tp: int) -> tpplan.Plan:
     """The plan splitting the attention's heads unevenly at `tp` (the key/value heads
     shared whole past their count), the MLP and the vocab as usual."""

@@ -181,10 +181,11 @@ def verify_plan(
                 backward,
                 lambda t: enumerate(rank_values(_own(t))),
             )
-        except (RuntimeError, AssertionError) as e:
+        except (RuntimeError, AssertionError, AttributeError) as e:
             if not any(r.uneven_group() is not None for r in plan.rules):
                 raise
-            # one process deciding a view, or a branch, for ranks whose sizes differ
+            # one process deciding a view, or a branch, for ranks whose sizes differ (or
+            # slicing a dim whose size differs: LocalTensor's SymInt lacks what it needs)
             raise TpplanError(
                 f"simulated ranks could not run this plan's heads split unevenly ({e}): one "
                 "process runs every rank, and where the model's code branches on a head "

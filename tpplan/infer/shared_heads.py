@@ -36,7 +36,7 @@ from .context import Context
 from .decision import Divided
 from .names import inside, relative
 
-__all__ = ["Sharing", "fused_query_unit", "kv_sharing", "piece_side"]
+__all__ = ["Sharing", "fused_query_unit", "kv_sharing", "piece_side", "summed_refusal"]
 
 
 @dataclass
@@ -100,7 +100,17 @@ def fused_query_unit(ctx: Context, o: str) -> int:
     """The gcd of the split sizes a fused opener's query side met: its tensors holding no
     one piece, and those holding a query piece (its key/value pieces may be shared)."""
     spans = ctx.trace.spans
-    units = [spans.plain_units.get(o, spans.openers[o])]
+    features = spans.openers[o]
+    parts = spans.parts.get(o, (features,))
+    queries = features - sum(n for _, n in spans.kv_parts.get(o, ()))
+    units = []
+    for n in spans.plain_units.get(o, {features}):
+        # n units of every piece side by side (the output as it came, `view(B, T, self.n_head
+        # + 2, D)`): each shared key/value piece is whole on a rank, tp need divide the
+        # query heads among them only
+        unit = features // n if features % n == 0 else 0
+        whole = unit and all(p % unit == 0 for p in parts)
+        units.append(queries // unit if whole else n)
     units += [n for p, n in spans.piece_units.items() if p[0] == o and piece_side(ctx, p) == "q"]
     return math.gcd(*units)
 
@@ -157,11 +167,50 @@ def _sides(ctx: Context, o: str, count: tuple[str, str, int]) -> set[str]:
     by_product = {
         p for p, terms in reads.piece_products.items() if any(count in term for term in terms)
     }
-    return {
+    sides = {
         piece_side(ctx, p)
         for p in {*reads.piece_counts, *by_product}
         if p[0] == o and (count in reads.piece_counts.get(p, ()) or p in by_product)
     }
+    return sides | summed_sides(ctx, o, count)
+
+
+def summed_sides(ctx: Context, o: str, count: tuple[str, str, int]) -> set[str]:
+    """The sides of fused opener `o`'s attention a count counts as a term of a view's sum
+    (`view(B, T, self.n_head + 2 * self.n_kv, D)`): the query side where the term spans all
+    the features outside the key/value pieces, the key/value side where it spans theirs."""
+    spans = ctx.trace.spans
+    kv_features = sum(n for _, n in spans.kv_parts.get(o, ()))
+    q_features = spans.openers[o] - kv_features
+    sides = set()
+    for terms, _, unit in ctx.trace.reads.view_sums.get(o, ()):
+        for read, factor in terms:
+            if read != count:
+                continue
+            spanned = factor * read[2] * unit
+            sides.add("q" if spanned == q_features else "kv" if spanned == kv_features else "both")
+    return sides
+
+
+def summed_refusal(ctx: Context, o: str, kv: int | None) -> str | None:
+    """Why a view of opener `o` counted as a sum with a constant (`self.num_heads + 2`)
+    cannot be each rank's own: the constant must count its key/value pieces, each one head
+    that every rank holds whole (multi-query attention, `kv` its key/value heads)."""
+    spans = ctx.trace.spans
+    kv_features = sum(n for _, n in spans.kv_parts.get(o, ()))
+    for terms, constant, unit in ctx.trace.reads.view_sums.get(o, ()):
+        if not constant:
+            continue
+        written = " + ".join(
+            [*(f"{f} * {a}" if f > 1 else a for (_, a, _), f in terms), str(constant)]
+        )
+        if kv != 1 or constant * unit != kv_features:
+            return (
+                f"a view counts its heads as {written}, whose {constant} is held by no "
+                "attribute; only key and value pieces of one head each, whole on every "
+                "rank, may be counted by a number"
+            )
+    return None
 
 
 def _divide(

@@ -18,7 +18,7 @@ from ..trace.record import ChannelUse
 from .context import Context, Decided, Found
 from .decision import Divided, decided
 from .names import PLAIN_OPS, join, join_names, relative
-from .shared_heads import Sharing, kv_sharing
+from .shared_heads import Sharing, kv_sharing, summed_refusal
 from .span_params import param_holders, style_param_holders
 from .uneven_heads import Uneven, split_unevenly, uneven_heads
 
@@ -95,6 +95,12 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
                 f"tp {ctx.tp} does not divide its {units} {_blocks(ctx, openers, units)}"
                 f"{unshared}{unevenly}"
             )
+    for o in openers:
+        # a view counting heads with a constant (`self.num_heads + 2`) must count key/value
+        # heads every rank holds whole
+        summed = summed_refusal(ctx, o, shared.kv.get(o) if shared is not None else None)
+        if summed:
+            reasons.append(f"{short[o]}: {summed}")
     holders = param_holders(ctx, set(openers), reasons)
     if shared is not None:
         # key/value counts are divided by the heads' shards, not the tp size

@@ -23,6 +23,7 @@ __all__ = [
     "attributes_in",
     "evaluate",
     "kept_by_dividing",
+    "linear_terms",
     "product_terms",
     "render",
     "scaled_reads",
@@ -115,6 +116,30 @@ def scaled_reads(expr: Expr) -> list[tuple[str, str, int]] | None:
     if terms is None or any(len(t) != 1 for t in terms):
         return None
     return [t[0] for t in terms]
+
+
+def linear_terms(expr: Expr) -> tuple[list[tuple[tuple[str, str, int], int]], int] | None:
+    """The attribute terms and the constant of a formula that is a sum of attributes, each
+    maybe times a positive constant, plus a constant (`self.num_heads + 2`: the query heads,
+    and a key and a value head beside them; `self.n_head + 2 * self.n_kv`): ((module,
+    attribute, value), its factor) of each term, and the constant (0 if none). None for any
+    other formula (a product of attributes, a difference)."""
+    kind = expr[0]
+    if kind == "const":
+        return ([], expr[1]) if expr[1] >= 0 else None
+    if kind == "attr":
+        return [((expr[1], expr[2], expr[3]), 1)], 0
+    if kind == "*":
+        for const, other in ((expr[1], expr[2]), (expr[2], expr[1])):
+            if const[0] == "const" and const[1] > 0 and other[0] == "attr":
+                return [((other[1], other[2], other[3]), const[1])], 0
+        return None
+    if kind == "+":
+        left, right = linear_terms(expr[1]), linear_terms(expr[2])
+        if left is None or right is None:
+            return None
+        return left[0] + right[0], left[1] + right[1]
+    return None
 
 
 def product_terms(expr: Expr) -> list[tuple[tuple[str, str, int], ...]] | None:

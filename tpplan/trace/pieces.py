@@ -22,6 +22,7 @@ from .counted import (
     Counted,
     Expr,
     attributes_in,
+    linear_terms,
     product_terms,
     scaled_reads,
     shrinks_with_width,
@@ -31,7 +32,7 @@ from .split import Split, SplitEnds, carved, norm_dim, reshape
 from .trackers import Trackers
 from .trackers.dense import Piece
 
-__all__ = ["as_pieces", "cut", "piece_sliced", "unstacked"]
+__all__ = ["as_pieces", "cut", "piece_indexed", "piece_sliced", "unstacked"]
 
 
 RESHAPES_KEEPING = set(RESHAPES)
@@ -125,13 +126,52 @@ def piece_sliced(st: Trackers, op: Op, s: Split, d: int) -> tuple[torch.Tensor, 
         raise
 
 
-def _sliced_piece(st: Trackers, op: Op, s: Split, d: int, src: str) -> tuple[torch.Tensor, Split]:
+def piece_indexed(st: Trackers, op: Op, s: Split, d: int) -> tuple[torch.Tensor, Split]:
+    """`g[..., [-2], :]` along the split dim of a view counted as a sum of attributes and a
+    constant (`view(B, T, self.num_heads + 2, D)`): consecutive indices written as numbers
+    within the constant's units at either end take one piece, as the slice of them would."""
+    t = op.args[0]
+    fixed, size = st.splits.fixed_at(t), t.shape[d]
+    written = st.reads.cutting[-1] if st.reads.cutting else None
+    lists = [
+        x
+        for x in (written if isinstance(written, tuple) else (written,))
+        if isinstance(x, (list, tuple)) and x and all(type(i) is int for i in x)
+    ]
+    if fixed is None or len(lists) != 1 or len(s.sources) != 1 or s.outer != 1:
+        raise SplitEnds("it picks along the split dim")
+    at = [i + size if i < 0 else i for i in lists[0]]
+    if at != list(range(at[0], at[0] + len(at))) or not all(
+        _at_fixed_end(b, size, fixed) for b in (at[0], at[-1] + 1)
+    ):
+        raise SplitEnds("it picks along the split dim other than a run of its fixed ends")
+    (src,) = s.sources
+    return _sliced_piece(st, op, s, d, src, first=at[0], literal=True)
+
+
+def _at_fixed_end(b: int, size: int, fixed: int | None) -> bool:
+    """Whether bound `b` of a dim of `size` lies within `fixed` units of either end."""
+    return fixed is not None and (b <= fixed or size - b <= fixed)
+
+
+def _sliced_piece(
+    st: Trackers,
+    op: Op,
+    s: Split,
+    d: int,
+    src: str,
+    *,
+    first: int | None = None,
+    literal: bool = False,
+) -> tuple[torch.Tensor, Split]:
     t, out = op.args[0], op.out
     size = t.shape[d]
-    first = op.named.get("start") or 0
-    first = max(first + size, 0) if first < 0 else min(first, size)
+    if first is None:
+        first = op.named.get("start") or 0
+        first = max(first + size, 0) if first < 0 else min(first, size)
     last = first + out.shape[d]
     inner = {b for b in (first, last) if 0 < b < size}
+    fixed = st.splits.fixed_at(t)
     if any(b % s.inner for b in inner):
         raise SplitEnds("it takes part of a block of the split dim that must stay whole")
     written = st.reads.cutting[-1] if st.reads.cutting else None
@@ -146,6 +186,14 @@ def _sliced_piece(st: Trackers, op: Op, s: Split, d: int, src: str) -> tuple[tor
         found = [w for w in bounds if isinstance(w, Counted) and int(w) == b]
         products.update(_products_of(found[0]) if len(found) == 1 else ())
         leaves = _terms(st, src, found[0]) if len(found) == 1 else None
+        number = literal or any(type(w) is int and w % size == b for w in bounds)
+        if leaves is None and number and _at_fixed_end(b, size, fixed):
+            continue  # a number counting the constant's units from an end (infer checks it)
+        if leaves is None and len(found) == 1 and fixed and size - b <= fixed:
+            # `self.num_heads + 1`: the query heads, then units into the constant's at the end
+            summed = linear_terms(found[0].expr)
+            if summed is not None and summed[0] and 0 < summed[1] <= fixed:
+                leaves = [read for read, _ in summed[0]]
         if leaves is None:
             raise SplitEnds(
                 f"it takes part of the split dim, at {b}, a bound written with no module "

@@ -36,6 +36,9 @@ __all__ = [
 
 # (module, attribute, value) of an integer attribute a forward read
 AttributeRead = tuple[str, str, int]
+# A view's count written as a sum: ((attribute read, its factor), ...), the constant, and the
+# features one counted unit spans.
+ViewSum = tuple[tuple[tuple[AttributeRead, int], ...], int, int]
 ChannelUse = Literal["norm", "batch", "depthwise", "grouped"]
 """What meets split channels one group (or one channel) at a time: a GroupNorm, a BatchNorm
 (one channel at a time), a depthwise convolution (one group per input channel), a grouped
@@ -90,9 +93,10 @@ class SpanFacts:
     piece_units: dict[tuple[str, int, int], int] = field(default_factory=dict)
     """(opener, offset, size) of one fused piece -> the gcd of the split sizes the tensors
     holding that piece met (also in `units`): tp must divide the query pieces' own."""
-    plain_units: dict[str, int] = field(default_factory=dict)
-    """Opener -> the gcd of the split sizes its tensors met that held no one piece (also in
-    `units`)."""
+    plain_units: dict[str, set[int]] = field(default_factory=dict)
+    """Opener -> the split sizes its tensors met that held no one piece (also in `units`):
+    all its features (the output as it came, a view of every fused piece side by side,
+    `view(B, T, self.n_head + 2, D)`) or its query heads after attention."""
     kv_parts: dict[str, frozenset[tuple[int, int]]] = field(default_factory=dict)
     """Fused opener whose own pieces met as grouped-query attention (q|k|v of unequal
     pieces in one Linear) -> the (offset, size) of the pieces that were its keys and values;
@@ -199,6 +203,11 @@ class ReadFacts:
     )
     """(opener, offset, size) of a fused piece -> the products of `products` whose value is
     its size (the piece's own, written `self.n_kv * self.head_dim`)."""
+    view_sums: dict[str, set[ViewSum]] = field(default_factory=dict)
+    """Opener -> each count a view gave its split dim written as a sum of attributes and
+    maybe a constant (`self.num_heads + 2`, the query heads and a key and a value head whole
+    on every rank): its terms, which infer matches to the fused pieces they count, and the
+    features per counted unit."""
     products: dict[str, set[tuple[AttributeRead, ...]]] = field(default_factory=dict)
     """Opener -> the factors of each term of its fused cut sizes or bounds written as
     products of attributes (`self.n_head * self.head_dim`): exactly one of each must be a

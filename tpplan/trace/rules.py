@@ -28,7 +28,7 @@ from .ops import (
     SPLITS,
     Op,
 )
-from .pieces import as_pieces, cut, piece_sliced, unstacked
+from .pieces import as_pieces, cut, piece_indexed, piece_sliced, unstacked
 from .split import (
     Split,
     SplitEnds,
@@ -102,6 +102,8 @@ def _reshaped(st: Trackers, op: Op) -> Followed:
         )
     finally:
         st.reads.viewing = None
+    if st.reads.summed is not None:
+        st.splits.fixed_ends[id(op.out)] = (op.out, st.reads.summed)
     if id(op.out) not in st.splits.stacked:
         unstacked(st, op, s.dim)
     return [(op.out, s)]
@@ -171,6 +173,8 @@ def _indexed(st: Trackers, op: Op) -> Followed:
     s = st.splits.only_split(x)
     indices = list(op.named.get("indices", op.args[1] if len(op.args) > 1 else []))
     picked = [i for i, t in enumerate(indices) if t is not None]
+    if picked == [s.dim]:
+        return [piece_indexed(st, op, s, s.dim)]
     if not picked or (s.dim < len(indices) and indices[s.dim] is not None):
         raise SplitEnds("it picks along the split dim")
     if any(st.splits.split_of(indices[i]) is not None for i in picked):

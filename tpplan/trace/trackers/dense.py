@@ -53,6 +53,11 @@ class DenseSplits:
         # cannot follow (rules.py's `_piece_sliced`)
         self.sliced: set[str] = set()
         self.slices_refused: set[str] = set()
+        # Views whose count at the split dim is a sum of attributes plus a constant (`view(B,
+        # T, self.num_heads + 2, D)`): id -> (the tensor, the constant). Units that many from
+        # either end may be cut at literal bounds (`[..., :-2, :]`, `[..., [-2], :]`): infer
+        # allows it only where every rank holds those units whole (a key and a value head).
+        self.fixed_ends: dict[int, tuple[torch.Tensor, int]] = {}
 
     def split_of(self, t: Any) -> Split | None:
         """The Split of `t`, if it holds split features that still go on."""
@@ -79,6 +84,11 @@ class DenseSplits:
         """(dim, pieces) where `t` holds fused pieces side by side along a dim of its own."""
         entry = self.stacked.get(id(t)) if isinstance(t, torch.Tensor) else None
         return None if entry is None or entry[0] is not t else entry[1:]
+
+    def fixed_at(self, t: Any) -> int | None:
+        """The units at either end of `t`'s split dim a constant counted (`fixed_ends`)."""
+        entry = self.fixed_ends.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return None if entry is None or entry[0] is not t else entry[1]
 
     def hold_piece(self, t: torch.Tensor, piece: Piece | None) -> None:
         """`t` (split, marked) holds this piece of its layer's features (None: pieces met)."""
@@ -146,7 +156,7 @@ class DenseSplits:
         if piece or stacked:
             return
         for s in split.sources:
-            facts.plain_units[s] = math.gcd(facts.plain_units.get(s, n), n)
+            facts.plain_units.setdefault(s, set()).add(n)
 
     def open(self, name: str, out: torch.Tensor, features: int, op: str, at: int = -1) -> None:
         """`name` made `out` from an unsplit input: its dim `at` (the last, or a

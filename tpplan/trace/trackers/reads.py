@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..._runtime.torch_compat import tree_leaves
-from ..counted import Counted, attributes_in, kept_by_dividing, values_read
+from ..counted import Counted, attributes_in, kept_by_dividing, linear_terms, values_read
 from ..ops import COPIES, SIZED, Op
 from ..record import AttributeRead, ReadFacts
 from ..split import Split, SplitEnds, carved
@@ -56,6 +56,9 @@ class AttributeReads:
         # The sizes or index a running `split` or `x[...]` was written with (a `Counted`
         # bound remembers its formula), innermost last: dispatch sees plain ints.
         self.cutting: list[Any] = []
+        # The constant of the count the last view checked gave its split dim, when written as
+        # a sum of attributes and a constant (`self.num_heads + 2`), else None
+        self.summed: int | None = None
 
     # ---- logging ----------------------------------------------------------------------------
     def count_given(self, at: int, times: int) -> Any:
@@ -127,6 +130,7 @@ class AttributeReads:
         the view carves the pieces apart); the input dim's size when not given. `counted`:
         the openers whose heads the split digit counts (all of `s.sources` when not given).
         """
+        self.summed = None
         if not isinstance(sizes, (list, tuple)):
             return  # squeeze, unsqueeze, flatten: dims, not sizes
         asked = self.asked[-1] if self.asked else ()
@@ -171,7 +175,7 @@ class AttributeReads:
         else:
             self._check_merge(sizes, s, counted or s.sources)
             return
-        self._check_fixed_count(sizes, s, counted or s.sources)
+        self._check_fixed_count(sizes, s, counted or s.sources, width)
 
     def _kept_ratios(
         self, written: Any, sizes: Any, k: int, last: int, counted: frozenset[str]
@@ -255,18 +259,41 @@ class AttributeReads:
         for src in counted:
             self._count(src, held[0])
 
-    def _check_fixed_count(self, sizes: Any, s: Split, counted: frozenset[str]) -> None:
+    def _check_fixed_count(self, sizes: Any, s: Split, counted: frozenset[str], width: int) -> None:
         """The count a view gives the split dim, unless -1 or read off a split tensor, must
         be an attribute the plan divides."""
         k = s.dim
         fresh = {v for _, _, v in self.fresh}
         if sizes[k] in self.shapes_read and sizes[k] not in fresh:
             return  # the count was read off a split tensor just before: the shard's own
-        if sizes[k] != -1:
-            doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
-            count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
-            for src in counted:
-                self._count(src, count)
+        if sizes[k] == -1 or self._summed_count(sizes, s, counted, width):
+            return
+        doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
+        count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
+        for src in counted:
+            self._count(src, count)
+
+    def _summed_count(self, sizes: Any, s: Split, counted: frozenset[str], width: int) -> bool:
+        """A count at the split dim written as a sum of attributes, maybe plus a constant
+        (`view(B, T, self.num_heads + 2, D)`: a fused q|k|v's query heads, and its key and
+        value heads): each attribute is a count the plan divides, and infer matches the terms
+        to the fused pieces they count (a constant may count only key/value heads that every
+        rank holds whole). False where the count is written otherwise."""
+        asked = self.asked[-1] if self.asked else ()
+        written = asked[s.dim] if len(asked) == len(sizes) else None
+        if not isinstance(written, Counted) or written.direct() is not None or -1 in sizes:
+            return False
+        found = linear_terms(written.expr)
+        if found is None or not found[0] or len(counted) != 1:
+            return False
+        terms, constant = found
+        (src,) = counted
+        unit = width // s.n
+        for read, _ in terms:
+            self._count(src, read)
+        self.facts.view_sums.setdefault(src, set()).add((tuple(terms), constant, unit))
+        self.summed = constant
+        return True
 
     def _count(self, src: str, count: AttributeRead) -> None:
         """`count` sizes `src`'s split features (and the piece being viewed, if one is)."""
