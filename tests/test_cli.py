@@ -134,7 +134,9 @@ def test_check_at_a_tp_size_shared_heads_neither_split_over_nor_share(
         "problem: rules[2] (match: model.layers.*.self_attn.k_proj), module "
         "model.layers.*.self_attn.k_proj: 4 heads (of head_dim 8) do not split evenly over tp "
         "size 3; every rank must hold whole heads. Fix: use a tp size among 1, 2, 4 or a "
-        "multiple of 4 dividing the query heads, or keep this module replicated." in out
+        "multiple of 4 dividing the query heads, or keep this module replicated; or write a "
+        "plan for this tp (`tpplan infer MODEL --tp 3`), which splits the heads unevenly, "
+        "whole heads per rank, where the model allows it." in out
     )
     assert out.endswith("llama: 6 problem(s) at tp 3.\n")
 

@@ -182,6 +182,20 @@ def test_check_refuses_uneven_heads_with_no_split_in_whole_heads() -> None:
     ), messages
 
 
+def test_check_of_a_plan_for_every_tp_points_to_the_plan_for_this_one() -> None:
+    """A plan inferred with no tp (as the shipped ones are) splits heads evenly; at a tp that
+    does not divide them, check's fix names the command that writes the uneven split."""
+    model = qwen2(14, 2)
+    fixes = {p.module: p.fix for p in tpplan.check_plan(tpplan.infer_plan(model), model, tp_size=4)}
+    assert fixes["model.layers.*.self_attn.q_proj"] == (
+        "use a tp size among 1, 2, 7, 14, or keep this module replicated; or write a plan for "
+        "this tp (`tpplan infer MODEL --tp 4`), which splits the heads unevenly, whole heads per "
+        "rank, where the model allows it."
+    )
+    # and that plan passes
+    assert not tpplan.check_plan(tpplan.infer_plan(model, tp_size=4), model, tp_size=4)
+
+
 def test_a_dtensor_reaching_an_uneven_layer_is_refused_by_name() -> None:
     model, tp = qwen2(14, 2), 4
     with simulated_ranks(tp) as mesh:

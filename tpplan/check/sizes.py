@@ -12,7 +12,7 @@ from .._runtime.torch_compat import ConvNd
 from ..compile.uneven_heads import uneven_rows
 from ..errors import Problem, TpplanError
 from ..plan.rule import Rule
-from ..plan.styles import HeadsRule
+from ..plan.styles import ColwiseRule, HeadsRule, RowwiseRule
 from .shared import legal_sizes, rule_label
 
 __all__ = ["check_size", "check_uneven_heads", "sharded_dim", "split_dims"]
@@ -64,6 +64,17 @@ def _legal(heads: int, shared: bool) -> str:
     return f"{legal_sizes(heads)} or a multiple of {heads} dividing the query heads"
 
 
+def _uneven_hint(rule: Rule, heads: int, tp: int) -> str:
+    """Where each rank could hold at least one whole head of a Linear's: the plan `infer`
+    writes for this very tp, which splits heads unevenly where the model allows."""
+    if not isinstance(rule, (ColwiseRule, RowwiseRule)) or heads < tp:
+        return ""
+    return (
+        f"; or write a plan for this tp (`tpplan infer MODEL --tp {tp}`), which splits the "
+        "heads unevenly, whole heads per rank, where the model allows it"
+    )
+
+
 def check_size(
     i: int, rule: Rule, name: str, what: str, size: int, tp: int, also: str = ""
 ) -> list[Problem]:
@@ -97,7 +108,7 @@ def check_size(
                     f"{heads} heads (of head_dim {head_dim}) do not split evenly over tp size {tp}; "
                     "every rank must hold whole heads.",
                     f"use a tp size among {_legal(heads, bool(rule.shares_heads()))}, or keep "
-                    "this module replicated.",
+                    f"this module replicated{_uneven_hint(rule, heads, tp)}.",
                 )
             )
     elif size % tp:
