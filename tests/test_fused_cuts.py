@@ -256,6 +256,28 @@ def test_key_value_pieces_past_their_count_share_whole_heads(style: str, kv: int
     assert every_call_collectives(model, plan, tp, _ids(), "_Model.attn") == {"all_reduce": 1}
 
 
+def test_pieces_of_one_size_written_with_different_attributes_keep_their_own() -> None:
+    """`split([self.q_size, 2 * self.kv_size])` where q_size = 2 * kv_size (8 query heads
+    over 4 key/value heads): each piece is sized by the attribute written at its place, so
+    kv_size counts the key/value pieces alone and, past their count (tp 8), they are
+    shared; it once counted the query piece too, which refused the sharing."""
+    model = _model("split_split", 4)
+    plan = tpplan.infer_plan(model, tp_size=8, example_inputs=_ids())
+    qkv = next(r for r in plan.rules if r.match == "attn.qkv")
+    assert (qkv.parts, qkv.replicate_heads, qkv.output_layout()) == (
+        [Q, 4 * HEAD_DIM, 4 * HEAD_DIM],
+        True,
+        "shard(-1)",
+    )
+    by = {a: (attr.by, attr.of) for attr in plan.attributes for a in attr.divide}
+    assert by["kv_size"] == ("shards", "qkv") and by["q_size"] == (None, None)
+    assert not tpplan.check_plan(plan, model, tp_size=8)
+    # the vocab of 50 splits unevenly at tp 8, whose backward simulated ranks cannot run
+    # (test_uneven_vocab.py runs it on real ones): the attention's rules alone here
+    attention = plan.model_copy(update={"rules": [r for r in plan.rules if r.match != "head"]})
+    assert_parity(model, attention, 8, _ids())
+
+
 def test_shared_key_value_pieces_keep_the_original_weight_and_a_shard_per_rank() -> None:
     """The fused weight stays a plain shard of the original (1/tp of its rows per rank, no
     reordering): the whole state dict, after a forward that built the working rows, is the

@@ -1,7 +1,8 @@
 """A fused q|k|v viewed as heads counted by a sum (issue 35 h, Falcon-7B's multi-query
 layout): `view(B, T, self.num_heads + 2, D)`, its query heads then one key and one value
 head, or `self.n_head + 2 * self.n_kv`, cut apart on the heads dim by numbers counted from
-an end (`[..., :-2, :]`, `[..., [-2], :]`), by attributes plus a number, or by `split`.
+an end (`[..., :-2, :]`, `[..., [-2], :]`), by attributes plus a number, or by `split`
+(and the same view counted by -1).
 
 Each attribute of the sum is a count the plan divides, matched to the fused pieces it
 counts; a number may count only key and value pieces of one head each, which every rank
@@ -55,6 +56,8 @@ class _Attention(nn.Module):
         if style == "sum_slices":
             g = y.view(b, t, h + 2 * kv, d)
             return g[:, :, :h], g[:, :, h : h + kv], g[:, :, h + kv :]
+        if style == "minus1_split":  # counted by -1: each rank's own count of what it holds
+            return y.view(b, t, -1, d).split([h, kv, kv], dim=2)
         if style == "sum_unflatten":
             return y.unflatten(-1, (h + 2 * kv, d)).split([h, kv, kv], dim=-2)
         if style == "kv_number":  # 2 key/value heads counted by a number: ranks share them out
@@ -94,7 +97,11 @@ def _ids() -> torch.Tensor:
 
 SPLIT = [
     *((s, 1) for s in ("mqa_index", "mqa_slices", "mqa_split", "mqa_bounds", "mqa_first")),
-    *((s, kv) for s in ("sum_split", "sum_slices", "sum_unflatten") for kv in (1, 2)),
+    *(
+        (s, kv)
+        for s in ("sum_split", "sum_slices", "sum_unflatten", "minus1_split")
+        for kv in (1, 2)
+    ),
 ]
 
 

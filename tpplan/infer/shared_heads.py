@@ -101,16 +101,15 @@ def fused_query_unit(ctx: Context, o: str) -> int:
     one piece, and those holding a query piece (its key/value pieces may be shared)."""
     spans = ctx.trace.spans
     features = spans.openers[o]
-    parts = spans.parts.get(o, (features,))
     queries = features - sum(n for _, n in spans.kv_parts.get(o, ()))
-    units = []
-    for n in spans.plain_units.get(o, {features}):
-        # n units of every piece side by side (the output as it came, `view(B, T, self.n_head
-        # + 2, D)`): each shared key/value piece is whole on a rank, tp need divide the
-        # query heads among them only
-        unit = features // n if features % n == 0 else 0
-        whole = unit and all(p % unit == 0 for p in parts)
-        units.append(queries // unit if whole else n)
+    # the output as it came, and a view of every piece side by side counted as a sum
+    # (`view(B, T, self.n_head + 2, D)`), hold each shared key/value piece whole on a rank:
+    # tp need divide the query heads among them only
+    units = [queries if n == features else n for n in spans.plain_units.get(o, {features})]
+    units += [
+        n * queries // features if (n * queries) % features == 0 else n
+        for n in spans.summed_units.get(o, ())
+    ]
     units += [n for p, n in spans.piece_units.items() if p[0] == o and piece_side(ctx, p) == "q"]
     return math.gcd(*units)
 

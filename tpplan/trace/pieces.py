@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import torch
 
@@ -251,6 +252,7 @@ def cut(st: Trackers, op: Op, s: Split) -> list[tuple[torch.Tensor, Split]]:
     if any(n % s.inner for n in sizes):
         raise SplitEnds("it cuts the split features inside a block that must stay whole")
     held, widths = ({}, {}) if st.reads.chunking else _sizes_held(st, op)
+    asked = op.named.get("split_sizes", op.named.get("split_size"))
     if covered % (s.n * s.inner):
         raise SplitEnds("it cuts features whose place among the fused pieces is unknown")
     per_unit = covered // (s.n * s.inner)
@@ -268,7 +270,7 @@ def cut(st: Trackers, op: Op, s: Split) -> list[tuple[torch.Tensor, Split]]:
             piece = (src, at, n * per_unit)
             st.splits.hold_piece(o, piece)
             # the attributes its size was written with size this piece
-            reads.piece_counts.setdefault(piece, set()).update(held.get(n, ()))
+            reads.piece_counts.setdefault(piece, set()).update(_sized_by(held, asked, i, n))
             mine = {p for p in reads.products.get(src, ()) if math.prod(v for *_, v in p) == n}
             reads.piece_products.setdefault(piece, set()).update(mine)
             if i in widths:
@@ -276,6 +278,16 @@ def cut(st: Trackers, op: Op, s: Split) -> list[tuple[torch.Tensor, Split]]:
                 reads.width_cuts[piece] = (widths[i], width, start, covered)
             at += n * per_unit
     return followed
+
+
+def _sized_by(
+    held: dict[int, list[tuple[str, str, int]]], asked: Any, i: int, n: int
+) -> list[tuple[str, str, int]]:
+    """The attributes the i-th piece's size (`n`) was written with: `split(size)` writes one
+    size for every piece of that size (the last may be shorter)."""
+    if isinstance(asked, int):
+        return held.get(0, []) if n == asked else []
+    return held.get(i, [])
 
 
 def op_source(st: Trackers, op: Op) -> str:
@@ -346,7 +358,8 @@ def _sizes_held(
     st: Trackers, op: Op
 ) -> tuple[dict[int, list[tuple[str, str, int]]], dict[int, Expr]]:
     """The attributes a split's sizes were read from, which the plan divides by the tp size,
-    by the size they wrote: each size as written, an attribute or a sum of attributes each
+    by the place of the size they wrote among the sizes (two pieces of one size may be
+    written with different attributes, `[self.q_size, 2 * self.kv_size]`): each size as written, an attribute or a sum of attributes each
     maybe times a constant; where the written sizes are not at hand, the one attribute read
     just before that holds each size's value. Also, by their place among the sizes, those
     computed from the width read off the tensor cut (which shrink by themselves)."""
@@ -357,8 +370,7 @@ def _sizes_held(
     doing = "it cuts the fused features at"
     if not isinstance(written, (list, tuple)) or [int(w) for w in written] != asked:
         return {  # nothing to divide in an empty piece
-            size: [st.reads.attribute_holding(size, doing)]
-            for size in sorted({n for n in asked if n > 0})
+            i: [st.reads.attribute_holding(size, doing)] for i, size in enumerate(asked) if size > 0
         }, {}
     held: dict[int, list[tuple[str, str, int]]] = {}
     widths: dict[int, Expr] = {}
@@ -368,7 +380,7 @@ def _sizes_held(
             continue
         leaves = _terms(st, op_source(st, op), w) if isinstance(w, Counted) else None
         if leaves is not None:
-            held.setdefault(int(w), []).extend(leaves)
+            held.setdefault(i, []).extend(leaves)
             st.trace.reads.cut_terms.update((m, a) for m, a, _ in leaves)
         elif (
             isinstance(w, Counted)
@@ -381,5 +393,5 @@ def _sizes_held(
             if op.name == "split_with_sizes":  # one size per piece, in order
                 widths[i] = w.expr
         else:  # a number or another formula: the one attribute read just before holding it
-            held.setdefault(int(w), []).append(st.reads.attribute_holding(int(w), doing))
+            held.setdefault(i, []).append(st.reads.attribute_holding(int(w), doing))
     return held, widths

@@ -95,8 +95,10 @@ class SpanFacts:
     holding that piece met (also in `units`): tp must divide the query pieces' own."""
     plain_units: dict[str, set[int]] = field(default_factory=dict)
     """Opener -> the split sizes its tensors met that held no one piece (also in `units`):
-    all its features (the output as it came, a view of every fused piece side by side,
-    `view(B, T, self.n_head + 2, D)`) or its query heads after attention."""
+    all its features (the output as it came) or its query heads after attention."""
+    summed_units: dict[str, set[int]] = field(default_factory=dict)
+    """Opener -> the heads its views counted as sums held (`view(B, T, self.n_head + 2, D)`
+    of every fused piece side by side; also in `units`)."""
     kv_parts: dict[str, frozenset[tuple[int, int]]] = field(default_factory=dict)
     """Fused opener whose own pieces met as grouped-query attention (q|k|v of unequal
     pieces in one Linear) -> the (offset, size) of the pieces that were its keys and values;

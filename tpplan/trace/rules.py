@@ -102,7 +102,8 @@ def _reshaped(st: Trackers, op: Op) -> Followed:
         )
     finally:
         st.reads.viewing = None
-    if st.reads.summed is not None:
+    if st.reads.summed or (st.reads.summed == 0 and piece is False):
+        # a view of the heads counted as a sum (or by -1, of every fused piece side by side)
         st.splits.fixed_ends[id(op.out)] = (op.out, st.reads.summed)
     if id(op.out) not in st.splits.stacked:
         unstacked(st, op, s.dim)

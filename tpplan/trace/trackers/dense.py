@@ -131,7 +131,13 @@ class DenseSplits:
             if split.n < facts.openers.get(src, 0) and src not in facts.parts:
                 facts.heads.setdefault(src, split.n)  # the first view into (heads, head_dim)
         stacked = self.stacked_at(t)
-        self.note_units(split, self.pieces.get(id(t)), stacked[1] if stacked else ())
+        if self.fixed_at(t) is not None and id(t) not in self.pieces:
+            # a view of every piece side by side, counted as a sum (or by -1)
+            for s in split.sources:
+                facts.units[s] = math.gcd(facts.units.get(s, split.n), split.n)
+                facts.summed_units.setdefault(s, set()).add(split.n)
+        else:
+            self.note_units(split, self.pieces.get(id(t)), stacked[1] if stacked else ())
         for s in split.sources:
             facts.ops.setdefault(s, set()).add(op)
         if len(split.sources) > 1:

@@ -57,7 +57,8 @@ class AttributeReads:
         # bound remembers its formula), innermost last: dispatch sees plain ints.
         self.cutting: list[Any] = []
         # The constant of the count the last view checked gave its split dim, when written as
-        # a sum of attributes and a constant (`self.num_heads + 2`), else None
+        # a sum of attributes and a constant (`self.num_heads + 2`; 0 for a sum without one,
+        # or -1), else None
         self.summed: int | None = None
 
     # ---- logging ----------------------------------------------------------------------------
@@ -266,7 +267,10 @@ class AttributeReads:
         fresh = {v for _, _, v in self.fresh}
         if sizes[k] in self.shapes_read and sizes[k] not in fresh:
             return  # the count was read off a split tensor just before: the shard's own
-        if sizes[k] == -1 or self._summed_count(sizes, s, counted, width):
+        if sizes[k] == -1:
+            self.summed = 0  # each rank's own count of every unit it holds
+            return
+        if self._summed_count(sizes, s, counted, width):
             return
         doing = "with -1 elsewhere, it fixes" if -1 in sizes else "it fixes"
         count = self.attribute_holding(sizes[k], f"{doing} the split dim at")
