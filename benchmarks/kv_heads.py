@@ -3,8 +3,8 @@ attention.
 
 Builds Llama-3-70B's and Qwen3-30B-A3B's shapes (2 layers, on the meta device), infers a
 plan at a tp size above their key/value head counts (16 for 8 heads, 8 for 4), and
-Qwen2-7B's and Qwen2-0.5B's at a tp size that does not divide their query heads (28 at tp 8,
-14 at tp 4: heads split unevenly, issue 35 h), applies it on a fake process group and
+Qwen2-7B's, Falcon-7B's and Qwen2-0.5B's at a tp size that does not divide their query
+heads (28 and 71 at tp 8, 14 at tp 4: heads split unevenly, issue 35 h), applies it on a fake process group and
 prints, for rank 0 (the most loaded one): the attention parameters (query and output
 projections, key and value projections) and the KV cache as fractions of the model's, the
 working copies of its own rows a layer of heads split unevenly keeps beside its shard (as a
@@ -63,6 +63,21 @@ CASES: dict[str, tuple[str, dict[str, Any], int]] = {
         },
         8,
     ),
+    # multi-query attention in one fused query_key_value, viewed (B, T, num_heads + 2, D)
+    "Falcon-7B": (
+        "falcon",
+        {
+            "hidden_size": 4544,
+            "num_attention_heads": 71,
+            "num_kv_heads": 1,
+            "multi_query": True,
+            "new_decoder_architecture": False,
+            "parallel_attn": True,
+            "bias": False,
+            "vocab_size": 65024,
+        },
+        8,
+    ),
     "Qwen2-0.5B": (
         "qwen2",
         {
@@ -79,13 +94,16 @@ SEQ = 32
 
 
 def _attention(model: Any) -> dict[str, list[str]]:
-    """{"q, o": [...], "k, v": [...]}: the projections' parameter names of every block."""
-    out: dict[str, list[str]] = {"q, o": [], "k, v": []}
+    """{"q, o": [...], "k, v": [...]}: the projections' parameter names of every block; a
+    fused q|k|v (Falcon's query_key_value) and its output layer under "fused"."""
+    out: dict[str, list[str]] = {"q, o": [], "k, v": [], "fused": []}
     for name, _ in model.named_parameters():
         if ".self_attn." in name:
             side = "k, v" if any(f".{p}." in name for p in ("k_proj", "v_proj")) else "q, o"
             if any(f".{p}." in name for p in ("q_proj", "o_proj", "k_proj", "v_proj")):
                 out[side].append(name)
+        elif ".self_attention." in name:
+            out["fused"].append(name)
     return out
 
 
@@ -123,12 +141,15 @@ def measure(label: str) -> dict[str, Any]:
     # gathered: split and gathered right after (colwise with output replicate; only colwise
     # rules can gather, and the other styles' rules have no `output` or sum it)
     gathered = any(
-        isinstance(r, ColwiseRule) and r.output == "replicate" and ".self_attn." in r.match
+        isinstance(r, ColwiseRule)
+        and r.output == "replicate"
+        and any(p in r.match for p in (".self_attn.", ".self_attention."))
         for r in plan.rules
     )
     sides = _attention(model)
     params = dict(model.named_parameters())
     total = {k: sum(local_bytes(params[n]) for n in v) for k, v in sides.items()}
+    fused = total["fused"] > 0  # no q, o and k, v apart: their shares are not told
     ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     with torch.no_grad():
         whole_cache = _cache(model(input_ids=ids, use_cache=True))
@@ -153,27 +174,28 @@ def measure(label: str) -> dict[str, Any]:
         attn = [
             counts.get("forward", {})
             for fqn, counts in comm.comm_module_counts.items()
-            if fqn.endswith("self_attn")
+            if fqn.endswith(("self_attn", "self_attention"))
         ]
     reduce = sum(v for c in attn for k, v in c.items() if "all_reduce" in str(k))
     gather = sum(v for c in attn for k, v in c.items() if "all_gather" in str(k))
     once = sum(
         v
         for fqn, counts in first.comm_module_counts.items()
-        if fqn.endswith("self_attn")
+        if fqn.endswith(("self_attn", "self_attention"))
         for k, v in counts.get("forward", {}).items()
         if "all_gather" in str(k)
     )
     return {
         "model": label,
         "tp": tp,
-        "kv heads": config["num_key_value_heads"],
+        "kv heads": config.get("num_key_value_heads", config.get("num_kv_heads")),
         "plan": "uneven" if uneven else "shared" if shared else "gathered" if gathered else "split",
-        "q, o per rank": held["q, o"] / total["q, o"],
-        "k, v per rank": held["k, v"] / total["k, v"],
+        "q, o per rank": None if fused else held["q, o"] / total["q, o"],
+        "k, v per rank": None if fused else held["k, v"] / total["k, v"],
         "attention per rank": sum(held.values()) / sum(total.values()),
         "KV cache per rank": cache / whole_cache,
-        "row copies per rank": copies / total["q, o"],
+        # over the query and output projections (fused: the whole attention's)
+        "row copies per rank": copies / (total["fused"] or total["q, o"]),
         "attention all-reduces per block": reduce / LAYERS,
         "attention all-gathers per block": gather / LAYERS,
         "weight-row gathers per block, first call": (once - gather) / LAYERS,
@@ -181,6 +203,8 @@ def measure(label: str) -> dict[str, Any]:
 
 
 def _cell(key: str, value: object) -> str:
+    if value is None:
+        return "(fused)"
     if isinstance(value, float) and (value == 0 or "per block" in key):
         return f"{value:g}"
     if isinstance(value, float) and 0 < value < 1:
