@@ -207,7 +207,7 @@ def _cell(key: str, value: object) -> str:
         return "(fused)"
     if isinstance(value, float) and (value == 0 or "per block" in key):
         return f"{value:g}"
-    if isinstance(value, float) and 0 < value < 1:
+    if isinstance(value, float) and 0 < value <= 1:
         return f"1/{1 / value:.3g}"
     return str(value)
 
