@@ -73,3 +73,21 @@ def test_any_other_use_of_the_parameters_is_no_proof(layer: type[nn.Linear]) -> 
 
 def test_only_linear_layers_are_probed() -> None:
     assert not computes_linear(nn.Conv1d(4, 6, 1))
+
+
+class _Caching(nn.Linear):
+    """Keeps the transposed weight it computed on itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cached = self.weight.T
+        return x @ self.cached + self.bias
+
+
+def test_the_probe_leaves_the_module_as_it_was() -> None:
+    """What the forward writes on itself, and the module's hooks, stay out of the probe: it
+    runs the class's forward on a copy holding meta stand-ins for the parameters."""
+    layer, called = _Caching(4, 6), []
+    layer.register_forward_pre_hook(lambda *_: called.append(1))
+    weight = layer.weight
+    assert computes_linear(layer)
+    assert not hasattr(layer, "cached") and called == [] and layer.weight is weight

@@ -13,6 +13,7 @@ keeps the paths that need none.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -105,16 +106,22 @@ def computes_linear(module: nn.Module) -> bool:
 def _prove(module: nn.Linear, has_bias: bool) -> bool:
     x = torch.empty(2, module.in_features, device="meta")
     w = torch.empty(module.out_features, module.in_features, device="meta")
-    params = {"weight": w}
+    params: dict[str, Any] = {"weight": w, "bias": None}
     tags = {id(x): "x", id(w): "w"}
     if has_bias:
         b = torch.empty(module.out_features, device="meta")
         params["bias"] = b
         tags[id(b)] = "b"
+    # a shallow copy holding the meta stand-ins, its forward called directly: the module's
+    # own attributes, parameters and hooks are not touched, whatever the forward writes
+    probe = copy.copy(module)
+    probe._parameters = {**module._parameters, **params}
+    probe._buffers = dict(module._buffers)
+    probe._modules = dict(module._modules)
     follow = _Follow(tags)
     try:
         with follow:
-            out = torch.func.functional_call(module, params, (x,), strict=True)
+            out = type(module).forward(probe, x)
     except Exception:
         return False
     want = "xwb" if has_bias else "xw"
