@@ -359,10 +359,11 @@ def _sizes_held(
 ) -> tuple[dict[int, list[tuple[str, str, int]]], dict[int, Expr]]:
     """The attributes a split's sizes were read from, which the plan divides by the tp size,
     by the place of the size they wrote among the sizes (two pieces of one size may be
-    written with different attributes, `[self.q_size, 2 * self.kv_size]`): each size as written, an attribute or a sum of attributes each
-    maybe times a constant; where the written sizes are not at hand, the one attribute read
-    just before that holds each size's value. Also, by their place among the sizes, those
-    computed from the width read off the tensor cut (which shrink by themselves)."""
+    written with different attributes, `[self.q_size, 2 * self.kv_size]`): each size as
+    written, an attribute or a sum of attributes each maybe times a constant; where the
+    written sizes are not at hand, the one attribute read just before that holds each size's
+    value. Also, by their place among the sizes, those computed from the width read off the
+    tensor cut (which shrink by themselves)."""
     asked = op.named["split_size"] if op.name == "split" else op.named["split_sizes"]
     asked = [asked] if isinstance(asked, int) else list(asked)
     written = st.reads.cutting[-1] if st.reads.cutting else None
