@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from support.models import token_batch
+from support.models import AttentionLm, token_batch
 from support.parity import assert_parity, every_call_collectives
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -103,21 +103,9 @@ class _Attention(nn.Module):
         return self.o(a.reshape(b, t, self.n_head * self.head_dim))
 
 
-class _Model(nn.Module):
-    def __init__(self, style: str, kv: int = KV) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.attn = _Attention(style, kv)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        return self.head(x + self.attn(x))
-
-
-def _model(style: str, kv: int = KV) -> _Model:
+def _model(style: str, kv: int = KV) -> AttentionLm:
     torch.manual_seed(0)
-    return _Model(style, kv)
+    return AttentionLm(lambda: _Attention(style, kv), VOCAB, WIDTH)
 
 
 def _ids() -> torch.Tensor:
@@ -144,7 +132,7 @@ def test_unequal_pieces_split_the_megatron_way(style: str, tp: int) -> None:
         assert {"q_size", "kv_size"} <= divided or style == "split_width"
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
-    assert every_call_collectives(model, plan, tp, _ids(), "_Model.attn") == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn") == {"all_reduce": 1}
 
 
 @pytest.mark.parametrize("style", ["literal_bound", "head_dim_term", "product_of_no_count"])
@@ -205,8 +193,7 @@ def test_qkv_grouped_per_kv_head_splits_by_groups(style: str, tp: int) -> None:
     """Each rank holds whole groups (its key/value heads with their query heads): a plain
     colwise split of the fused layer, both head counts divided."""
     torch.manual_seed(0)
-    model = _Model("slices")
-    model.attn = _GroupedFused(style)  # type: ignore[assignment]
+    model = AttentionLm(lambda: _GroupedFused(style), VOCAB, WIDTH)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
     rules = {r.match: r for r in plan.rules}
     qkv = rules["attn.qkv"]
@@ -215,7 +202,7 @@ def test_qkv_grouped_per_kv_head_splits_by_groups(style: str, tp: int) -> None:
     assert {a for attr in plan.attributes for a in attr.divide} == {"n_head", "n_kv"}
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
-    assert every_call_collectives(model, plan, tp, _ids(), "_Model.attn") == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn") == {"all_reduce": 1}
 
 
 # ---- key/value pieces past their head count ---------------------------------------------------
@@ -253,7 +240,7 @@ def test_key_value_pieces_past_their_count_share_whole_heads(style: str, kv: int
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert tpplan.verify_plan(model, plan, tp_size=tp, backward=True, inputs={"ids": _ids()}).ok
     assert_parity(model, plan, tp, _ids())
-    assert every_call_collectives(model, plan, tp, _ids(), "_Model.attn") == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn") == {"all_reduce": 1}
 
 
 def test_pieces_of_one_size_written_with_different_attributes_keep_their_own() -> None:
@@ -309,7 +296,7 @@ def test_sizes_read_off_the_width_divide_the_group_count_past_the_key_value_head
     assert by["groups"] == "replicas"
     assert not tpplan.check_plan(plan, model, tp_size=4)
     assert_parity(model, plan, 4, _ids())
-    assert every_call_collectives(model, plan, 4, _ids(), "_Model.attn") == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, 4, _ids(), "AttentionLm.attn") == {"all_reduce": 1}
 
 
 @pytest.mark.parametrize("tp", [2, 4])

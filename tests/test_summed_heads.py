@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from support.models import token_batch
+from support.models import AttentionLm, token_batch
 from support.parity import assert_parity, every_call_collectives
 from support.uneven_heads import falcon
 from torch import nn
@@ -74,21 +74,9 @@ class _Attention(nn.Module):
         return self.o(a.reshape(b, t, self.n_head * self.head_dim))
 
 
-class _Model(nn.Module):
-    def __init__(self, style: str, kv: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.attn = _Attention(style, kv)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        return self.head(x + self.attn(x))
-
-
-def _model(style: str, kv: int) -> _Model:
+def _model(style: str, kv: int) -> AttentionLm:
     torch.manual_seed(0)
-    return _Model(style, kv)
+    return AttentionLm(lambda: _Attention(style, kv), VOCAB, WIDTH)
 
 
 def _ids() -> torch.Tensor:
@@ -120,7 +108,7 @@ def test_heads_counted_by_a_sum_split_the_megatron_way(style: str, kv: int, tp: 
     assert "n_head" in {a for attr in plan.attributes for a in attr.divide}
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
-    assert every_call_collectives(model, plan, tp, _ids(), "_Model.attn") == {"all_reduce": 1}
+    assert every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn") == {"all_reduce": 1}
 
 
 @pytest.mark.parametrize(

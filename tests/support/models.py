@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TINY_LLAMA_CONFIG",
     "TINY_LLAMA_FLAGS",
+    "AttentionLm",
     "HeadNormBlock",
     "SeqParallelNet",
     "Vit",
@@ -86,6 +87,22 @@ def token_batch(vocab: int = 128, *, batch: int = 2, seq: int = 8, seed: int = 0
     """The same tokens on every rank: drawn from a generator of our own, not the global RNG."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+class AttentionLm(nn.Module):
+    """One attention block under test in a model of its own: ids -> an embedding -> x +
+    attn(x) -> a vocab head. `attn` builds the block (called between the embedding and the
+    head, so that a seed gives every part the same weights whatever the block)."""
+
+    def __init__(self, attn: Callable[[], nn.Module], vocab: int, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.attn = attn()
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.attn(x))
 
 
 class HeadNormBlock(nn.Module):
