@@ -165,3 +165,15 @@ def test_falcon_7b_heads_tp_does_not_divide_split_unevenly() -> None:
     assert not tpplan.check_plan(plan, model, tp_size=8)
     with pytest.raises(tpplan.TpplanError, match="tpplan verify --processes"):
         tpplan.verify_plan(model, plan, tp_size=8, inputs={"input_ids": token_batch(64)})
+
+
+def test_a_family_plan_does_not_split_heads_unevenly() -> None:
+    """An uneven split states its model's head size and count, which a plan for every size of
+    a family (`tpplan infer --family`, the shipped plans) cannot: there the heads tp does not
+    divide stay gathered, and the reason names the query heads and the way to split them."""
+    model = falcon(5)
+    plan = tpplan.infer_plan(model, tp_size=2, split_unevenly=False)
+    qkv = next(r for r in plan.rules if r.match.endswith("query_key_value"))
+    assert qkv.output_layout() == "replicate" and qkv.uneven_group() is None
+    assert "tp 2 does not divide its 5 query heads" in qkv.why
+    assert "infer one for a model and tp size to split them unevenly" in qkv.why

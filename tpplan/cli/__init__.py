@@ -154,8 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--family",
         action="store_true",
-        help="write a plan for every size of the model's family: no fingerprint, and none of "
-        "the sizes check and apply read from each model's forward (head_dim, fused parts); "
+        help="write a plan for every size of the model's family: no fingerprint, none of "
+        "the sizes check and apply read from each model's forward (head_dim, fused parts), "
+        "and no heads split unevenly (an uneven split states its model's head sizes); "
         "the shipped plans are written so, e.g. `tpplan infer llama --family -o llama.yaml` "
         "serves Llama-3-8B (head_dim 128) and Llama-3.2-1B (64) alike",
     )
@@ -310,6 +311,8 @@ def _cmd_infer(args: argparse.Namespace) -> int:
         loss_parallel=args.loss_parallel,
         sequence_parallel=args.sequence_parallel,
         experts=args.experts,
+        # an uneven split states its model's head size and count: no plan of a family
+        split_unevenly=not args.family,
     )
     if args.family:
         from ..check.complete import leave_out_sizes

@@ -49,6 +49,7 @@ def infer_plan(
     loss_parallel: bool = False,
     sequence_parallel: bool = False,
     experts: str = "tensor",
+    split_unevenly: bool = True,
 ) -> Plan:
     """Infer a plan from the model's data flow.
 
@@ -73,6 +74,11 @@ def infer_plan(
     split per expert like a dense MLP with `experts="tensor"`; with `experts="expert"` each
     rank holds num_experts/tp whole experts, where the trace shows the module takes the
     routing as inputs and reads its number of experts from an attribute (else tensor).
+
+    Attention heads the tp size does not divide are split unevenly (each rank whole heads of
+    its own key/value heads), the rules stating the model's head size; with
+    `split_unevenly=False` they stay as any split the tp size does not divide, with the
+    reason (`tpplan infer --family`: a family's head counts and sizes differ).
     """
     if experts not in ("tensor", "expert"):
         raise ValueError(f"experts must be 'tensor' or 'expert', got {experts!r}.")
@@ -91,6 +97,7 @@ def infer_plan(
         experts=experts,
         loss_parallel=loss_parallel,
         sequence_parallel=sequence_parallel,
+        split_unevenly=split_unevenly,
     )
     decisions, attributes = _infer_decisions(model, example_inputs, asked)
     plan = Plan(
@@ -119,6 +126,7 @@ class _Asked:
     experts: str
     loss_parallel: bool
     sequence_parallel: bool
+    split_unevenly: bool = True
 
 
 def _infer_decisions(
@@ -160,6 +168,7 @@ def _decide(model: nn.Module, trace: Trace, asked: _Asked) -> tuple[Decisions, A
         gather_tp=asked.gather_tp,
         loss_parallel=asked.loss_parallel,
         sequence_parallel=asked.sequence_parallel,
+        split_unevenly=asked.split_unevenly,
     )
     out = Decided()
     for members in find_spans(trace):

@@ -42,6 +42,8 @@ class Context:
     shapes, submodules), itself included: one forward, so what one shows holds for all."""
     sequence_parallel: bool = False
     """The stream between spans is to be split over the sequence (infer_plan's option)."""
+    split_unevenly: bool = True
+    """Heads tp does not divide may split unevenly (infer_plan's option)."""
 
     @classmethod
     def of(
@@ -53,6 +55,7 @@ class Context:
         gather_tp: int,
         loss_parallel: bool,
         sequence_parallel: bool = False,
+        split_unevenly: bool = True,
     ) -> Context:
         modules = dict(model.named_modules())
         alike: dict[str, list[str]] = {}
@@ -72,6 +75,7 @@ class Context:
             tied=shared_params(model),
             alike_experts=alike,
             sequence_parallel=sequence_parallel,
+            split_unevenly=split_unevenly,
         )
 
     def used_outside(self, name: str) -> bool:

@@ -91,10 +91,13 @@ def decide_span(ctx: Context, so_far: Decided, members: list[str]) -> Found:
             )
             why_not = tried
             unevenly = f"; nor can its heads split unevenly ({why_not})" if why_not else ""
-            reasons.append(
-                f"tp {ctx.tp} does not divide its {units} {_blocks(ctx, openers, units)}"
-                f"{unshared}{unevenly}"
+            # with its key/value heads shared, only its query heads had to divide
+            what = (
+                f"{shared.query_unit} query heads"
+                if shared is not None and shared.query_unit % ctx.tp
+                else f"{units} {_blocks(ctx, openers, units)}"
             )
+            reasons.append(f"tp {ctx.tp} does not divide its {what}{unshared}{unevenly}")
     for o in openers:
         # a view counting heads with a constant (`self.num_heads + 2`) must count key/value
         # heads every rank holds whole

@@ -87,6 +87,11 @@ def uneven_heads(
     query_heads = [n for o, n in of.items() if n and o not in kv_openers]
     if not query_heads or all(h % ctx.tp == 0 for h in query_heads):
         return None
+    if not ctx.split_unevenly:
+        return (
+            "the plan is for every size of a family (--family), whose head counts differ; "
+            "infer one for a model and tp size to split them unevenly"
+        )
     bases = {a.base for a in lora_layers(ctx.model).values()}
     if bases & {*openers, *closers}:
         return "a LoRA adapter wraps one of its layers, and uneven heads take plain layers only"
