@@ -291,7 +291,8 @@ def split_unevenly(
     d = uneven.head_dims
     counts = sorted({s.count for s in uneven.shares}, reverse=True)
     each = " or ".join(map(str, counts))
-    grouped = f" in {h // g} groups of {g} (one per key/value head)" if g > 1 else ""
+    groups = "one group" if h == g else f"{h // g} groups"
+    grouped = f" in {groups} of {g} (one per key/value head)" if g > 1 else ""
     how = (
         f"tp {tp} does not divide its {h} heads{grouped}, so they split unevenly: each rank "
         f"holds {each} whole heads"
