@@ -96,12 +96,17 @@ def piece_side(ctx: Context, piece: tuple[str, int, int]) -> str:
     return "kv" if inside == size else "q" if inside == 0 else "both"
 
 
+def _kv_features(ctx: Context, o: str) -> int:
+    """The output features of fused opener `o`'s key/value pieces (0 where it has none)."""
+    return sum(n for _, n in ctx.trace.spans.kv_parts.get(o, ()))
+
+
 def fused_query_unit(ctx: Context, o: str) -> int:
     """The gcd of the split sizes a fused opener's query side met: its tensors holding no
     one piece, and those holding a query piece (its key/value pieces may be shared)."""
     spans = ctx.trace.spans
     features = spans.openers[o]
-    queries = features - sum(n for _, n in spans.kv_parts.get(o, ()))
+    queries = features - _kv_features(ctx, o)
     # the output as it came, and a view of every piece side by side counted as a sum
     # (`view(B, T, self.n_head + 2, D)`), hold each shared key/value piece whole on a rank:
     # tp need divide the query heads among them only
@@ -179,7 +184,7 @@ def summed_sides(ctx: Context, o: str, count: tuple[str, str, int]) -> set[str]:
     (`view(B, T, self.n_head + 2 * self.n_kv, D)`): the query side where the term spans all
     the features outside the key/value pieces, the key/value side where it spans theirs."""
     spans = ctx.trace.spans
-    kv_features = sum(n for _, n in spans.kv_parts.get(o, ()))
+    kv_features = _kv_features(ctx, o)
     q_features = spans.openers[o] - kv_features
     sides = set()
     for terms, _, unit in ctx.trace.reads.view_sums.get(o, ()):
@@ -195,8 +200,7 @@ def summed_refusal(ctx: Context, o: str, kv: int | None) -> str | None:
     """Why a view of opener `o` counted as a sum with a constant (`self.num_heads + 2`)
     cannot be each rank's own: the constant must count its key/value pieces, each one head
     that every rank holds whole (multi-query attention, `kv` its key/value heads)."""
-    spans = ctx.trace.spans
-    kv_features = sum(n for _, n in spans.kv_parts.get(o, ()))
+    kv_features = _kv_features(ctx, o)
     for terms, constant, unit in ctx.trace.reads.view_sums.get(o, ()):
         if not constant:
             continue
