@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
@@ -139,6 +140,23 @@ class RegionNotes:
             self.refused = why
 
 
+def _grouped_whole(args: Any, kwargs: Any) -> None:
+    """SDPA with `enable_gqa` on key/value heads given whole beside split query heads:
+    regions.py repeats them to the query's heads before each rank takes its own, which no
+    note replays, and torch's grouping of a rank's few query heads over every key/value head
+    pairs them wrongly. So such a region stays on DTensors."""
+    given = dict(zip(("query", "key", "value"), args, strict=False)) | kwargs
+    query, key = given.get("query"), given.get("key")
+    if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor):
+        return
+    split_query = placement_dim(query) is not None and query.dim() > 2
+    if split_query and placement_dim(key) is None and key.shape[-3] != query.shape[-3]:
+        raise NotLocal(
+            "SDPA with enable_gqa on key/value heads used whole, fewer than the split "
+            "query heads (each rank's query heads would meet the wrong ones)"
+        )
+
+
 class Recorder(TorchFunctionMode):
     """Entered above the DTensor region's own mode in the proof run: notes each call of the
     region's own code (see the module docstring) and replays it on local tensors."""
@@ -163,6 +181,8 @@ class Recorder(TorchFunctionMode):
         return out
 
     def _note(self, site: Site, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if func is F.scaled_dot_product_attention and kwargs.get("enable_gqa"):
+            _grouped_whole(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         outs, _ = tree_flatten(out)
         split_in = [t for t in leaves if placement_dim(t) is not None]
