@@ -182,6 +182,10 @@ def check_heads(
             hints[name] = hint
         if name in undivided or t not in trace.spans.openers or units is None or units % tp == 0:
             continue
+        if plan.rules[i].shares_heads() and plan.rules[i].hands_dtensors():
+            # handed whole to a region's code, whose proof says each rank reads its own head
+            # (regions_dtensor.py's one_head_per_rank)
+            continue
         features, heads = trace.spans.openers[t], trace.spans.heads.get(t)
         size = features // heads if heads and features % heads == 0 else None
         if _whole_uneven_heads(plan.rules[i], features, units):

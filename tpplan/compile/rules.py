@@ -185,6 +185,7 @@ def _colwise(rule: ColwiseRule, build: Build) -> ParallelStyle:
             head_dim=rule.head_dim,
             input_layouts=kw.get("input_layouts"),
             local_shards=build.local_shards,
+            whole=rule.local_output is False,
         )
     return Colwise(
         parts=rule.parts, transposed=bool(rule.transposed), local_shards=build.local_shards, **kw

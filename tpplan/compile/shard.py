@@ -23,7 +23,7 @@ from .adapters import fuse_adapters
 from .local_regions import RegionNotes, run_locally
 from .regions import hold_dtensors
 from .rules import plan_to_torch
-from .shared_heads import head_replicas
+from .shared_heads import SharedHeadsColwise, head_replicas
 from .uneven_heads import head_shares, own_share, own_value
 
 __all__ = ["attribute_divisor", "own_attributes", "retie", "shard_model", "tied_holders"]
@@ -61,6 +61,7 @@ def shard_model(
         plan = _opened_locally(plan, names, local)
     tied = tied_holders(model)
     styles = plan_to_torch(plan, model, local_shards=local_shards)
+    _in_local_regions(styles, local)
     for name, style in styles.items():
         if on_module is not None:
             on_module(name)
@@ -104,6 +105,16 @@ def _why_dtensor(notes: dict[type, RegionNotes] | None, module: nn.Module) -> st
     return f"a DTensor region, not run on local shards: {found.refused}"
 
 
+def _in_local_regions(styles: dict[str, Any], local: list[str]) -> None:
+    """Layers sharing whole heads inside regions on local shards hand on plain tensors where
+    tp divides their heads (a plain colwise's local output), as `_opened_locally` makes the
+    other layers there do."""
+    inside = tuple(f"{n}." for n in local)
+    for name, style in styles.items():
+        if isinstance(style, SharedHeadsColwise) and name.startswith(inside):
+            style.in_local_region = True
+
+
 def _opened_locally(plan: Plan, names: list[str], local: list[str]) -> Plan:
     """The plan with `local_output: false` dropped from rules whose every module lies inside
     a region that runs on local shards: their outputs are the local tensors it computes on."""
@@ -111,7 +122,14 @@ def _opened_locally(plan: Plan, names: list[str], local: list[str]) -> Plan:
     rules = []
     for rule in plan.rules:
         matched = match_names(rule.match, names)
-        if rule.hands_dtensors() and matched and all(m.startswith(inside) for m in matched):
+        # a layer sharing whole heads keeps handing the code the whole width (its style
+        # is told the region runs locally: `_in_local_regions`)
+        if (
+            rule.hands_dtensors()
+            and not rule.shares_heads()
+            and matched
+            and all(m.startswith(inside) for m in matched)
+        ):
             rule = rule.model_copy(update={"local_output": None})
         rules.append(rule)
     return plan.model_copy(update={"rules": rules})

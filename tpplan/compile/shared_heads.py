@@ -13,6 +13,14 @@ query and output projections stay plain colwise and rowwise: one all-reduce per 
 Each rank's gradient for its head comes from its own query heads only; `_SumOver` sums it
 over the ranks sharing the head as the backward passes the weight, so the parameter's
 gradient has the parameter's own layout, equal on the ranks that hold it.
+
+Inside a DTensor region (`whole`, the rule's `local_output: false`) the region's code sizes
+the key/value features by numbers no plan divides (`view(b, t, 2, 16)`), so it must see the
+whole output: each rank computes its own head and hands on the whole width with that head in
+every head's place (`_Everywhere`). check proves on fake ranks, at a tp size of one head per
+rank, that the region's code reads only the head its query heads use (check/regions_dtensor.py),
+so the other places are never read. Their gradient arrives whole, summed over the ranks by
+the region; the own place's share of it goes back to the head.
 """
 
 from __future__ import annotations
@@ -88,6 +96,25 @@ class _SumOver(torch.autograd.Function):
         return funcol_wait_tensor(funcol_all_reduce(grad, "sum", ctx.group)), None, None
 
 
+class _Everywhere(torch.autograd.Function):
+    """`own` (the rank's head, its features last) in each of `heads` places of the whole
+    width. The backward takes the gradient of the own place (`at`, the rank's head) only:
+    the whole gradient the region hands back is every rank's (summed over tp), so the
+    head's share of it is divided by the `replicas` sharing the head, whose sums of weight
+    and input gradients (`_SumOver`, colwise's input sum) count it once."""
+
+    @staticmethod
+    def forward(ctx: Any, own: torch.Tensor, heads: int, at: int, replicas: int) -> torch.Tensor:
+        ctx.shape = (heads, at, replicas)
+        return own.repeat(*([1] * (own.dim() - 1)), heads)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        heads, at, replicas = ctx.shape
+        size = grad.shape[-1] // heads
+        return grad.narrow(-1, at * size, size) / replicas, None, None, None
+
+
 class SharedHeadsColwise(ParallelStyle):
     """ColwiseParallel for a key/value projection whose heads tp may outnumber.
 
@@ -99,25 +126,39 @@ class SharedHeadsColwise(ParallelStyle):
     Keyword Args:
         head_dim: the size of one head of the output features.
         input_layouts: layout of the input as it arrives (default Replicate()).
+        whole: inside a DTensor region: hand on the whole width, the rank's head in every
+            head's place (a plain Colwise with DTensor outputs where tp divides the heads).
 
     Example::
         >>> parallelize_module(attn, mesh, {"k_proj": SharedHeadsColwise(head_dim=128)})
     """
 
     def __init__(
-        self, *, head_dim: int, input_layouts: Placement | None = None, local_shards: bool = True
+        self,
+        *,
+        head_dim: int,
+        input_layouts: Placement | None = None,
+        local_shards: bool = True,
+        whole: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.input_layouts = input_layouts or Replicate()
         self.local_shards = local_shards
+        self.whole = whole
+        self.in_local_region = False
+        """Inside a region that runs on local shards (compile/shard.py sets it)."""
+
+    def _plain(self) -> Colwise:
+        # where tp divides the heads; in a region on DTensors, handing them on to its code
+        more = {"use_local_output": False} if self.whole and not self.in_local_region else {}
+        return Colwise(input_layouts=self.input_layouts, local_shards=self.local_shards, **more)
 
     def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
         """Why `module` cannot run on its local shards (local_run.py); None: it can."""
         heads = int(module._parameters["weight"].shape[0]) // self.head_dim  # type: ignore[union-attr]
         if heads % tp == 0:
-            plain = Colwise(input_layouts=self.input_layouts, local_shards=self.local_shards)
-            return plain.local_run_reason(module, tp)
+            return self._plain().local_run_reason(module, tp)
         if self.input_layouts != Replicate():
             return f"its input arrives as {self.input_layouts} (sequence parallel)"
         return None
@@ -126,8 +167,7 @@ class SharedHeadsColwise(ParallelStyle):
         weight = module.get_parameter("weight")
         heads, tp = int(weight.shape[0]) // self.head_dim, device_mesh.size()
         if heads % tp == 0:
-            plain = Colwise(input_layouts=self.input_layouts, local_shards=self.local_shards)
-            return plain._apply(module, device_mesh)
+            return self._plain()._apply(module, device_mesh)
         if tp % heads:
             raise TpplanError(
                 f"{heads} heads neither divide by nor divide tp size {tp}; replicate_heads "
@@ -160,7 +200,20 @@ class SharedHeadsColwise(ParallelStyle):
             return (x.to_local(grad_placements=[Partial()]), *args[1:])
 
         module.register_forward_pre_hook(replicated)
+        if self.whole:
+            coordinate = grid.get_coordinate()
+            assert coordinate is not None  # a rank applying a plan is on its mesh
+            at, replicas = coordinate[0], tp // heads
+
+            def everywhere(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+                return _Everywhere.apply(out, heads, at, replicas)
+
+            module.register_forward_hook(everywhere)
         return module
 
     def __repr__(self) -> str:
-        return f"SharedHeadsColwise(head_dim={self.head_dim}, input_layouts={self.input_layouts})"
+        whole = ", whole=True" if self.whole else ""
+        return (
+            f"SharedHeadsColwise(head_dim={self.head_dim}, "
+            f"input_layouts={self.input_layouts}{whole})"
+        )

@@ -159,11 +159,15 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
             if raw & {*trial[m].opens, *trial[m].closes}:
                 # another dim may split with fewer all-reduces (heads, not a head's features)
                 improvable.add(m)
+    _share_heads(model, plan, rules, proven, sums, names, tp, (args, kwargs))
     # a region whose proof ran all-reduces may have split inside a head (one head's
-    # features, the all-reduce summing its scores), and one with layers kept whole must
-    # pass apply's checks on what reads them: the checks apply_plan runs say so
+    # features, the all-reduce summing its scores), and one with layers kept whole (or
+    # sharing heads) must pass apply's checks on what reads them: the checks apply_plan
+    # runs say so
     doubtful = {m for m, n in sums.items() if n} | {
-        m for m, made in proven.items() if any(isinstance(r, ReplicateRule) for r in made.values())
+        m
+        for m, made in proven.items()
+        if any(isinstance(r, ReplicateRule) or r.shares_heads() for r in made.values())
     }
     for m in _cut_heads(model, _with(plan, rules, proven, names, sums), tp, doubtful):
         proven.pop(m, None)
@@ -171,6 +175,104 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     if not proven and not kept:
         return plan
     return _with(plan, {**rules, **kept}, proven, names, sums)
+
+
+def _share_heads(
+    model: nn.Module,
+    plan: Plan,
+    rules: dict[str, Rule],
+    proven: dict[str, dict[str, Rule]],
+    sums: dict[str, int],
+    names: list[str],
+    tp: int,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+) -> None:
+    """Key/value layers a proven region keeps whole for every split head to share (`SHARED`)
+    made to share whole heads instead, where tp is a multiple of their heads: each rank
+    holds and computes the one head its query heads use, and hands the region's code the
+    whole width with that head in every place (compile/shared_heads.py). Their heads are
+    the most that divide tp and their widths for which the region, run at tp and at one
+    head per rank, proves it (check/regions_dtensor.py's `one_head_per_rank`); `proven` is
+    updated in place."""
+    from ..check.regions_dtensor import one_head_per_rank
+    from ..check.run import collectives_inside
+
+    kept: dict[str, dict[str, int]] = {}  # {region: {layer kept whole: its output width}}
+    for m, made in proven.items():
+        opened = [_width(model, o) for o, r in made.items() if isinstance(r, ColwiseRule)]
+        widest = max((w for w in opened if w is not None), default=0)
+        # kept whole for every head to share, or (a width tp does not divide) before
+        inside = {n: r for n, r in rules.items() if n.startswith(f"{m}.") and n not in made}
+        widths = {
+            k: _width(model, k)
+            for k, r in {**inside, **made}.items()
+            if isinstance(r, ReplicateRule)
+            and (r.why.startswith(SHARED) or 0 < (_width(model, k) or widest) < widest)
+        }
+        if widths and all(w is not None for w in widths.values()):
+            kept[m] = {k: int(w) for k, w in widths.items() if w is not None}
+    for heads in range(tp - 1, 1, -1):
+        if tp % heads:
+            continue
+        trial = {
+            m: {**proven[m], **{k: _shared_rule(k, w, heads, tp) for k, w in ws.items()}}
+            for m, ws in kept.items()
+            if all(w % heads == 0 for w in ws.values())
+        }
+        if not trial:
+            continue
+        at_tp = collectives_inside(
+            _with(plan, rules, {**proven, **trial}, names, sums),
+            model,
+            tp_size=tp,
+            args=call[0],
+            kwargs=call[1],
+            modules={m: _split_inside(m, rules, made) for m, made in trial.items()},
+        )
+        if at_tp is None:
+            continue
+        refused = one_head_per_rank(
+            _with(plan, rules, {**proven, **trial}, names, sums),
+            model,
+            tp,
+            at_tp,
+            args=call[0],
+            kwargs=call[1],
+        )
+        for m, made in trial.items():
+            inside = at_tp.get(m)
+            if inside is None or m in refused or inside.gathers():
+                continue
+            if sum(inside.forward.values()) != sums.get(m, 0):
+                continue
+            if any(not op.startswith(("all_reduce", "all_gather")) for op in inside.backward):
+                continue
+            proven[m] = made
+            del kept[m]
+
+
+def _width(model: nn.Module, name: str) -> int | None:
+    """A Linear's output features (None for any other module)."""
+    m = model.get_submodule(name)
+    return m.out_features if isinstance(m, nn.Linear) else None
+
+
+def _shared_rule(name: str, width: int, heads: int, tp: int) -> ColwiseRule:
+    size = width // heads
+    return ColwiseRule(
+        match=name,
+        replicate_heads=True,
+        head_dim=size,
+        local_output=False,
+        why=(
+            f"its {width} output features are {heads} key/value heads of {size}, fewer than "
+            f"the ranks: each head goes whole to the {tp // heads} ranks whose query heads it "
+            f"serves (a rank holds and computes one head, its KV cache 1/{heads} of the "
+            "model's); the region's code sees the whole width with the rank's head in every "
+            f"head's place, proven on fake ranks at tp {heads} (one head per rank) to read "
+            "only that one; its gradient is summed over the ranks sharing it"
+        ),
+    )
 
 
 def _each_proven(
@@ -345,6 +447,13 @@ def _with(
                 "its code sizes the split features by what no attribute a plan may divide "
                 "holds, so it sees global shapes and DTensor carries the split; proven on fake "
                 "ranks with no collective inside it but the closers' sums"
+            )
+        handed = [n for n, r in made.items() if r.shares_heads()]
+        if handed:
+            why += (
+                f", {', '.join(k[len(m) + 1 :] for k in handed)} sharing whole key/value heads: "
+                "each rank computes its own head and the code sees it in every head's place "
+                "(proven at one head per rank to read only it)"
             )
         kept = [n for n, r in made.items() if isinstance(r, ReplicateRule)]
         shared = [k for k in kept if made[k].why.startswith(SHARED)]

@@ -156,8 +156,8 @@ class RegionRule(Strict):
 class Plan(Strict):
     """A tensor-parallel plan: which modules are split how, and why."""
 
-    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17] = (
-        17  # SCHEMA_VERSION
+    tpplan: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18] = (
+        18  # SCHEMA_VERSION
     )
     """Schema version of this file (version 1 files are read as they are; writing gives the
     current version)."""

@@ -59,7 +59,11 @@ class ColwiseRule(_Layouts):
     colwise. Its head_dim may be left out (schema 12). With `parts` (q|k|v in one Linear),
     each part of fewer whole heads than ranks (the keys', the values') is shared so, and the
     others split as parts are: the weight stays a plain shard of the original, and each rank
-    computes with a copy of its own rows (its query heads, its key/value head)."""
+    computes with a copy of its own rows (its query heads, its key/value head). With
+    `local_output: false` (inside a DTensor region, schema 18), the region's code sees the
+    layer's whole output, every head's place holding the rank's own head: a region whose
+    code reads only the head its query heads use, which check proves on fake ranks at a tp
+    size of one head per rank."""
     parts: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=2)
     """The output features are several tensors laid end to end (fused q|k|v, or gate|up), of
     these sizes in order. Each part is split across the ranks on its own, and a rank holds
@@ -102,13 +106,12 @@ class ColwiseRule(_Layouts):
             )
         # its head_dim may be left out: the check reads it from the model (check/complete.py)
         given = self.model_fields_set
-        if self.replicate_heads and (
-            any(f in given and getattr(self, f) for f in ("transposed", "output"))
-            or self.local_output is False
+        if self.replicate_heads and any(
+            f in given and getattr(self, f) for f in ("transposed", "output")
         ):
             raise ValueError(
                 "colwise with replicate_heads (whole key/value heads shared among ranks) takes "
-                "no transposed, output or local_output: false."
+                "no transposed or output."
             )
         heads = self.uneven and self.head_dim is not None and self.output != "replicate"
         if (
@@ -138,6 +141,9 @@ class ColwiseRule(_Layouts):
             # a tpplan before 16 would refuse it: a DTensor region took fused pieces of one
             # size only
             out.append((16, "local_output: false with parts of unequal sizes"))
+        if self.replicate_heads and self.local_output is False and "local_output" in given:
+            # a tpplan before 18 would refuse it: shared heads handed on no DTensors
+            out.append((18, "replicate_heads with local_output: false"))
         if self.uneven_group() is not None and "uneven" in given:
             # a tpplan before 17 would refuse it: uneven took gathered outputs only
             out.append((17, "uneven with head_dim (heads split unevenly)"))

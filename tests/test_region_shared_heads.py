@@ -1,0 +1,183 @@
+"""Grouped key/value heads past their count inside a DTensor region (issue 35 b with h's
+sharing): attention whose code sizes its heads by numbers (`view(b, t, 8, 6)`), so it runs
+as a region, at a tp size above its key/value heads (tp 4 and 8 over 2).
+
+Before, the key/value layers stayed whole on every rank (1.5x a Megatron split's elements at
+tp 4). Now each rank holds and computes the one head its query heads use, and the region's
+code sees the whole width with that head in every head's place (`replicate_heads` with
+`local_output: false`). That is right only where the code reads no other head for a rank's
+query heads, which check proves by running the region at one head per rank (tp 2): code
+that mixes the key/value heads, or reduces over them, keeps the layers whole, with the
+reason.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.models import AttentionLm, token_batch
+from support.parity import assert_parity, every_call_collectives, simulated_ranks
+from torch import nn
+
+import tpplan
+from tpplan.plan.styles import ColwiseRule, ReplicateRule
+
+WIDTH, HEADS, KV, HEAD_DIM, VOCAB = 32, 8, 2, 6, 64
+
+
+class _Attention(nn.Module):
+    """Separate q, k and v layers, their heads sized by numbers, joined `style`'s way."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+        self.q = nn.Linear(WIDTH, HEADS * HEAD_DIM)
+        self.k = nn.Linear(WIDTH, KV * HEAD_DIM)
+        self.v = nn.Linear(WIDTH, KV * HEAD_DIM)
+        self.o = nn.Linear(HEADS * HEAD_DIM, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 8, 6).transpose(1, 2)  # (B, H, T, D)
+        k = self.k(x).view(b, t, 2, 6).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v(x).view(b, t, 2, 6).transpose(1, 2)
+        style = self.style
+        if style in ("mixed", "mixed_gqa"):  # every key/value head mixed with the other
+            k = k + k.flip(1)
+        if style == "centred":  # a reduction over the key/value heads
+            k = k - k.mean(dim=1, keepdim=True)
+        if style == "expand":
+            k, v = (z[:, :, None].expand(b, 2, 4, t, 6).reshape(b, 8, t, 6) for z in (k, v))
+        elif style in ("sdpa_gqa", "mixed_gqa"):
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.o(a.transpose(1, 2).reshape(b, t, 48))
+        else:
+            k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+        if style == "softmax":
+            keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+            s = s.masked_fill(~keep, float("-inf"))
+            a = s.softmax(-1) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, t, 48))
+
+
+def _model(style: str) -> AttentionLm:
+    torch.manual_seed(0)
+    return AttentionLm(lambda: _Attention(style), VOCAB, WIDTH)
+
+
+def _ids() -> torch.Tensor:
+    return token_batch(VOCAB, batch=2, seq=6)
+
+
+def _held(model: nn.Module, plan: tpplan.Plan, tp: int, name: str) -> int:
+    """The elements rank 0 holds of parameter `name` under `plan` on `tp` simulated ranks."""
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        p = sharded.get_parameter(name)
+        local = p.to_local() if isinstance(p, torch.distributed.tensor.DTensor) else p
+        return (
+            int(local.numel())
+            if not hasattr(local, "_local_tensors")
+            else int(local._local_tensors[0].numel())
+        )
+
+
+STYLES = ["repeat", "expand", "softmax", "sdpa_gqa"]
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("style", STYLES)
+def test_each_rank_holds_the_key_value_head_its_query_heads_use(style: str, tp: int) -> None:
+    model = _model(style)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
+    assert [r.match for r in plan.regions] == ["attn"]
+    rules = {r.match: r for r in plan.rules}
+    for name in ("attn.k", "attn.v"):
+        rule = rules[name]
+        assert isinstance(rule, ColwiseRule), rule
+        assert (rule.replicate_heads, rule.head_dim, rule.local_output) == (True, 6, False)
+        assert f"each head goes whole to the {tp // 2} ranks" in rule.why
+        assert "proven on fake ranks at tp 2 (one head per rank)" in rule.why
+    assert "sharing whole key/value heads" in plan.regions[0].why
+    assert not tpplan.check_plan(plan, model, tp_size=tp)
+    assert_parity(model, plan, tp, _ids())
+    # one head of the two: half the weight, where whole it was all of it
+    assert _held(model, plan, tp, "attn.k.weight") == HEAD_DIM * WIDTH
+    assert every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn") == {"all_reduce": 1}
+
+
+def test_at_a_tp_dividing_the_key_value_heads_the_layers_split_as_before() -> None:
+    model = _model("repeat")
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=_ids())
+    k = next(r for r in plan.rules if r.match == "attn.k")
+    assert isinstance(k, ColwiseRule) and not k.replicate_heads and k.local_output is False
+    assert_parity(model, plan, 2, _ids())
+
+
+@pytest.mark.parametrize(
+    ("style", "said"),
+    [
+        ("mixed", "its code ran"),
+        ("centred", "it reduces over the key/value heads"),
+    ],
+)
+def test_code_reading_other_key_value_heads_keeps_them_whole(style: str, said: str) -> None:
+    """Inferred: the layers stay whole, as before. Written by hand: check refuses the plan
+    with the reason the run at one head per rank gives."""
+    model = _model(style)
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=_ids())
+    k = next(r for r in plan.rules if r.match == "attn.k")
+    assert isinstance(k, ReplicateRule), k
+    assert_parity(model, plan, 4, _ids())
+    rules = [
+        ColwiseRule(
+            match=r.match, replicate_heads=True, head_dim=6, local_output=False, why="by hand"
+        )
+        if r.match in ("attn.k", "attn.v")
+        else r
+        for r in plan.rules
+    ]
+    problems = tpplan.check_plan(plan.model_copy(update={"rules": rules}), model, tp_size=4)
+    assert len(problems) == 1, problems
+    p = problems[0]
+    assert p.module == "attn" and p.rule == "regions[0] (match: attn)"
+    assert p.message.startswith("k, v: at tp 2 (one key/value head per rank) ")
+    assert said in p.message
+    assert "which is right only where each rank reads its own head" in p.message
+    assert p.fix == "keep the layer whole (style: replicate), or rerun `tpplan infer`."
+
+
+def test_handing_shared_heads_on_outside_a_region_is_refused() -> None:
+    model = _model("repeat")
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=_ids())
+    problems = tpplan.check_plan(plan.model_copy(update={"regions": []}), model, tp_size=4)
+    found = [p for p in problems if p.module == "attn.k"]
+    assert found and found[0].message.startswith(
+        "attn.k shares whole key/value heads and hands its output on (local_output: false), "
+        "but no region of the plan holds it"
+    )
+    assert found[0].fix == (
+        "list the module whose code reads it in the plan's regions, or drop local_output: false."
+    )
+
+
+def test_grouped_sdpa_on_whole_key_value_heads_runs_on_dtensors() -> None:
+    """SDPA's enable_gqa on key/value heads kept whole beside split query heads: on local
+    shards each rank's one query head met both key/value heads, a wrong answer (off by 0.56
+    before); the region now stays on DTensors, which repeat them to the query's heads."""
+    model = _model("mixed_gqa")
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=_ids())
+    assert isinstance(next(r for r in plan.rules if r.match == "attn.k"), ReplicateRule)
+    assert_parity(model, plan, 4, _ids())
+    with simulated_ranks(4) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        how = sharded.attn.__dict__["_tpplan_region"]
+    assert how.startswith("DTensor") and "SDPA with enable_gqa on key/value heads" in how, how
