@@ -20,7 +20,7 @@ LAYOUTS = (
     "layouts are replicate, partial, or shard(DIM) with DIM an integer such as shard(-1) or "
     "shard(1)."
 )
-READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17"
+READS = "it reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18"
 
 
 def _error(text: str) -> str:
@@ -156,7 +156,7 @@ def test_a_bad_layout(text: str, message: str) -> None:
         _case(
             "style: colwise, replicate_heads: true, output: replicate",
             "line 3: rules[0]: colwise with replicate_heads (whole key/value heads shared among "
-            "ranks) takes no transposed, output or local_output: false.",
+            "ranks) takes no transposed or output.",
             version=12,
         ),
         _case(
@@ -383,8 +383,8 @@ def test_what_a_style_needs(text: str, message: str) -> None:
     ("text", "message"),
     [
         pytest.param(
-            "tpplan: 18\nrules: []\n",
-            f"schema version 18 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
+            "tpplan: 19\nrules: []\n",
+            f"schema version 19 is not one this tpplan reads ({READS}). Upgrade tpplan (pip "
             "install -U tpplan) if the file is newer, or regenerate it with `tpplan infer`.",
             id="newer",
         ),
@@ -402,7 +402,7 @@ def test_what_a_style_needs(text: str, message: str) -> None:
         ),
         pytest.param(
             "rules: []\n",
-            "not a tpplan plan: the top-level key 'tpplan: 17' (the schema version) is missing.",
+            "not a tpplan plan: the top-level key 'tpplan: 18' (the schema version) is missing.",
             id="missing",
         ),
         _case(
@@ -606,6 +606,13 @@ def test_a_schema_version(text: str, message: str) -> None:
             "local shards, so it takes no input or output layouts, replicate_heads or "
             "local_output: false (nor parts, rowwise); drop them, or uneven.",
             id="uneven rowwise heads with parts",
+        ),
+        pytest.param(
+            "tpplan: 17\nrules:\n  - {match: a, style: colwise, replicate_heads: true, "
+            "head_dim: 8, local_output: false, why: x}\n",
+            "line 1: plan: rules[0].replicate_heads with local_output: false need schema "
+            "version 18; change the first line to 'tpplan: 18'.",
+            id="shared heads handed to a region in an older file",
         ),
     ],
 )
