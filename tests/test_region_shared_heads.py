@@ -80,20 +80,14 @@ def _held(model: nn.Module, plan: tpplan.Plan, tp: int, name: str) -> int:
     with simulated_ranks(tp) as mesh:
         sharded = copy.deepcopy(model)
         tpplan.apply_plan(sharded, mesh, plan)
-        p = sharded.get_parameter(name)
-        local = p.to_local() if isinstance(p, torch.distributed.tensor.DTensor) else p
-        return (
-            int(local.numel())
-            if not hasattr(local, "_local_tensors")
-            else int(local._local_tensors[0].numel())
-        )
+        local = sharded.get_parameter(name).to_local()  # a LocalTensor: every rank's
+        return int(local._local_tensors[0].numel())
 
 
 STYLES = ["repeat", "expand", "softmax", "sdpa_gqa"]
 
 
-@pytest.mark.parametrize("tp", [4, 8])
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize(("style", "tp"), [*((s, 4) for s in STYLES), ("repeat", 8)])
 def test_each_rank_holds_the_key_value_head_its_query_heads_use(style: str, tp: int) -> None:
     model = _model(style)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
