@@ -141,7 +141,7 @@ class RegionNotes:
 
 
 def _grouped_whole(args: Any, kwargs: Any) -> None:
-    """SDPA with `enable_gqa` on key/value heads given whole beside split query heads:
+    """SDPA with `enable_gqa` on several key/value heads given whole beside split query heads:
     regions.py repeats them to the query's heads before each rank takes its own, which no
     note replays, and torch's grouping of a rank's few query heads over every key/value head
     pairs them wrongly. So such a region stays on DTensors."""
@@ -150,7 +150,9 @@ def _grouped_whole(args: Any, kwargs: Any) -> None:
     if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor):
         return
     split_query = placement_dim(query) is not None and query.dim() > 2
-    if split_query and placement_dim(key) is None and key.shape[-3] != query.shape[-3]:
+    # one key/value head serves every query head wherever they are
+    grouped = key.dim() > 2 and key.shape[-3] not in (1, query.shape[-3])
+    if split_query and placement_dim(key) is None and grouped:
         raise NotLocal(
             "SDPA with enable_gqa on key/value heads used whole, fewer than the split "
             "query heads (each rank's query heads would meet the wrong ones)"
