@@ -151,8 +151,11 @@ class SharedHeadsColwise(ParallelStyle):
 
     def _plain(self) -> Colwise:
         # where tp divides the heads; in a region on DTensors, handing them on to its code
-        more = {"use_local_output": False} if self.whole and not self.in_local_region else {}
-        return Colwise(input_layouts=self.input_layouts, local_shards=self.local_shards, **more)
+        return Colwise(
+            input_layouts=self.input_layouts,
+            local_shards=self.local_shards,
+            use_local_output=not self.whole or self.in_local_region,
+        )
 
     def local_run_reason(self, module: nn.Module, tp: int) -> str | None:
         """Why `module` cannot run on its local shards (local_run.py); None: it can."""

@@ -221,8 +221,9 @@ def _share_heads(
         }
         if not trial:
             continue
+        shared = _with(plan, rules, {**proven, **trial}, names, sums)
         at_tp = collectives_inside(
-            _with(plan, rules, {**proven, **trial}, names, sums),
+            shared,
             model,
             tp_size=tp,
             args=call[0],
@@ -231,21 +232,14 @@ def _share_heads(
         )
         if at_tp is None:
             continue
-        refused = one_head_per_rank(
-            _with(plan, rules, {**proven, **trial}, names, sums),
-            model,
-            tp,
-            at_tp,
-            args=call[0],
-            kwargs=call[1],
-        )
+        refused = one_head_per_rank(shared, model, tp, at_tp, args=call[0], kwargs=call[1])
         for m, made in trial.items():
-            inside = at_tp.get(m)
-            if inside is None or m in refused or inside.gathers():
+            counted = at_tp.get(m)
+            if counted is None or m in refused or counted.gathers():
                 continue
-            if sum(inside.forward.values()) != sums.get(m, 0):
+            if sum(counted.forward.values()) != sums.get(m, 0):
                 continue
-            if any(not op.startswith(("all_reduce", "all_gather")) for op in inside.backward):
+            if any(not op.startswith(("all_reduce", "all_gather")) for op in counted.backward):
                 continue
             proven[m] = made
             del kept[m]
