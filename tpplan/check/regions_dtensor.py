@@ -53,24 +53,11 @@ def _in_regions(plan: Plan, names: list[str]) -> list[str]:
 
 def check_dtensor_regions(plan: Plan, names: list[str]) -> list[Problem]:
     """A region pattern that matches no module; a shared-heads layer handing its output on
-    (`local_output: false`) outside every region, or with fused parts."""
+    (`local_output: false`) outside every region."""
     problems = []
     regions = _in_regions(plan, names)
     for i, rule in _handed_whole(plan):
         label = f"rules[{i}] (match: {rule.match})"
-        if rule.parts:
-            problems.append(
-                Problem(
-                    "dtensor_region",
-                    label,
-                    None,
-                    "colwise with replicate_heads, parts and local_output: false: a fused "
-                    "layer's shared key/value heads are not handed whole to a region's code.",
-                    "drop local_output: false (its own rows run on local shards), or rerun "
-                    "`tpplan infer`.",
-                )
-            )
-            continue
         outside = [
             n
             for n in match_names(rule.match, names)
@@ -165,10 +152,12 @@ def check_region_collectives(plan: Plan, model: nn.Module, tp_size: int) -> list
 
 
 def _heads(model: nn.Module, name: str, rule: ColwiseRule) -> int | None:
+    """The heads a layer shares among ranks: its output's, or its fused pieces' fewest."""
     out = getattr(model.get_submodule(name), "out_features", None)
-    if not isinstance(out, int) or not rule.head_dim or out % rule.head_dim:
+    sizes = rule.parts or ([out] if isinstance(out, int) else [])
+    if not sizes or not rule.head_dim or any(n % rule.head_dim for n in sizes):
         return None
-    return out // rule.head_dim
+    return min(n // rule.head_dim for n in sizes)
 
 
 def one_head_per_rank(
@@ -204,7 +193,7 @@ def one_head_per_rank(
     out: dict[str, str] = {}
     for heads, held in by_heads.items():
         plain = [
-            ColwiseRule(match=r.match, local_output=False, why=r.why)
+            r.model_copy(update={"replicate_heads": None, "head_dim": None})
             if isinstance(r, ColwiseRule) and r.replicate_heads and r.local_output is False
             else r
             for r in plan.rules

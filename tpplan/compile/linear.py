@@ -36,7 +36,7 @@ from .._runtime.torch_compat import StridedShard, rowwise_prepare_output
 from ..errors import TpplanError
 from .local_run import LocalRun, install, local_run_reason
 from .params import changeable, split_param
-from .region_pieces import hold_in_pieces
+from .region_pieces import hold_in_pieces, whole_shared_pieces
 from .strided import equal_parts, gather_pieces, own_slices
 from .uneven_heads import uneven_rows
 
@@ -109,13 +109,12 @@ class Colwise(ColwiseParallel):
                 # a DTensor region: DTensor has no layout for a rank's slice of each of
                 # pieces of several sizes, so its own rows go on held in pieces, to be cut
                 # apart at their bounds by the region's code (region_pieces.py)
-                if unit is not None:
-                    raise TpplanError(
-                        f"a fused colwise layer of parts {list(parts)} sharing its key/value "
-                        "heads among ranks (replicate_heads) cannot hand DTensors on; drop "
-                        "local_output: false from its rule."
-                    )
-                return hold_in_pieces(own_slices(out, mesh, parts, -1), mesh, parts, out.shape)
+                own = own_slices(out, mesh, parts, -1, unit)
+                if unit is None:
+                    return hold_in_pieces(own, mesh, parts, out.shape)
+                # key/value heads shared among ranks: each its own head in every place
+                filled, shared = whole_shared_pieces(own, parts, unit, mesh)
+                return hold_in_pieces(filled, mesh, parts, out.shape, shared, unit)
             if equal_parts(parts):
                 # its weight is a _StridedShard: the local output already holds this rank's
                 # slice of each part, in order

@@ -186,6 +186,11 @@ class Recorder(TorchFunctionMode):
         if func is F.scaled_dot_product_attention and kwargs.get("enable_gqa"):
             _grouped_whole(args, kwargs)
         leaves, _ = tree_flatten((args, kwargs))
+        if any(getattr(held_in_pieces(t), "whole", ()) for t in leaves):
+            raise NotLocal(
+                "a fused output whose key/value heads ranks share, held in its pieces (no note "
+                "gives a rank's cuts of them)"
+            )
         outs, _ = tree_flatten(out)
         split_in = [t for t in leaves if placement_dim(t) is not None]
         split_out = [t for t in outs if placement_dim(t) is not None]

@@ -53,7 +53,7 @@ from .._runtime.torch_compat import (
 from .known_forwards import forward_of, known_base, local_class
 from .own_rows import OwnRows, own_order, own_rows
 from .params import own_start
-from .region_pieces import hold_in_pieces
+from .region_pieces import hold_in_pieces, whole_shared_pieces
 from .strided import shard_step
 
 __all__ = [
@@ -254,7 +254,7 @@ def local_run_reason(
         if kind != "colwise":
             return "its fused pieces are of unequal sizes (no local layout)"
         if not local_output:
-            if unit is not None or output_layout not in (None, Shard(-1)):
+            if output_layout not in (None, Shard(-1)):
                 return "its fused pieces of unequal sizes stay DTensors (a DTensor region)"
             held = True
         if sum(parts) % tp:
@@ -393,7 +393,12 @@ def _colwise(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if not run.held:
                 return out
             assert run.parts is not None
-            return hold_in_pieces(out, run.mesh, run.parts, (*out.shape[:-1], sum(run.parts)))
+            shape = (*out.shape[:-1], sum(run.parts))
+            if run.unit is None:
+                return hold_in_pieces(out, run.mesh, run.parts, shape)
+            # key/value heads shared among ranks: each its own head in every place
+            filled, shared = whole_shared_pieces(out, run.parts, run.unit, run.mesh)
+            return hold_in_pieces(filled, run.mesh, run.parts, shape, shared, run.unit)
         out = _matmul(self, run, x, _local(self._parameters.get("bias")))
     if not run.gather or run.tp == 1:
         return out

@@ -30,20 +30,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._runtime.torch_compat import StridedShard, tree_flatten
+from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map
 from ..errors import TpplanError
 
 __all__ = [
     "CUTS",
+    "FILLED",
     "NOT_HELD",
     "PIECES",
+    "Everywhere",
+    "Filled",
     "Pieces",
     "contiguous_dtensor",
     "contiguous_strides",
     "cut_spans",
+    "filled_as",
     "held_in_pieces",
     "hold_in_pieces",
     "mark_pieces",
@@ -54,6 +58,7 @@ __all__ = [
     "slice_dims",
     "sliced_span",
     "taken",
+    "whole_shared_pieces",
 ]
 
 
@@ -62,13 +67,50 @@ class Pieces:
     """How a marked tensor's last dim is held: the pieces' global sizes, laid end to end."""
 
     parts: tuple[int, ...]
+    whole: tuple[bool, ...] = ()
+    """Per piece, held whole on every rank (key/value heads shared among ranks, each rank's
+    own head in every head's place: compile/shared_heads.py); none where empty."""
+
+    unit: int = 0
+    """The head size of the pieces held whole (0 where none is)."""
 
     def bounds(self) -> list[int]:
         return [0, *itertools.accumulate(self.parts)]
 
+    def is_whole(self, i: int) -> bool:
+        return bool(self.whole) and self.whole[i]
+
+    def local(self, i: int, tp: int) -> int:
+        """What a rank holds of piece `i`."""
+        return self.parts[i] if self.is_whole(i) else self.parts[i] // tp
+
 
 PIECES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """{tensor: its Pieces}, for the tensors held in pieces now alive."""
+
+FILLED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""{replicated DTensor: its Filled}, for the pieces of shared key/value heads now alive whose
+every head's place holds the rank's own head (a norm over them sums over the ranks,
+region_whole.py's `norm_over_filled`)."""
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A tensor's last dim as `heads` heads, each place holding head `at`, which `replicas`
+    ranks share."""
+
+    heads: int
+    at: int
+    replicas: int
+
+
+def filled_as(width: int, unit: int, mesh: Any) -> Filled:
+    """How a rank fills a piece of `width` features of shared heads of `unit`."""
+    heads = width // unit
+    replicas = mesh.size() // heads
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # a rank applying a plan is on its mesh
+    return Filled(heads, coordinate[0] // replicas, replicas)
 
 
 def held_in_pieces(t: Any) -> Pieces | None:
@@ -84,7 +126,9 @@ def region_entered(by: int) -> None:
     _REGIONS[0] += by
 
 
-def hold_in_pieces(local: torch.Tensor, mesh: Any, parts: Any, shape: Any) -> DTensor:
+def hold_in_pieces(
+    local: torch.Tensor, mesh: Any, parts: Any, shape: Any, whole: Any = (), unit: int = 0
+) -> DTensor:
     """`mark_pieces` for a fused layer's output, refused with the fix outside a running
     DTensor region: there nothing would keep the label from being computed with."""
     if not _REGIONS[0]:
@@ -95,7 +139,7 @@ def hold_in_pieces(local: torch.Tensor, mesh: Any, parts: Any, shape: Any) -> DT
             "them. Fix: drop local_output: false from its rule, or list the module that cuts "
             "them in the plan's regions."
         )
-    return mark_pieces(local, mesh, parts, shape)
+    return mark_pieces(local, mesh, parts, shape, whole, unit)
 
 
 def refuse_held(out: Any) -> None:
@@ -111,12 +155,14 @@ def refuse_held(out: Any) -> None:
             )
 
 
-def mark_pieces(local: torch.Tensor, mesh: Any, parts: Any, shape: Any) -> DTensor:
-    """`local`, rank r's slice of each of `parts` along the last dim (in order), as a
-    DTensor of the fused output's global `shape`, held in pieces (see the module
-    docstring)."""
+def mark_pieces(
+    local: torch.Tensor, mesh: Any, parts: Any, shape: Any, whole: Any = (), unit: int = 0
+) -> DTensor:
+    """`local`, rank r's slice of each of `parts` along the last dim (in order; the whole
+    of each piece `whole` flags), as a DTensor of the fused output's global `shape`, held in
+    pieces (see the module docstring)."""
     out = contiguous_dtensor(local, mesh, [Shard(local.dim() - 1)], shape)
-    PIECES[out] = Pieces(tuple(int(n) for n in parts))
+    PIECES[out] = Pieces(tuple(int(n) for n in parts), tuple(bool(w) for w in whole), unit)
     return out
 
 
@@ -179,6 +225,15 @@ def pieces_call(func: Any, args: Any, kwargs: Any) -> Any:
             out = func(*args, **kwargs)
             if not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
                 return out  # a size, a dtype, a hook's handle
+        elif func in _KEEPS and pieces.whole:
+            # pieces held whole beside split ones: the label's local size is no DTensor
+            # layout's, so the conversion runs on the local tensor, labelled again
+            local = held.to_local()
+            args, kwargs = tree_map(lambda t: local if t is held else t, (args, kwargs))
+            mine = func(*args, **kwargs)
+            if isinstance(mine, torch.Tensor) and mine.shape == local.shape:
+                mesh = held.device_mesh
+                return mark_pieces(mine, mesh, pieces.parts, held.shape, pieces.whole, pieces.unit)
         elif func in _KEEPS:
             out = func(*args, **kwargs)
             if isinstance(out, DTensor) and out.shape == held.shape:
@@ -274,12 +329,21 @@ def taken(x: DTensor, pieces: Pieces, start: int, stop: int, dim: int | None = N
     tp = x.device_mesh.size()
     local = x.to_local()
     last = x.ndim - 1 if dim is None else dim
-    begin = sum(n // tp for n in pieces.parts[:i])
-    mine = local.narrow(last, begin, sum(n // tp for n in taken))
+    begin = sum(pieces.local(k, tp) for k in range(i))
+    mine = local.narrow(last, begin, sum(pieces.local(k, tp) for k in range(i, j)))
     shape = list(x.shape)
     shape[last] = stop - start
-    if len(set(taken)) > 1:
-        return mark_pieces(mine, x.device_mesh, taken, shape)
+    whole = [pieces.is_whole(k) for k in range(i, j)]
+    if all(whole):
+        # shared key/value heads: the rank's own head in each head's place, read only
+        # where its query heads read it (check/regions_dtensor.py proves it)
+        out = contiguous_dtensor(mine, x.device_mesh, [Replicate()], shape)
+        if len(taken) == 1:
+            FILLED[out] = filled_as(taken[0], pieces.unit, x.device_mesh)
+        return out
+    if len(set(taken)) > 1 or any(whole):
+        flags = whole if any(whole) else ()
+        return mark_pieces(mine, x.device_mesh, taken, shape, flags, pieces.unit)
     placement = StridedShard(last, split_factor=len(taken)) if len(taken) > 1 else Shard(last)
     return contiguous_dtensor(mine, x.device_mesh, [placement], shape)
 
@@ -320,3 +384,44 @@ def contiguous_strides(shape: Any) -> tuple[int, ...]:
         out.append(n)
         n *= size
     return tuple(reversed(out))
+
+
+class Everywhere(torch.autograd.Function):
+    """`own` (the rank's head, its features last) in each of `heads` places of the whole
+    width. The backward takes the gradient of the own place (`at`, the rank's head) only:
+    the whole gradient the region hands back is every rank's (summed over tp), so the
+    head's share of it is divided by the `replicas` sharing the head, whose sums of weight
+    and input gradients (`_SumOver`, colwise's input sum) count it once."""
+
+    @staticmethod
+    def forward(ctx: Any, own: torch.Tensor, heads: int, at: int, replicas: int) -> torch.Tensor:
+        ctx.shape = (heads, at, replicas)
+        return own.repeat(*([1] * (own.dim() - 1)), heads)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        heads, at, replicas = ctx.shape
+        size = grad.shape[-1] // heads
+        return grad.narrow(-1, at * size, size) / replicas, None, None, None
+
+
+def whole_shared_pieces(
+    own: torch.Tensor, parts: tuple[int, ...], unit: int, mesh: Any
+) -> tuple[torch.Tensor, tuple[bool, ...]]:
+    """A fused layer's own rows' output (`own`: its slice of each piece, one whole head of
+    each piece of fewer heads of `unit` than ranks, as own_rows.py orders them) with each
+    such piece's head in every head's place, for a region's code (`Everywhere`); and which
+    pieces are so held whole."""
+    tp = mesh.size()
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # a rank applying a plan is on its mesh
+    shared = tuple(n // unit < tp for n in parts)
+    sizes = [unit if s else n // tp for n, s in zip(parts, shared, strict=True)]
+    out = []
+    for n, s, piece in zip(parts, shared, own.split(sizes, dim=-1), strict=True):
+        if s:
+            heads = n // unit
+            replicas = tp // heads
+            piece = Everywhere.apply(piece, heads, coordinate[0] // replicas, replicas)
+        out.append(piece)
+    return torch.cat(out, dim=-1), shared

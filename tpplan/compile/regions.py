@@ -30,6 +30,7 @@ from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map
 from .dtensor_ops import teach_dtensor
 from .local_regions import Recorder, RegionNotes, contiguous_dtensor, note_outputs
 from .params import REGION_FLAG
+from .region_filled import kept_filled, norm_over_filled
 from .region_heads import BATCHED, MATMULS, batched_alike, heads_attention, own_heads
 from .region_pieces import (
     NOT_HELD,
@@ -67,6 +68,9 @@ class _ReplicatePlain(TorchFunctionMode):
             found = pieces_call(func, args, kwargs)
             if found is not NOT_HELD:
                 return found
+        found = kept_filled(func, args, kwargs)
+        if found is not None:
+            return found
         if func is F.scaled_dot_product_attention:
             found = heads_attention(*args, **kwargs)
             if found is not None:
@@ -76,6 +80,9 @@ class _ReplicatePlain(TorchFunctionMode):
             if found is not None:
                 return found
         if func in NORMS and args and isinstance(args[0], DTensor):
+            found = norm_over_filled(func, *args, **kwargs)
+            if found is not None:
+                return found
             found = norm_over_split(func, *args, **kwargs)
             if found is not None:
                 return found

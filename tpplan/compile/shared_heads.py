@@ -17,7 +17,7 @@ gradient has the parameter's own layout, equal on the ranks that hold it.
 Inside a DTensor region (`whole`, the rule's `local_output: false`) the region's code sizes
 the key/value features by numbers no plan divides (`view(b, t, 2, 16)`), so it must see the
 whole output: each rank computes its own head and hands on the whole width with that head in
-every head's place (`_Everywhere`). check proves on fake ranks, at a tp size of one head per
+every head's place (region_pieces.py's `Everywhere`). check proves on fake ranks, at a tp size of one head per
 rank, that the region's code reads only the head its query heads use (check/regions_dtensor.py),
 so the other places are never read. Their gradient arrives whole, summed over the ranks by
 the region; the own place's share of it goes back to the head.
@@ -46,6 +46,7 @@ from ..errors import TpplanError
 from .linear import Colwise
 from .local_run import copy_to_ranks, group_name
 from .params import local_during_calls
+from .region_pieces import Everywhere
 
 __all__ = ["SharedHeadsColwise", "head_replicas", "heads_grid"]
 
@@ -94,25 +95,6 @@ class _SumOver(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return funcol_wait_tensor(funcol_all_reduce(grad, "sum", ctx.group)), None, None
-
-
-class _Everywhere(torch.autograd.Function):
-    """`own` (the rank's head, its features last) in each of `heads` places of the whole
-    width. The backward takes the gradient of the own place (`at`, the rank's head) only:
-    the whole gradient the region hands back is every rank's (summed over tp), so the
-    head's share of it is divided by the `replicas` sharing the head, whose sums of weight
-    and input gradients (`_SumOver`, colwise's input sum) count it once."""
-
-    @staticmethod
-    def forward(ctx: Any, own: torch.Tensor, heads: int, at: int, replicas: int) -> torch.Tensor:
-        ctx.shape = (heads, at, replicas)
-        return own.repeat(*([1] * (own.dim() - 1)), heads)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        heads, at, replicas = ctx.shape
-        size = grad.shape[-1] // heads
-        return grad.narrow(-1, at * size, size) / replicas, None, None, None
 
 
 class SharedHeadsColwise(ParallelStyle):
@@ -209,7 +191,7 @@ class SharedHeadsColwise(ParallelStyle):
             at, replicas = coordinate[0], tp // heads
 
             def everywhere(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-                return _Everywhere.apply(out, heads, at, replicas)
+                return Everywhere.apply(out, heads, at, replicas)
 
             module.register_forward_hook(everywhere)
         return module

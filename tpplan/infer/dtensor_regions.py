@@ -159,7 +159,10 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
             if raw & {*trial[m].opens, *trial[m].closes}:
                 # another dim may split with fewer all-reduces (heads, not a head's features)
                 improvable.add(m)
-    _share_heads(model, plan, rules, proven, sums, names, tp, (args, kwargs))
+    call = (args, kwargs)
+    fused = {m: c[0] for m, c in candidates.items() if m not in proven and c}
+    _share_fused(model, plan, rules, fused, raw, proven, sums, names, tp, call, bounds)
+    _share_heads(model, plan, rules, proven, sums, names, tp, call)
     # a region whose proof ran all-reduces may have split inside a head (one head's
     # features, the all-reduce summing its scores), and one with layers kept whole (or
     # sharing heads) must pass apply's checks on what reads them: the checks apply_plan
@@ -243,6 +246,99 @@ def _share_heads(
                 continue
             proven[m] = made
             del kept[m]
+
+
+def _share_fused(
+    model: nn.Module,
+    plan: Plan,
+    rules: dict[str, Rule],
+    cuts: dict[str, Cut],
+    raw: set[str],
+    proven: dict[str, dict[str, Rule]],
+    sums: dict[str, int],
+    names: list[str],
+    tp: int,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    bounds: dict[str, set[int]],
+) -> None:
+    """Regions no way proved whose fused opener the code cuts into pieces of several sizes
+    (q|k|v of grouped heads), tried once more with its narrower pieces' heads shared among
+    ranks where tp is a multiple of them: each rank its slice of the query piece and the
+    whole head its query heads use of each key/value piece, which the region's code sees in
+    every head's place (compile/region_pieces.py), proven as `_share_heads` proves separate
+    layers. `proven` and `sums` are updated in place."""
+    from ..check.regions_dtensor import one_head_per_rank
+    from ..check.run import collectives_inside
+
+    left = {m: c for m, c in cuts.items() if not raw & {*c.opens, *c.closes}}
+    for heads in range(tp - 1, 1, -1):
+        if tp % heads or not left:
+            continue
+        trial = {}
+        for m, cut in left.items():
+            made = rewrite(model, rules, m, cut, UNEQUAL, 1, bounds)
+            shared = _fused_shared(made, heads, tp, cut) if made else None
+            if shared is not None:
+                trial[m] = shared
+        if not trial:
+            continue
+        plan_ = _with(plan, rules, {**proven, **trial}, names, sums)
+        at_tp = collectives_inside(
+            plan_,
+            model,
+            tp_size=tp,
+            args=call[0],
+            kwargs=call[1],
+            modules={m: _split_inside(m, rules, made) for m, made in trial.items()},
+        )
+        if at_tp is None:
+            continue
+        refused = one_head_per_rank(plan_, model, tp, at_tp, args=call[0], kwargs=call[1])
+        for m, made in trial.items():
+            counted = at_tp.get(m)
+            if counted is None or m in refused or counted.gathers():
+                continue
+            if left[m].leaky and counted.returned_split:
+                continue
+            if any(not op.startswith(("all_reduce", "all_gather")) for op in counted.backward):
+                continue
+            proven[m], sums[m] = made, sum(counted.forward.values())
+            del left[m]
+
+
+def _fused_shared(made: dict[str, Rule], heads: int, tp: int, cut: Cut) -> dict[str, Rule] | None:
+    """`made` (a region's rules, its fused openers in their unequal pieces) with each fused
+    opener's narrower pieces as `heads` shared heads, where every wider piece splits `tp`
+    ways and every narrower one into `heads` heads of one size; None where none fits."""
+    out, changed = dict(made), False
+    to = ", ".join(n.rsplit(".", 1)[-1] for n in cut.closes)
+    for name, rule in made.items():
+        if not isinstance(rule, ColwiseRule) or not rule.parts or len(set(rule.parts)) < 2:
+            continue
+        widest = max(rule.parts)
+        narrow = [n for n in rule.parts if n < widest]
+        if any(n % heads for n in narrow) or any(n % tp for n in rule.parts if n == widest):
+            return None
+        unit = min(narrow) // heads
+        if any(n % unit or n // unit >= tp for n in narrow):
+            return None
+        out[name] = rule.model_copy(
+            update={
+                "replicate_heads": True,
+                "head_dim": unit,
+                "why": (
+                    f"its {sum(rule.parts)} output features are the pieces its code cuts them "
+                    f"into, {rule.parts}: each rank its slice of the widest, and of each "
+                    f"narrower one ({heads} key/value heads of {unit}, fewer than the ranks) "
+                    f"the whole head its query heads use, held so through the module's own "
+                    f"code (a DTensor region) to {to}, which contracts them (rowwise); the code "
+                    "sees that head in every head's place, proven on fake ranks at tp "
+                    f"{heads} (one head per rank) to read only it"
+                ),
+            }
+        )
+        changed = True
+    return out if changed else None
 
 
 def _width(model: nn.Module, name: str) -> int | None:
