@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
-from .._runtime.torch_compat import funcol_all_reduce, funcol_wait_tensor
+from .._runtime.torch_compat import all_reduce_op, wait_tensor_op
 from .local_run import group_name
 from .region_pieces import FILLED, Filled, contiguous_dtensor
 
@@ -39,7 +39,7 @@ _KEEPS = {
 
 
 def _summed(t: torch.Tensor, group: str) -> torch.Tensor:
-    return funcol_wait_tensor(funcol_all_reduce(t, "sum", group))
+    return wait_tensor_op(all_reduce_op(t.contiguous(), "sum", group))
 
 
 class _FilledRms(torch.autograd.Function):
