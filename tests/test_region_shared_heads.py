@@ -175,3 +175,87 @@ def test_grouped_sdpa_on_whole_key_value_heads_runs_on_dtensors() -> None:
         tpplan.apply_plan(sharded, mesh, plan)
         how = sharded.attn.__dict__["_tpplan_region"]
     assert how.startswith("DTensor") and "SDPA with enable_gqa on key/value heads" in how, how
+
+
+class _Fused(nn.Module):
+    """q|k|v in one Linear (8 query heads of 6, 2 key/value heads), cut by numbers."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+        self.qkv = nn.Linear(WIDTH, (HEADS + 2 * KV) * HEAD_DIM)
+        self.o = nn.Linear(HEADS * HEAD_DIM, WIDTH)
+        if style in ("norms", "layer_norm"):
+            self.q_norm = nn.RMSNorm(48)  # over every query head's features
+            kind = nn.RMSNorm if style == "norms" else nn.LayerNorm
+            self.k_norm = kind(12)  # over every key/value head's features
+            with torch.no_grad():  # a weight far from ones, so its gradient is not trivial
+                self.k_norm.weight.copy_(torch.linspace(0.5, 1.5, 12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        y = self.qkv(x)
+        if self.style == "slices":
+            q, k, v = y[..., :48], y[..., 48:60], y[..., 60:]
+        elif self.style == "chunk":
+            q, kv = y.split([48, 24], dim=-1)
+            k, v = kv.chunk(2, dim=-1)
+        else:
+            q, k, v = y.split([48, 12, 12], dim=-1)
+        if self.style in ("norms", "layer_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, 8, 6).transpose(1, 2)
+        k, v = (z.view(b, t, 2, 6).repeat_interleave(4, dim=2).transpose(1, 2) for z in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, t, 48))
+
+
+def _fused(style: str) -> AttentionLm:
+    torch.manual_seed(0)
+    return AttentionLm(lambda: _Fused(style), VOCAB, WIDTH)
+
+
+@pytest.mark.parametrize(
+    ("style", "tp"), [("split", 4), ("slices", 4), ("chunk", 4), ("norms", 4), ("split", 8)]
+)
+def test_a_fused_layer_holds_its_query_slice_and_the_key_value_head_they_use(
+    style: str, tp: int
+) -> None:
+    """Each rank its slice of the query piece and one whole key/value head of each other
+    piece; a RMSNorm over every key/value head's features sums its statistics over the
+    ranks (one all-reduce of a value per row, as the query norm's)."""
+    model = _fused(style)
+    plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
+    assert [r.match for r in plan.regions] == ["attn"]
+    qkv = next(r for r in plan.rules if r.match == "attn.qkv")
+    assert isinstance(qkv, ColwiseRule)
+    assert (qkv.parts, qkv.replicate_heads, qkv.head_dim, qkv.local_output) == (
+        [48, 12, 12],
+        True,
+        6,
+        False,
+    )
+    assert "(2 key/value heads of 6, fewer than the ranks)" in qkv.why
+    assert not tpplan.check_plan(plan, model, tp_size=tp)
+    assert_parity(model, plan, tp, _ids())
+    sums = 3 if style == "norms" else 1  # the closer's, and each norm's statistics
+    calls = every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn")
+    assert calls == {"all_reduce": sums}, calls
+    with simulated_ranks(tp) as mesh:
+        sharded = copy.deepcopy(model)
+        tpplan.apply_plan(sharded, mesh, plan)
+        how = sharded.attn.__dict__["_tpplan_region"]
+    # no local note gives a rank's cuts of pieces held whole: the region runs on DTensors
+    assert how.startswith("DTensor") and "key/value heads ranks share" in how, how
+
+
+def test_a_layer_norm_over_shared_key_value_heads_keeps_them_gathered() -> None:
+    """A LayerNorm's mean and variance over every key/value head: no sum over the ranks
+    makes them from one head per rank here, so the run at one head per rank, which sums
+    them, refuses the sharing, and the fused layer is split then gathered as before."""
+    model = _fused("layer_norm")
+    plan = tpplan.infer_plan(model, tp_size=4, example_inputs=_ids())
+    qkv = next(r for r in plan.rules if r.match == "attn.qkv")
+    assert isinstance(qkv, ColwiseRule) and not qkv.replicate_heads
+    assert qkv.output_layout() == "replicate"
+    assert_parity(model, plan, 4, _ids())
