@@ -56,11 +56,14 @@ class _Attention(nn.Module):
             return self.o(a.transpose(1, 2).reshape(b, t, 48))
         else:
             k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
-        if style == "softmax":
+        if style in ("softmax", "weights"):
             keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
             s = s.masked_fill(~keep, float("-inf"))
             a = s.softmax(-1) @ v
+            if style == "weights":  # the weights averaged over heads, used: a gradient
+                w = s.softmax(-1).mean(dim=1)  # (B, T, T)
+                return self.o(a.transpose(1, 2).reshape(b, t, 48)) + w @ x
         else:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(a.transpose(1, 2).reshape(b, t, 48))
@@ -84,7 +87,7 @@ def _held(model: nn.Module, plan: tpplan.Plan, tp: int, name: str) -> int:
         return int(local._local_tensors[0].numel())
 
 
-STYLES = ["repeat", "expand", "softmax", "sdpa_gqa"]
+STYLES = ["repeat", "expand", "softmax", "weights", "sdpa_gqa"]
 
 
 @pytest.mark.parametrize(("style", "tp"), [*((s, 4) for s in STYLES), ("repeat", 8)])
@@ -104,7 +107,9 @@ def test_each_rank_holds_the_key_value_head_its_query_heads_use(style: str, tp: 
     assert_parity(model, plan, tp, _ids())
     # one head of the two: half the weight, where whole it was all of it
     assert _held(model, plan, tp, "attn.k.weight") == HEAD_DIM * WIDTH
-    assert every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn") == {"all_reduce": 1}
+    sums = 2 if style == "weights" else 1  # the closer's, and the average over heads
+    calls = every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn")
+    assert calls == {"all_reduce": sums}, calls
 
 
 def test_at_a_tp_dividing_the_key_value_heads_the_layers_split_as_before() -> None:
@@ -207,7 +212,11 @@ class _Fused(nn.Module):
         q = q.view(b, t, 8, 6).transpose(1, 2)
         k, v = (z.view(b, t, 2, 6).repeat_interleave(4, dim=2).transpose(1, 2) for z in (k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(a.transpose(1, 2).reshape(b, t, 48))
+        out = self.o(a.transpose(1, 2).reshape(b, t, 48))
+        if self.style == "weights":  # the weights averaged over heads, used: a gradient
+            p = (q @ k.transpose(-2, -1) * 6**-0.5).softmax(-1)  # (B, H, T, T)
+            return out + p.mean(dim=1) @ x
+        return out
 
 
 def _fused(style: str) -> AttentionLm:
@@ -216,14 +225,17 @@ def _fused(style: str) -> AttentionLm:
 
 
 @pytest.mark.parametrize(
-    ("style", "tp"), [("split", 4), ("slices", 4), ("chunk", 4), ("norms", 4), ("split", 8)]
+    ("style", "tp"),
+    [("split", 4), ("slices", 4), ("chunk", 4), ("norms", 4), ("weights", 4), ("split", 8)],
 )
 def test_a_fused_layer_holds_its_query_slice_and_the_key_value_head_they_use(
     style: str, tp: int
 ) -> None:
     """Each rank its slice of the query piece and one whole key/value head of each other
     piece; a RMSNorm over every key/value head's features sums its statistics over the
-    ranks (one all-reduce of a value per row, as the query norm's)."""
+    ranks (one all-reduce of a value per row, as the query norm's); attention weights by
+    hand, averaged over heads and used, take the rank's own heads of the whole keys, whose
+    gradient comes back whole."""
     model = _fused(style)
     plan = tpplan.infer_plan(model, tp_size=tp, example_inputs=_ids())
     assert [r.match for r in plan.regions] == ["attn"]
@@ -238,7 +250,8 @@ def test_a_fused_layer_holds_its_query_slice_and_the_key_value_head_they_use(
     assert "(2 key/value heads of 6, fewer than the ranks)" in qkv.why
     assert not tpplan.check_plan(plan, model, tp_size=tp)
     assert_parity(model, plan, tp, _ids())
-    sums = 3 if style == "norms" else 1  # the closer's, and each norm's statistics
+    # the closer's, each norm's statistics, the average over heads
+    sums = {"norms": 3, "weights": 2}.get(style, 1)
     calls = every_call_collectives(model, plan, tp, _ids(), "AttentionLm.attn")
     assert calls == {"all_reduce": sums}, calls
     with simulated_ranks(tp) as mesh:

@@ -109,7 +109,8 @@ def test_shared_key_value_heads_stay_whole_in_a_region(style: str, kv: int, tp: 
     """The query and output split by heads in a DTensor region, the key/value layers (or
     weights) whole on every rank with a reason that names why; one all-reduce and no
     all-gather in the attention's forward; check passes; parity forward and backward.
-    Two key/value heads at tp 2 split with the query heads instead."""
+    Two key/value heads at tp 2 split with the query heads instead, and at tp 4 each rank
+    holds one of them."""
     torch.manual_seed(0)
     model = seeded(_Model, style=style, kv=kv)
     x = token_batch(64)
@@ -126,9 +127,13 @@ def test_shared_key_value_heads_stay_whole_in_a_region(style: str, kv: int, tp: 
         assert rules["attn.q_proj"].style == "colwise"
         assert rules["attn.o_proj"].style == "rowwise"
         for name in ("attn.k_proj", "attn.v_proj"):
-            if shared:
+            if shared and kv == 1:
                 assert rules[name].style == "replicate", plan.to_yaml()
                 assert "every split head shares it" in rules[name].why
+            elif shared:
+                # two heads at tp 4: each rank the one its query heads use (see
+                # test_region_shared_heads.py)
+                assert rules[name].shares_heads() and rules[name].hands_dtensors()
             else:
                 assert rules[name].style == "colwise", plan.to_yaml()
     assert tpplan.check_plan(plan, model, tp_size=tp) == []

@@ -85,19 +85,25 @@ class _FilledRms(torch.autograd.Function):
         return d_local, d_weight, None, None, None
 
 
-def norm_over_filled(
-    func: Any,
+def norm_over_filled(func: Any, x: DTensor, *args: Any, **kwargs: Any) -> Any:
+    """F.rms_norm over the last dim of a piece of shared heads (see the module docstring),
+    as a replicated DTensor filled alike; None where `x` is no such piece, or the norm
+    another (a LayerNorm: its mean too) or over other dims."""
+    filled = FILLED.get(x) if FILLED else None
+    if filled is None or func is not F.rms_norm:
+        return None
+    return _rms_over_filled(x, filled, *args, **kwargs)
+
+
+def _rms_over_filled(
     x: DTensor,
+    filled: Filled,
     normalized_shape: Any,
     weight: torch.Tensor | None = None,
     eps: float | None = None,
 ) -> Any:
-    """F.rms_norm over the last dim of a piece of shared heads (see the module docstring),
-    as a replicated DTensor filled alike; None where `x` is no such piece, or the norm
-    another or over other dims."""
-    filled = FILLED.get(x) if FILLED else None
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-    if filled is None or func is not F.rms_norm or shape != [x.shape[-1]]:
+    if shape != [x.shape[-1]]:
         return None
     if eps is None:
         eps = torch.finfo(x.dtype).eps

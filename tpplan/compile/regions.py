@@ -97,6 +97,12 @@ class _ReplicatePlain(TorchFunctionMode):
                 found = batched_alike(torch.bmm, a, b)
                 if found is not None:
                     return found
+            elif (a is not args[0] or b is not args[1]) and all(
+                isinstance(t, DTensor) for t in (a, b)
+            ):
+                # `q @ k.transpose(-2, -1)` on split heads with k whole: its own heads, whose
+                # gradient comes back whole (DTensor's own matmul would hand k a split one)
+                return func(a, b)
         if func in _NEW and args and isinstance(args[0], DTensor):
             found = _new_alike(func, *args, **kwargs)
             if found is not None:
