@@ -21,21 +21,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .._runtime.torch_compat import all_reduce_op, wait_tensor_op
 from .local_run import group_name
-from .region_pieces import FILLED, Filled, contiguous_dtensor
+from .region_pieces import FILLED, KEEPS, Filled, contiguous_dtensor
 
 __all__ = ["kept_filled", "norm_over_filled"]
-
-# calls whose result keeps every element of a filled piece where it is (a module's backward
-# hooks hand its input on through `view_as`)
-_KEEPS = {
-    torch.Tensor.view_as,
-    torch.Tensor.contiguous,
-    torch.Tensor.to,
-    torch.Tensor.float,
-    torch.Tensor.half,
-    torch.Tensor.bfloat16,
-    torch.Tensor.type_as,
-}
 
 
 def _summed(t: torch.Tensor, group: str) -> torch.Tensor:
@@ -116,9 +104,10 @@ def _rms_over_filled(
 
 
 def kept_filled(func: Any, args: Any, kwargs: Any) -> Any:
-    """`func(*args, **kwargs)` for a call of `_KEEPS` on a filled piece, its result filled
-    alike; None for any other call."""
-    if not FILLED or func not in _KEEPS or not args or not isinstance(args[0], DTensor):
+    """`func(*args, **kwargs)` for a call that keeps every element where it is (region_pieces.py's
+    `KEEPS`: a module's backward hooks hand its input on through `view_as`) on a filled
+    piece, its result filled alike; None for any other call."""
+    if not FILLED or func not in KEEPS or not args or not isinstance(args[0], DTensor):
         return None
     filled = FILLED.get(args[0])
     if filled is None:

@@ -39,6 +39,7 @@ from ..errors import TpplanError
 __all__ = [
     "CUTS",
     "FILLED",
+    "KEEPS",
     "NOT_HELD",
     "PIECES",
     "Everywhere",
@@ -178,7 +179,7 @@ _SPLITS = {
 _NARROWS = {torch.Tensor.narrow, torch.narrow}
 CUTS = _SPLITS | _NARROWS | {torch.Tensor.__getitem__}
 """The calls `cut_spans` reads."""
-_KEEPS = {
+KEEPS = {
     torch.Tensor.contiguous,
     torch.Tensor.to,
     torch.Tensor.float,
@@ -225,7 +226,7 @@ def pieces_call(func: Any, args: Any, kwargs: Any) -> Any:
             out = func(*args, **kwargs)
             if not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
                 return out  # a size, a dtype, a hook's handle
-        elif func in _KEEPS and pieces.whole:
+        elif func in KEEPS and pieces.whole:
             # pieces held whole beside split ones: the label's local size is no DTensor
             # layout's, so the conversion runs on the local tensor, labelled again
             local = held.to_local()
@@ -234,7 +235,7 @@ def pieces_call(func: Any, args: Any, kwargs: Any) -> Any:
             if isinstance(mine, torch.Tensor) and mine.shape == local.shape:
                 mesh = held.device_mesh
                 return mark_pieces(mine, mesh, pieces.parts, held.shape, pieces.whole, pieces.unit)
-        elif func in _KEEPS:
+        elif func in KEEPS:
             out = func(*args, **kwargs)
             if isinstance(out, DTensor) and out.shape == held.shape:
                 PIECES[out] = pieces

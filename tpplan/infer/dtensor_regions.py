@@ -25,7 +25,10 @@ shrink, work does not. Here such layers get a second chance:
    of them. So the split ran through every view, rotary embedding and attention
    untouched, and DTensor's own sharding propagation computed every op (its numbers are
    the unsplit model's by construction). Anything else keeps the split-and-gather rules,
-   with their reasons.
+   with their reasons;
+4. key/value heads past their count (region_shared.py): layers a proven region keeps whole
+   for every head, and fused openers no way split, hold one head per rank where a run at
+   one head per rank proves the code reads no other.
 
 A module's own raw weights (in its `x @ w` or einsum) are candidates too: raw_regions.py
 finds them and makes their `split_params` rules.
@@ -53,6 +56,7 @@ from ..plan.versions import SCHEMA_VERSION
 from .raw_regions import RAW_WAYS, raw_kept, raw_params, rewrite_raw
 from .region_cuts import Cut, ParamDims, call_fake, cuts
 from .region_rules import SHARED, UNEQUAL, rewrite
+from .region_shared import Trial, share_fused, share_heads
 
 if TYPE_CHECKING:
     from ..check.run import Inside
@@ -159,10 +163,15 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
             if raw & {*trial[m].opens, *trial[m].closes}:
                 # another dim may split with fewer all-reduces (heads, not a head's features)
                 improvable.add(m)
-    call = (args, kwargs)
+    # step 4: key/value heads past their count, one per rank (region_shared.py)
+    step4 = Trial(
+        model, tp, (args, kwargs), lambda made: _with(plan, rules, made, names, sums),
+        lambda m, made: _split_inside(m, rules, made),
+    )  # fmt: skip
     fused = {m: c[0] for m, c in candidates.items() if m not in proven and c}
-    _share_fused(model, plan, rules, fused, raw, proven, sums, names, tp, call, bounds)
-    _share_heads(model, plan, rules, proven, sums, names, tp, call)
+    fused = {m: c for m, c in fused.items() if not raw & {*c.opens, *c.closes}}
+    share_fused(step4, rules, fused, proven, sums, bounds)
+    share_heads(step4, rules, proven, sums)
     # a region whose proof ran all-reduces may have split inside a head (one head's
     # features, the all-reduce summing its scores), and one with layers kept whole (or
     # sharing heads) must pass apply's checks on what reads them: the checks apply_plan
@@ -178,191 +187,6 @@ def try_dtensor_regions(model: nn.Module, plan: Plan, tp: int, example_inputs: A
     if not proven and not kept:
         return plan
     return _with(plan, {**rules, **kept}, proven, names, sums)
-
-
-def _share_heads(
-    model: nn.Module,
-    plan: Plan,
-    rules: dict[str, Rule],
-    proven: dict[str, dict[str, Rule]],
-    sums: dict[str, int],
-    names: list[str],
-    tp: int,
-    call: tuple[tuple[Any, ...], dict[str, Any]],
-) -> None:
-    """Key/value layers a proven region keeps whole for every split head to share (`SHARED`)
-    made to share whole heads instead, where tp is a multiple of their heads: each rank
-    holds and computes the one head its query heads use, and hands the region's code the
-    whole width with that head in every place (compile/shared_heads.py). Their heads are
-    the most that divide tp and their widths for which the region, run at tp and at one
-    head per rank, proves it (check/regions_dtensor.py's `one_head_per_rank`); `proven` is
-    updated in place."""
-    from ..check.regions_dtensor import one_head_per_rank
-    from ..check.run import collectives_inside
-
-    kept: dict[str, dict[str, int]] = {}  # {region: {layer kept whole: its output width}}
-    for m, made in proven.items():
-        opened = [_width(model, o) for o, r in made.items() if isinstance(r, ColwiseRule)]
-        widest = max((w for w in opened if w is not None), default=0)
-        # kept whole for every head to share, or (a width tp does not divide) before
-        inside = {n: r for n, r in rules.items() if n.startswith(f"{m}.") and n not in made}
-        widths = {
-            k: _width(model, k)
-            for k, r in {**inside, **made}.items()
-            if isinstance(r, ReplicateRule)
-            and (r.why.startswith(SHARED) or 0 < (_width(model, k) or widest) < widest)
-        }
-        if widths and all(w is not None for w in widths.values()):
-            kept[m] = {k: int(w) for k, w in widths.items() if w is not None}
-    for heads in range(tp - 1, 1, -1):
-        if tp % heads:
-            continue
-        trial = {
-            m: {**proven[m], **{k: _shared_rule(k, w, heads, tp) for k, w in ws.items()}}
-            for m, ws in kept.items()
-            if all(w % heads == 0 for w in ws.values())
-        }
-        if not trial:
-            continue
-        shared = _with(plan, rules, {**proven, **trial}, names, sums)
-        at_tp = collectives_inside(
-            shared,
-            model,
-            tp_size=tp,
-            args=call[0],
-            kwargs=call[1],
-            modules={m: _split_inside(m, rules, made) for m, made in trial.items()},
-        )
-        if at_tp is None:
-            continue
-        refused = one_head_per_rank(shared, model, tp, at_tp, args=call[0], kwargs=call[1])
-        for m, made in trial.items():
-            counted = at_tp.get(m)
-            if counted is None or m in refused or counted.gathers():
-                continue
-            if sum(counted.forward.values()) != sums.get(m, 0):
-                continue
-            if any(not op.startswith(("all_reduce", "all_gather")) for op in counted.backward):
-                continue
-            proven[m] = made
-            del kept[m]
-
-
-def _share_fused(
-    model: nn.Module,
-    plan: Plan,
-    rules: dict[str, Rule],
-    cuts: dict[str, Cut],
-    raw: set[str],
-    proven: dict[str, dict[str, Rule]],
-    sums: dict[str, int],
-    names: list[str],
-    tp: int,
-    call: tuple[tuple[Any, ...], dict[str, Any]],
-    bounds: dict[str, set[int]],
-) -> None:
-    """Regions no way proved whose fused opener the code cuts into pieces of several sizes
-    (q|k|v of grouped heads), tried once more with its narrower pieces' heads shared among
-    ranks where tp is a multiple of them: each rank its slice of the query piece and the
-    whole head its query heads use of each key/value piece, which the region's code sees in
-    every head's place (compile/region_pieces.py), proven as `_share_heads` proves separate
-    layers. `proven` and `sums` are updated in place."""
-    from ..check.regions_dtensor import one_head_per_rank
-    from ..check.run import collectives_inside
-
-    left = {m: c for m, c in cuts.items() if not raw & {*c.opens, *c.closes}}
-    for heads in range(tp - 1, 1, -1):
-        if tp % heads or not left:
-            continue
-        trial = {}
-        for m, cut in left.items():
-            made = rewrite(model, rules, m, cut, UNEQUAL, 1, bounds)
-            shared = _fused_shared(made, heads, tp, cut) if made else None
-            if shared is not None:
-                trial[m] = shared
-        if not trial:
-            continue
-        plan_ = _with(plan, rules, {**proven, **trial}, names, sums)
-        at_tp = collectives_inside(
-            plan_,
-            model,
-            tp_size=tp,
-            args=call[0],
-            kwargs=call[1],
-            modules={m: _split_inside(m, rules, made) for m, made in trial.items()},
-        )
-        if at_tp is None:
-            continue
-        refused = one_head_per_rank(plan_, model, tp, at_tp, args=call[0], kwargs=call[1])
-        for m, made in trial.items():
-            counted = at_tp.get(m)
-            if counted is None or m in refused or counted.gathers():
-                continue
-            if left[m].leaky and counted.returned_split:
-                continue
-            if any(not op.startswith(("all_reduce", "all_gather")) for op in counted.backward):
-                continue
-            proven[m], sums[m] = made, sum(counted.forward.values())
-            del left[m]
-
-
-def _fused_shared(made: dict[str, Rule], heads: int, tp: int, cut: Cut) -> dict[str, Rule] | None:
-    """`made` (a region's rules, its fused openers in their unequal pieces) with each fused
-    opener's narrower pieces as `heads` shared heads, where every wider piece splits `tp`
-    ways and every narrower one into `heads` heads of one size; None where none fits."""
-    out, changed = dict(made), False
-    to = ", ".join(n.rsplit(".", 1)[-1] for n in cut.closes)
-    for name, rule in made.items():
-        if not isinstance(rule, ColwiseRule) or not rule.parts or len(set(rule.parts)) < 2:
-            continue
-        widest = max(rule.parts)
-        narrow = [n for n in rule.parts if n < widest]
-        if any(n % heads for n in narrow) or any(n % tp for n in rule.parts if n == widest):
-            return None
-        unit = min(narrow) // heads
-        if any(n % unit or n // unit >= tp for n in narrow):
-            return None
-        out[name] = rule.model_copy(
-            update={
-                "replicate_heads": True,
-                "head_dim": unit,
-                "why": (
-                    f"its {sum(rule.parts)} output features are the pieces its code cuts them "
-                    f"into, {rule.parts}: each rank its slice of the widest, and of each "
-                    f"narrower one ({heads} key/value heads of {unit}, fewer than the ranks) "
-                    f"the whole head its query heads use, held so through the module's own "
-                    f"code (a DTensor region) to {to}, which contracts them (rowwise); the code "
-                    "sees that head in every head's place, proven on fake ranks at tp "
-                    f"{heads} (one head per rank) to read only it"
-                ),
-            }
-        )
-        changed = True
-    return out if changed else None
-
-
-def _width(model: nn.Module, name: str) -> int | None:
-    """A Linear's output features (None for any other module)."""
-    m = model.get_submodule(name)
-    return m.out_features if isinstance(m, nn.Linear) else None
-
-
-def _shared_rule(name: str, width: int, heads: int, tp: int) -> ColwiseRule:
-    size = width // heads
-    return ColwiseRule(
-        match=name,
-        replicate_heads=True,
-        head_dim=size,
-        local_output=False,
-        why=(
-            f"its {width} output features are {heads} key/value heads of {size}, fewer than "
-            f"the ranks: each head goes whole to the {tp // heads} ranks whose query heads it "
-            f"serves (a rank holds and computes one head, its KV cache 1/{heads} of the "
-            "model's); the region's code sees the whole width with the rank's head in every "
-            f"head's place, proven on fake ranks at tp {heads} (one head per rank) to read "
-            "only that one; its gradient is summed over the ranks sharing it"
-        ),
-    )
 
 
 def _each_proven(
