@@ -19,7 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.models import AttentionLm, token_batch
-from support.parity import assert_parity, every_call_collectives, simulated_ranks
+from support.parity import (
+    assert_parity,
+    assert_the_original_state,
+    every_call_collectives,
+    simulated_ranks,
+)
 from torch import nn
 
 import tpplan
@@ -79,10 +84,12 @@ def _ids() -> torch.Tensor:
 
 
 def _held(model: nn.Module, plan: tpplan.Plan, tp: int, name: str) -> int:
-    """The elements rank 0 holds of parameter `name` under `plan` on `tp` simulated ranks."""
+    """The elements rank 0 holds of parameter `name` under `plan` on `tp` simulated ranks;
+    the sharded model's full state dict is the original's."""
     with simulated_ranks(tp) as mesh:
         sharded = copy.deepcopy(model)
         tpplan.apply_plan(sharded, mesh, plan)
+        assert_the_original_state(sharded, model)
         local = sharded.get_parameter(name).to_local()  # a LocalTensor: every rank's
         return int(local._local_tensors[0].numel())
 
@@ -257,6 +264,7 @@ def test_a_fused_layer_holds_its_query_slice_and_the_key_value_head_they_use(
     with simulated_ranks(tp) as mesh:
         sharded = copy.deepcopy(model)
         tpplan.apply_plan(sharded, mesh, plan)
+        assert_the_original_state(sharded, model)
         how = sharded.attn.__dict__["_tpplan_region"]
     # no local note gives a rank's cuts of pieces held whole: the region runs on DTensors
     assert how.startswith("DTensor") and "key/value heads ranks share" in how, how
