@@ -49,7 +49,7 @@ class _FusedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        if self.style in ("einsum_split", "talking"):
+        if self.style in ("einsum_split", "talking", "reversed"):
             q, k, v = torch.einsum("btc,cf->btf", x, self.w_qkv).split(WIDTH, dim=-1)
         elif self.style == "matmul_chunk":  # with its bias, cut alike
             q, k, v = (x @ self.w_qkv + self.b_qkv).chunk(3, dim=-1)
@@ -67,6 +67,8 @@ class _FusedAttention(nn.Module):
             s = torch.einsum("bhqk,hg->bgqk", q @ k.transpose(-2, -1), self.mix)
             a = (s * self.head_dim**-0.5).softmax(-1) @ v
             return a.transpose(1, 2).reshape(b, t, WIDTH) @ self.w_o
+        if self.style == "reversed":  # each head attends with another's keys
+            k = k.flip(1)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         return a.reshape(b, t, WIDTH) @ self.w_o
 
@@ -167,18 +169,40 @@ def test_a_whole_save_at_tp_2_loads_at_tp_4(tmp_path: Path) -> None:
         torch.testing.assert_close(v, want, atol=1e-5, rtol=1e-5)
 
 
+def test_scores_mixed_across_heads_split_with_one_all_reduce_of_them() -> None:
+    """Scores mixed across heads before the softmax (talking heads) by a raw [heads, heads]
+    weight: split on its first dim with the heads, it contracts them, and DTensor sums the
+    mixed scores over the ranks inside the module (no gather); the reason says so, and the
+    numbers and the collectives per call hold."""
+    model = seeded(_Model, style="talking")
+    x = token_batch(64)
+    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
+    rules = {r.match: r for r in plan.rules}
+    assert rules["attn"].style == "split_params", plan.to_yaml()
+    assert rules["attn"].shard == {"w_qkv": 1, "b_qkv": 0, "mix": 0, "w_o": 0}
+    why = {r.match: r.why for r in plan.regions}["attn"]
+    assert why.endswith(
+        "summed over the ranks at its exit, and 1 all-reduce(s) per call inside it of what "
+        "its code sums over the split heads (scores mixed across heads, a norm over every head)"
+    ), why
+    assert not tpplan.check_plan(plan, model, tp_size=2)
+    assert_parity(model, plan, 2, x)
+    with one_counted_forward(model, plan, 2, x) as (_, comms):
+        assert forward_collectives(comms, "_Model.attn") == {"all_reduce": 2}
+
+
 def test_a_raw_fused_weight_no_region_proves_stays_whole_saying_why() -> None:
-    """Scores mixed across heads before the softmax (talking heads) have no Megatron
+    """Each head attending with another head's keys (the heads reversed) has no Megatron
     split: every way of splitting the raw weights gathers the heads inside the module, so
     the attention stays whole, its reason naming its weights and what was tried, and the
     numbers hold."""
-    model = seeded(_Model, style="talking")
+    model = seeded(_Model, style="reversed")
     x = token_batch(64)
     plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
     rules = {r.match: r for r in plan.rules}
     assert rules["attn"].style == "replicate", plan.to_yaml()
     assert rules["attn"].why == (
-        "kept whole: its own weights (mix, w_o, w_qkv) feed its own matmul or einsum calls, and no "
+        "kept whole: its own weights (w_o, w_qkv) feed its own matmul or einsum calls, and no "
         "way of splitting them in a DTensor region (on each dim they may split on, in 1, 3 or 2 "
         "equal fused pieces) passed the proof on fake ranks: each ran a collective inside the "
         "module, or failed there"

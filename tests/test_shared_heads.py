@@ -148,33 +148,37 @@ def test_a_repeat_by_an_attribute_is_divided_for_shared_heads() -> None:
     assert_parity(model, plan, 4, torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2)))
 
 
-def _whole_in_a_region(model: nn.Module, plan: Plan) -> None:
-    """The attention runs as a DTensor region at tp 4, its key/value layers whole on every
-    rank (every split query head uses them) and its query and output split, to parity."""
+def _shared_in_a_region(model: nn.Module, plan: Plan) -> None:
+    """The attention runs as a DTensor region at tp 4, each rank holding the one key/value
+    head its query heads use (seen by the code in every head's place: the repeat by a number
+    the plan cannot divide then holds), its query and output split, to parity."""
     rules = {r.match: r for r in plan.rules}
     assert [r.match for r in plan.regions] == ["0"], plan.to_yaml()
+    assert "wk, wv sharing whole key/value heads" in plan.regions[0].why
     for name in ("0.wk", "0.wv"):
-        assert rules[name].style == "replicate", plan.to_yaml()
-        assert "every split head shares it" in rules[name].why
+        rule = rules[name]
+        assert (rule.style, rule.replicate_heads, rule.local_output) == ("colwise", True, False)
+        assert "each head goes whole to the 2 ranks whose query heads it serves" in rule.why
     assert (rules["0.wq"].style, rules["0.wo"].style) == ("colwise", "rowwise")
+    assert not tpplan.check_plan(plan, model, tp_size=4)
     assert_parity(model, plan, 4, torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2)))
 
 
-def test_a_repeat_by_a_number_no_attribute_holds_is_not_shared() -> None:
-    """Repeated by a literal 4, each rank's one head would still be repeated 4 times past the
-    count: local shards cannot share the heads at tp 4, so the attention runs on DTensors
-    with its key/value layers whole (nothing gathered); at tp 2 the heads split."""
+def test_a_repeat_by_a_number_no_attribute_holds_is_shared_in_a_region() -> None:
+    """Repeated by a literal 4, each rank's one head would be repeated 4 times past the count
+    on local shards: at tp 4 the attention runs on DTensors, each rank holding its one
+    key/value head and the code seeing it in every head's place; at tp 2 the heads split."""
     model = nn.Sequential(_Gqa(literal=True))
-    _whole_in_a_region(model, tpplan.infer_plan(model, tp_size=4))
+    _shared_in_a_region(model, tpplan.infer_plan(model, tp_size=4))
     assert tpplan.infer_plan(model, tp_size=2).rules[1].output is None
 
 
-def test_a_repeat_computed_from_counts_the_plan_does_not_divide_is_not_shared() -> None:
+def test_a_repeat_computed_from_counts_the_plan_does_not_divide_is_shared_in_a_region() -> None:
     """`n_heads // n_kv` where the views count no heads (-1): neither is divided, so each
-    rank would repeat its one head 4 times where 2 are needed. Not shared on local shards:
-    a DTensor region with the key/value layers whole; at tp 2 the heads split as they are."""
+    rank would repeat its one head 4 times where 2 are needed on local shards. At tp 4 a
+    DTensor region sharing the key/value heads one per rank; at tp 2 they split as they are."""
     model = nn.Sequential(_Gqa(computed=True))
-    _whole_in_a_region(model, tpplan.infer_plan(model, tp_size=4))
+    _shared_in_a_region(model, tpplan.infer_plan(model, tp_size=4))
     assert tpplan.infer_plan(model, tp_size=2).rules[1].output is None
 
 

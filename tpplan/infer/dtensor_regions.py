@@ -341,8 +341,16 @@ def _with(
                 "runs on DTensors: its own weights are split and its code computes with them "
                 "on each rank's part (DTensor carries the split through every op); proven on "
                 "fake ranks with no gather inside it, the partial sum it hands back summed "
-                f"over the ranks at its exit ({max(sums.get(m, 0), 1)} all-reduce(s) per call)"
+                "over the ranks at its exit"
             )
+            if sums.get(m, 0) > 1:
+                why += (
+                    f", and {sums[m] - 1} all-reduce(s) per call inside it of what its code "
+                    "sums over the split heads (scores mixed across heads, a norm over every "
+                    "head)"
+                )
+            else:
+                why += " (1 all-reduce per call)"
             kinds.setdefault(why, []).append(m)
             continue
         span = (
