@@ -50,18 +50,26 @@ def own_order(parts: Sequence[int], tp: int, unit: int | None = None) -> list[li
     out: list[list[int]] = [[] for _ in range(tp)]
     start = 0
     for size in parts:
-        heads = size // unit if unit else 0
+        shared = shares_a_head(size, tp, unit)
         for r in range(tp):
-            if size % (tp * (unit or 1)) == 0:  # whole heads to each rank
+            if shared and unit:
+                head = r // (tp // (size // unit))
+                out[r].extend(range(start + head * unit, start + (head + 1) * unit))
+            elif size % (tp * (unit or 1)) == 0:  # whole heads to each rank
                 step = size // tp
                 out[r].extend(range(start + r * step, start + (r + 1) * step))
-            elif unit and size % unit == 0 and tp % heads == 0:
-                head = r // (tp // heads)
-                out[r].extend(range(start + head * unit, start + (head + 1) * unit))
             else:
                 raise ValueError(f"a piece of {size} rows splits neither {tp} ways nor by heads")
         start += size
     return out
+
+
+def shares_a_head(size: int, tp: int, unit: int | None) -> bool:
+    """Whether a fused piece of `size` rows is fewer heads of `unit` than ranks, their count
+    dividing `tp`: each rank then holds one whole head (`own_order`), not its slice."""
+    if not unit or size % unit or size % (tp * unit) == 0:
+        return False
+    return tp % (size // unit) == 0
 
 
 def _gather(shard: torch.Tensor, dim: int, group: str, tp: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._runtime.torch_compat import StridedShard, tree_flatten, tree_map
 from ..errors import TpplanError
+from .own_rows import shares_a_head
 
 __all__ = [
     "CUTS",
@@ -416,7 +417,7 @@ def whole_shared_pieces(
     tp = mesh.size()
     coordinate = mesh.get_coordinate()
     assert coordinate is not None  # a rank applying a plan is on its mesh
-    shared = tuple(n // unit < tp for n in parts)
+    shared = tuple(shares_a_head(n, tp, unit) for n in parts)
     sizes = [unit if s else n // tp for n, s in zip(parts, shared, strict=True)]
     out = []
     for n, s, piece in zip(parts, shared, own.split(sizes, dim=-1), strict=True):
