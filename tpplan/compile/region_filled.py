@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .._runtime.torch_compat import all_reduce_op, wait_tensor_op
 from .local_run import group_name
-from .region_pieces import FILLED, KEEPS, Filled, contiguous_dtensor
+from .region_pieces import FILLED, KEEPS, Filled, contiguous_dtensor, in_every_place
 
 __all__ = ["kept_filled", "norm_over_filled"]
 
@@ -45,7 +45,7 @@ class _FilledRms(torch.autograd.Function):
         own = local.narrow(-1, filled.at * size, size)
         squares = own.pow(2).sum(-1, keepdim=True) / filled.replicas
         rstd = torch.rsqrt(_summed(squares, group) / features + eps)
-        y = (own * rstd).repeat(*([1] * (own.dim() - 1)), filled.heads)
+        y = in_every_place(own * rstd, filled.heads)
         # the whole weight on every place: the own place's is right, the others unread (an
         # index by the rank, which simulated ranks hold per rank, would not take a plain one)
         ctx.save_for_backward(own, rstd, weight)

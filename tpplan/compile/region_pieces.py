@@ -388,6 +388,11 @@ def contiguous_strides(shape: Any) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def in_every_place(own: torch.Tensor, heads: int) -> torch.Tensor:
+    """`own` (one head, its features last) repeated into each of `heads` places."""
+    return own.repeat(*([1] * (own.dim() - 1)), heads)
+
+
 class Everywhere(torch.autograd.Function):
     """`own` (the rank's head, its features last) in each of `heads` places of the whole
     width. The backward takes the gradient of the own place (`at`, the rank's head) only:
@@ -398,7 +403,7 @@ class Everywhere(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, own: torch.Tensor, heads: int, at: int, replicas: int) -> torch.Tensor:
         ctx.shape = (heads, at, replicas)
-        return own.repeat(*([1] * (own.dim() - 1)), heads)
+        return in_every_place(own, heads)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
