@@ -68,6 +68,10 @@ def rewrite_raw(
     members = {*cut.opens, *cut.closes}
     if (cut.kept and not cut.shared) or any("." in n[len(holder) + 1 :] for n in members):
         return None
+    if cut.chained:
+        # what a closer summed is cut again: every rank would all-reduce, then hold, all of
+        # it (talking heads' mixed scores), no Megatron split (raw_kept says so)
+        return None
     if pieces > 1 and len(cut.opens) != 1:
         return None
     shard: dict[str, int] = {}
@@ -142,6 +146,15 @@ def raw_kept(
             "collective inside the module, or failed there"
         )
         weights = f"its own weights ({', '.join(dict.fromkeys(mine))})"
+        chained = sorted({n[len(m) + 1 :] for way in ways for n in way.chained} & {*mine})
+        if chained:
+            tried = (
+                f"{', '.join(chained)} mixes what the split heads computed (each head's "
+                "result made from every head's, as talking heads mix the scores before the "
+                "softmax), which the module's code then uses head by head: there is no "
+                "Megatron split (split there, every rank would all-reduce all of it); and "
+                + tried.replace("no way", "no other way", 1)
+            )
         out[m] = ReplicateRule(
             match=m,
             why=(

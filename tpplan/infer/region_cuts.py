@@ -343,6 +343,9 @@ class Cut(NamedTuple):
     """The kept layers are openers narrower than the others, whose output every split head
     shares whole (multi-query attention's one key/value head, or fewer key/value heads than
     ranks), not layers an opener reads."""
+    chained: tuple[str, ...] = ()
+    """Closers whose output another closer reads (the split closed, then cut again inside
+    the module): talking heads' mix of every head's scores before the softmax."""
 
 
 def _candidates(
@@ -373,8 +376,8 @@ def _candidates(
             continue
         opens = [n for n in layers if roles[n] == "open"]
         closes = [n for n in layers if roles[n] == "close"]
-        cuts = [Cut(opens, closes, [], {})]
         middle = [c for c in closes if any(c in reads[d] for d in closes)]
+        cuts = [Cut(opens, closes, [], {}, chained=tuple(middle))]
         if middle:
             kept = sorted(frozenset().union(*(reads[m] for m in middle)))
             cuts.append(
