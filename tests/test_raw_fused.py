@@ -169,45 +169,41 @@ def test_a_whole_save_at_tp_2_loads_at_tp_4(tmp_path: Path) -> None:
         torch.testing.assert_close(v, want, atol=1e-5, rtol=1e-5)
 
 
-def test_scores_mixed_across_heads_stay_whole_saying_so() -> None:
-    """Scores mixed across heads before the softmax (talking heads) by a raw [heads, heads]
-    weight have no Megatron split: split, the mix would sum every head's scores over the
-    ranks inside the module and every rank hold all of them. The attention stays whole, its
-    reason naming the mixing weight and the structure, and the numbers hold."""
-    model = seeded(_Model, style="talking")
+_TRIED = (
+    "way of splitting them in a DTensor region (on each dim they may split on, in 1, 3 or 2 "
+    "equal fused pieces) passed the proof on fake ranks: each ran a collective inside the "
+    "module, or failed there"
+)
+_MIXED = (
+    "mix mixes what the split heads computed (each head's result made from every head's, as "
+    "talking heads mix the scores before the softmax), which the module's code then uses head "
+    "by head: there is no Megatron split (split there, every rank would all-reduce all of it); "
+    "and no other "
+)
+
+
+@pytest.mark.parametrize(
+    ("style", "said"),
+    [
+        ("talking", f"(mix, w_o, w_qkv) feed its own matmul or einsum calls, and {_MIXED}{_TRIED}"),
+        ("reversed", f"(w_o, w_qkv) feed its own matmul or einsum calls, and no {_TRIED}"),
+    ],
+    ids=["scores mixed across heads", "keys of another head"],
+)
+def test_a_raw_fused_weight_no_region_proves_stays_whole_saying_why(style: str, said: str) -> None:
+    """Scores mixed across heads before the softmax by a raw [heads, heads] weight (talking
+    heads: split, the mix would sum every head's scores over the ranks inside the module
+    and every rank hold them all), or each head attending with another head's keys (the
+    heads reversed: every way gathers them), have no Megatron split. The attention stays
+    whole, its reason naming its weights and the structure or what was tried, no region,
+    and the numbers hold."""
+    model = seeded(_Model, style=style)
     x = token_batch(64)
     plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
     rules = {r.match: r for r in plan.rules}
     assert rules["attn"].style == "replicate", plan.to_yaml()
-    assert rules["attn"].why == (
-        "kept whole: its own weights (mix, w_o, w_qkv) feed its own matmul or einsum calls, and "
-        "mix mixes what the split heads computed (each head's result made from every head's, "
-        "as talking heads mix the scores before the softmax), which the module's code then "
-        "uses head by head: there is no Megatron split (split there, every rank would "
-        "all-reduce all of it); and no other way of splitting them in a DTensor region (on "
-        "each dim they may split on, in 1, 3 or 2 equal fused pieces) passed the proof on fake "
-        "ranks: each ran a collective inside the module, or failed there"
-    )
+    assert rules["attn"].why == f"kept whole: its own weights {said}"
     assert "attn" not in [r.match for r in plan.regions]
-    assert_parity(model, plan, 2, x)
-
-
-def test_a_raw_fused_weight_no_region_proves_stays_whole_saying_why() -> None:
-    """Each head attending with another head's keys (the heads reversed) has no Megatron
-    split: every way of splitting the raw weights gathers the heads inside the module, so
-    the attention stays whole, its reason naming its weights and what was tried, and the
-    numbers hold."""
-    model = seeded(_Model, style="reversed")
-    x = token_batch(64)
-    plan = tpplan.infer_plan(model, tp_size=2, example_inputs=x)
-    rules = {r.match: r for r in plan.rules}
-    assert rules["attn"].style == "replicate", plan.to_yaml()
-    assert rules["attn"].why == (
-        "kept whole: its own weights (w_o, w_qkv) feed its own matmul or einsum calls, and no "
-        "way of splitting them in a DTensor region (on each dim they may split on, in 1, 3 or 2 "
-        "equal fused pieces) passed the proof on fake ranks: each ran a collective inside the "
-        "module, or failed there"
-    )
     assert_parity(model, plan, 2, x)
 
 
